@@ -1,0 +1,66 @@
+"""Device services behind one small object (streams, events, memory, sync).
+
+Built by the platform's ``omni_device_services`` hook once per worker; core
+code asks this object instead of calling ``torch.<vendor>`` directly.
+``torch.accelerator`` covers most of it on every vendor that registers a
+device module, so one class serves cuda, xpu, npu and musa alike.
+"""
+from __future__ import annotations
+
+import contextlib
+import resource
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DeviceServices:
+    """Services for one device of type ``device_type`` (``index`` on this host)."""
+
+    device_type: str
+    index: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type) if self.device_type == "cpu" else torch.device(self.device_type, self.index)
+
+    @property
+    def _mod(self):  # the torch.<device_type> module; present for every registered backend
+        return getattr(torch, self.device_type)
+
+    def synchronize(self) -> None:
+        if self.device_type != "cpu":
+            self._mod.synchronize(self.device)
+
+    def stream(self):
+        return self._mod.Stream(self.device) if self.device_type != "cpu" else None
+
+    def use_stream(self, stream):
+        return self._mod.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def event(self, enable_timing: bool = False):
+        return self._mod.Event(enable_timing=enable_timing) if self.device_type != "cpu" else None
+
+    def max_memory_allocated(self) -> int:
+        if self.device_type == "cpu":  # peak RSS of this process (KiB on Linux)
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return self._mod.max_memory_allocated(self.device)
+
+    def reset_peak_memory(self) -> None:
+        if self.device_type != "cpu":
+            self._mod.reset_peak_memory_stats(self.device)
+
+    def memory_stats(self) -> dict:
+        if self.device_type == "cpu":
+            return {"peak_bytes": self.max_memory_allocated()}
+        return {"allocated_bytes": self._mod.memory_allocated(self.device),
+                "reserved_bytes": self._mod.memory_reserved(self.device),
+                "peak_bytes": self._mod.max_memory_allocated(self.device)}
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device_type == "cpu" else t.pin_memory()
+
+    def empty_cache(self) -> None:
+        if self.device_type != "cpu":
+            self._mod.empty_cache()

@@ -1,0 +1,282 @@
+"""The platform contract: every hook a platform plugin may implement.
+
+A platform is a pluggy plugin registered under the entry-point group
+``omni.platforms``. Exactly one platform is active at a time; the reference
+plugin (``omni.reference``, the ``cpu`` platform) is always registered after
+it with ``trylast=True`` and answers every factory a platform declines, so a
+new platform may implement as few hooks as it likes.
+
+Call sequence of one deployment::
+
+    omni_platform_detect          (every installed platform; cheap)
+    omni_check_recipe             (active platform + reference; all reasons kept)
+    omni_adjust_plan              (all patches, applied in order and logged)
+    omni_platform_configure       (once per worker process: device, seeds)
+    omni_device_services          (once per worker)
+    omni_dist_backend             (once per worker, before init_process_group)
+    omni_attention_impl /
+    omni_linear_impl /
+    omni_grouped_gemm_impl        (once per distinct spec while the model is built)
+    omni_communicator_impl        (once per mesh axis)
+    omni_graph_runner_impl        (once per captured region)
+    ... requests run: no hook is called per op or per step ...
+    omni_platform_shutdown        (once per worker at exit)
+
+Factories are ``firstresult``: the first non-None answer wins. A plugin that
+declines calls ``reject(reason)`` and returns None; when nobody answers, the
+host raises an error listing every plugin and its reasons. Nothing is ever
+replaced by a slower path silently.
+
+Shape suffixes follow ``omni.specs``: T packed queries, S packed keys, N heads,
+K kv heads, H head dim, I in features, O out features, E experts, P pages,
+G tokens per page, B sequences.
+"""
+from __future__ import annotations
+
+import pluggy
+
+from .specs import (
+    AttentionImpl,
+    AttentionSpec,
+    CaptureSpec,
+    CollectiveSpec,
+    GraphRunner,
+    GroupedGemmImpl,
+    GroupedGemmSpec,
+    LinearImpl,
+    GemmSpec,
+    PlanPatch,
+    PlatformInfo,
+    Reject,
+)
+
+PROJECT = "omni"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ============================================================== startup: detection
+
+
+@hookspec
+def omni_platform_detect(reject: Reject) -> PlatformInfo | None:
+    """Say whether this platform's device is present, without touching it.
+
+    When called: by ``omni-run platforms`` and by ``--platform auto`` for
+    every installed platform, each on its own (the host calls one plugin at a
+    time, so the result list has at most one entry).
+
+    Result: a ``PlatformInfo`` when the device and the vendor runtime are
+    usable, else None after ``reject("why")`` (e.g. "torch_npu not importable",
+    "torch.version.hip is None").
+
+    Args: ``reject`` collects the reason shown to the user.
+
+    Rules: must not create a device context, allocate device memory, import
+    a vendor module with side effects it cannot undo, or swallow unexpected
+    exceptions. ``torch.cuda.device_count()`` style queries are fine.
+
+    Capture safety: not applicable (startup only).
+    Default implementation: the reference reports ``cpu`` (accelerator=False).
+    Versions: 0.1.
+    """
+
+
+# ============================================================== plan / config
+
+
+@hookspec
+def omni_check_recipe(recipe: object, info: PlatformInfo, reject: Reject) -> None:
+    """Refuse a recipe this platform cannot run, with reasons.
+
+    When called: once at startup, after the recipe loaded, for the active
+    platform and the reference. Every implementation runs (no firstresult).
+
+    Result: none; call ``reject(reason)`` once per problem, naming the recipe
+    field (for example ``"quant.scheme=nvfp4 needs compute capability 10.0"``).
+    Any reason makes startup fail with all reasons listed.
+
+    Args: ``recipe`` an ``omni.recipe.Recipe`` (frozen); ``info`` the active
+    platform's ``PlatformInfo``.
+
+    Capture safety: not applicable. Default implementation: checks nothing.
+    Versions: 0.1.
+    """
+
+
+@hookspec
+def omni_adjust_plan(recipe: object, info: PlatformInfo) -> PlanPatch | None:
+    """Propose changes to the recipe for this platform (never mutate it).
+
+    When called: once at startup after ``omni_check_recipe``.
+    Result: all non-None patches are applied in plugin order with
+    ``dataclasses.replace``; the host logs every changed field and reason.
+    Args: as ``omni_check_recipe``.
+    Capture safety: not applicable. Default implementation: None.
+    Versions: 0.1.
+    """
+
+
+# ============================================================== worker startup
+
+
+@hookspec(firstresult=True)
+def omni_platform_configure(info: PlatformInfo, local_rank: int) -> bool | None:
+    """Bind this worker process to its device and set process-wide options.
+
+    When called: once per worker process, before any tensor is put on the
+    device (the only hook allowed process-wide side effects such as
+    ``torch.cuda.set_device`` or matmul precision flags).
+    Result: True when handled. Args: ``local_rank`` the device index on this
+    host. Capture safety: not applicable.
+    Default implementation: nothing to bind on the CPU; returns True.
+    Versions: 0.1.
+    """
+
+
+@hookspec(firstresult=True)
+def omni_device_services(info: PlatformInfo) -> object | None:
+    """Return the ``omni.device.DeviceServices`` object for this worker.
+
+    When called: once per worker after ``omni_platform_configure``.
+    Result: first non-None wins; an object with ``device``, ``synchronize()``,
+    ``stream()``, ``event(enable_timing)``, ``memory_stats() -> dict``,
+    ``max_memory_allocated() -> int``, ``reset_peak_memory()``,
+    ``pin(tensor) -> tensor`` and ``empty_cache()``.
+    Capture safety: ``synchronize`` and ``memory_stats`` must not be used
+    inside a captured region.
+    Default implementation: ``torch.accelerator``-based services, or the CPU
+    services (synchronize is a no-op, memory from the process RSS).
+    Versions: 0.1.
+    """
+
+
+@hookspec(firstresult=True)
+def omni_dist_backend(info: PlatformInfo) -> str | None:
+    """Name the ``torch.distributed`` backend for this device type.
+
+    When called: once per worker before ``init_process_group``.
+    Result: ``"nccl"`` (CUDA and ROCm/RCCL), ``"hccl"``, ``"xccl"``,
+    ``"mccl"``, ``"gloo"``; first non-None wins.
+    Default implementation: ``info.dist_backend`` (gloo for the CPU).
+    Versions: 0.1.
+    """
+
+
+# ============================================================== build time: kernel factories
+
+
+@hookspec(firstresult=True)
+def omni_attention_impl(spec: AttentionSpec, reject: Reject) -> AttentionImpl | None:
+    """Return a callable computing scaled dot-product attention for ``spec``.
+
+    When called: once per distinct ``spec`` while a model is built; never
+    inside ``forward`` or graph capture.
+
+    Result: first non-None wins. The callable is
+    ``impl(q_TNH, k, v, meta: VarlenMeta) -> o_TNH`` over packed (varlen)
+    sequences. ``q_TNH`` holds ``meta.num_seqs`` query runs split by
+    ``meta.cu_seqlens_q_B1``; k/v are ``[S, K, H]`` split by
+    ``cu_seqlens_k_B1``, or with ``spec.paged`` the pools ``[P, G, K, H]``
+    addressed through ``meta.block_table_BP`` and ``meta.seqused_k_B``.
+    Query and key runs may differ in length. ``spec.mask``: ``none`` = every
+    query sees every key of its run; ``causal`` = aligned bottom-right
+    (query i of a run of Lq sees keys ``j <= i + Lk - Lq``), as FlashAttention;
+    ``dense`` = ``meta.mask_TS`` (True = attend) over the packed tokens.
+    GQA: N is a multiple of K; query head n uses kv head ``n // (N // K)``.
+    Output dtype = q dtype. Scale = ``spec.scale`` or 1/sqrt(H).
+
+    Capture safety: with ``spec.capturable`` the callable must not sync the
+    host, read tensor values on the host or allocate by tensor values (use the
+    ``*_host`` lengths in ``meta``).
+
+    Refusing: ``reject("reason")`` and None (e.g. "fa3: head_dim 320 > 256",
+    "paged KV unsupported by sdpa").
+
+    Default implementation: per-sequence ``F.scaled_dot_product_attention``
+    in BNSD with explicit masks (the oracle of the conformance suite).
+    Versions: 0.1.
+    """
+
+
+@hookspec(firstresult=True)
+def omni_linear_impl(spec: GemmSpec, reject: Reject) -> LinearImpl | None:
+    """Return a dense linear for ``spec`` (quantized or not).
+
+    When called: once per distinct ``spec`` at model build.
+
+    Result: first non-None wins; an object with
+    ``prepare_weight(w_OI) -> PreparedWeight`` (called once at load, may
+    quantize: fp8_tensor = e4m3 with one fp32 scale, fp8_row = e4m3 with a
+    ``[O, 1]`` scale; activations are quantized dynamically per tensor or
+    per token) and ``__call__(x_TI, w, bias_O) -> y_TO`` in ``spec.dtype``.
+    ``x`` may have leading dims; only the last is I.
+
+    Capture safety: ``__call__`` must be capturable (no host sync).
+    Default implementation: ``F.linear``; fp8 schemes quantize to e4m3 and
+    compute the dequantized product in fp32 (reference semantics).
+    Versions: 0.1.
+    """
+
+
+@hookspec(firstresult=True)
+def omni_grouped_gemm_impl(spec: GroupedGemmSpec, reject: Reject) -> GroupedGemmImpl | None:
+    """Return the grouped (per-expert) GEMM used by MoE layers.
+
+    When called: once per distinct ``spec`` at model build.
+
+    Result: first non-None wins; an object with
+    ``prepare_weight(w_EOI) -> PreparedWeight`` and
+    ``__call__(x_TI, w, offsets_E) -> y_TO`` where rows of ``x_TI`` are sorted
+    by expert and ``offsets_E`` (int32, device) holds cumulative row ends per
+    expert (expert e owns rows ``offsets[e-1]:offsets[e]``, empty groups allowed).
+
+    Capture safety: must not read ``offsets_E`` on the host when the MoE runs
+    in a captured region.
+    Default implementation: a loop over experts with ``F.linear``.
+    Versions: 0.1.
+    """
+
+
+@hookspec(firstresult=True)
+def omni_communicator_impl(spec: CollectiveSpec, group: object, reject: Reject) -> object | None:
+    """Optionally return a faster communicator for one mesh axis.
+
+    When called: once per mesh axis after the process groups exist.
+    Result: an object with ``all_reduce(t)``, ``all_gather(t, dim)`` and
+    ``all_to_all(t, splits_in, splits_out)``; None means core uses plain
+    ``torch.distributed`` on ``group``.
+    Capture safety: returned ops must be capturable when the platform
+    advertises the ``graphs`` capability.
+    Default implementation: None (torch.distributed).
+    Versions: 0.1.
+    """
+
+
+@hookspec(firstresult=True)
+def omni_graph_runner_impl(spec: CaptureSpec, reject: Reject) -> GraphRunner | None:
+    """Return a graph capture/replay runner, or None to run eagerly.
+
+    When called: once per static-shape region (one per shape bucket) when the
+    recipe enables ``graph.mode: capture``.
+    Result: first non-None wins; ``runner.capture(fn)`` records ``fn()`` once
+    (after warm-up done by the runner) and returns its static outputs;
+    ``runner.replay()`` reruns the recorded work on the same buffers.
+    Default implementation: rejects ("the reference platform runs eagerly");
+    a recipe that asks for capture on such a platform fails at startup.
+    Versions: 0.1.
+    """
+
+
+# ============================================================== teardown
+
+
+@hookspec
+def omni_platform_shutdown(info: PlatformInfo) -> None:
+    """Release platform resources (communicators, graph pools) at worker exit.
+
+    When called: once per worker, after the last request, also on errors.
+    Result: ignored; every implementation runs.
+    Default implementation: nothing.
+    Versions: 0.1.
+    """

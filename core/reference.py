@@ -1,0 +1,145 @@
+"""The reference platform: pure PyTorch answers to every hook (the ``cpu`` platform).
+
+Registered after the active platform with ``trylast=True``, so it answers
+whatever a platform declines; it is also the oracle of the conformance suite
+and the executable documentation of each hook's semantics. It favours
+clarity over speed: loops over sequences and experts, explicit masks, and
+fp32 dequantized products for quantized GEMMs. Not capturable.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import quant
+from .device import DeviceServices
+from .hookspecs import hookimpl
+from .specs import AttentionSpec, GemmSpec, GroupedGemmSpec, PlatformInfo, PreparedWeight, VarlenMeta
+
+REFERENCE_QUANT = ("none", "fp8_tensor", "fp8_row", "w8a8")
+
+
+def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
+    """Bottom-right aligned causal mask ``[lq, lk]`` (True = attend), as FlashAttention."""
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
+    return j <= i + (lk - lq)
+
+
+def sdpa_TNH(q_TNH, k_SKH, v_SKH, mask_TS, scale: float) -> torch.Tensor:
+    """One attention over ``[T, N, H]`` queries and ``[S, K, H]`` keys with GQA expansion."""
+    rep = q_TNH.shape[1] // k_SKH.shape[1]
+    k_SNH = k_SKH.repeat_interleave(rep, dim=1)
+    v_SNH = v_SKH.repeat_interleave(rep, dim=1)
+    o = F.scaled_dot_product_attention(q_TNH.transpose(0, 1), k_SNH.transpose(0, 1), v_SNH.transpose(0, 1),
+                                       attn_mask=mask_TS, scale=scale)
+    return o.transpose(0, 1)
+
+
+def paged_keys(pool_PGKH: torch.Tensor, pages: list[int], length: int) -> torch.Tensor:
+    """Gather one sequence's ``[length, K, H]`` keys from a paged pool."""
+    return pool_PGKH[pages].flatten(0, 1)[:length]
+
+
+class ReferenceAttention:
+    name = "reference-sdpa"
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.scale = spec.scale or 1.0 / math.sqrt(spec.head_dim)
+
+    def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        if self.spec.mask == "dense":
+            return sdpa_TNH(q_TNH, k, v, meta.mask_TS, self.scale)
+        outs = [self._one(b, q_TNH, k, v, meta) for b in range(meta.num_seqs)]
+        return torch.cat(outs) if outs else q_TNH.new_empty(q_TNH.shape)
+
+    def _one(self, b: int, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        q0, q1 = meta.cu_seqlens_q_host[b], meta.cu_seqlens_q_host[b + 1]
+        if self.spec.paged:
+            pages, n = meta.block_table_BP[b].tolist(), int(meta.seqused_k_B[b])
+            kb, vb = paged_keys(k, pages, n), paged_keys(v, pages, n)
+        else:
+            k0, k1 = meta.cu_seqlens_k_host[b], meta.cu_seqlens_k_host[b + 1]
+            kb, vb = k[k0:k1], v[k0:k1]
+        mask = causal_mask(q1 - q0, kb.shape[0], q_TNH.device) if self.spec.mask == "causal" else None
+        return sdpa_TNH(q_TNH[q0:q1], kb, vb, mask, self.scale)
+
+
+class ReferenceLinear:
+    def __init__(self, spec: GemmSpec):
+        self.spec = spec
+        self.name = f"reference-linear[{spec.quant}]"
+
+    def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
+        return quant.prepare_weight(w_OI, self.spec.quant)
+
+    def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
+        y = quant.quantized_linear(x_TI.to(self.spec.dtype), w, self.spec.quant)
+        return y if bias_O is None else y + bias_O
+
+
+class ReferenceGroupedGemm:
+    def __init__(self, spec: GroupedGemmSpec):
+        self.spec = spec
+        self.name = f"reference-grouped[{spec.quant}]"
+
+    def prepare_weight(self, w_EOI: torch.Tensor) -> PreparedWeight:
+        return quant.prepare_weight(w_EOI, self.spec.quant)
+
+    def __call__(self, x_TI, w: PreparedWeight, offsets_E) -> torch.Tensor:
+        y = x_TI.new_empty(x_TI.shape[0], self.spec.out_features)
+        start = 0
+        for e, end in enumerate(offsets_E.tolist()):
+            we = PreparedWeight(w.data[e], None if w.scale is None else w.scale[e])
+            y[start:end] = quant.quantized_linear(x_TI[start:end], we, self.spec.quant)
+            start = end
+        return y
+
+
+class ReferencePlatform:
+    """Hook implementations of the reference (``cpu``) platform."""
+
+    name = "cpu"
+
+    @hookimpl(trylast=True)
+    def omni_platform_detect(self, reject) -> PlatformInfo:
+        return PlatformInfo(name="cpu", device_type="cpu", dist_backend="gloo", device_count=1,
+                            device_name="CPU (reference PyTorch)", accelerator=False)
+
+    @hookimpl(trylast=True)
+    def omni_platform_configure(self, info, local_rank) -> bool:
+        return True
+
+    @hookimpl(trylast=True)
+    def omni_device_services(self, info: PlatformInfo) -> DeviceServices:
+        return DeviceServices(info.device_type, 0)
+
+    @hookimpl(trylast=True)
+    def omni_dist_backend(self, info: PlatformInfo) -> str:
+        return info.dist_backend
+
+    @hookimpl(trylast=True)
+    def omni_attention_impl(self, spec: AttentionSpec, reject):
+        return ReferenceAttention(spec)
+
+    @hookimpl(trylast=True)
+    def omni_linear_impl(self, spec: GemmSpec, reject):
+        if spec.quant not in REFERENCE_QUANT:
+            return reject(f"reference: quant {spec.quant!r} has no reference semantics yet")
+        return ReferenceLinear(spec)
+
+    @hookimpl(trylast=True)
+    def omni_grouped_gemm_impl(self, spec: GroupedGemmSpec, reject):
+        if spec.quant not in REFERENCE_QUANT:
+            return reject(f"reference: quant {spec.quant!r} has no reference semantics yet")
+        return ReferenceGroupedGemm(spec)
+
+    @hookimpl(trylast=True)
+    def omni_graph_runner_impl(self, spec, reject):
+        return reject("reference: runs eagerly (no graph capture)")
+
+
+plugin = ReferencePlatform()

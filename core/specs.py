@@ -1,0 +1,204 @@
+"""Typed specs and result objects exchanged through the platform contract.
+
+Every op-level hook takes one frozen spec and returns one object; new fields
+are additive (with defaults) so platform packages keep working across
+versions. Tensor names carry shape suffixes:
+
+    T = packed query tokens, S = packed key tokens, N = heads, K = kv heads,
+    H = head dim, I = in features, O = out features, E = experts,
+    P = KV pages, G = tokens per page, B = sequences in a varlen batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+Reject = Callable[[str], None]
+"""Callback a plugin calls with a human-readable reason when it declines."""
+
+QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_row", "mxfp8", "nvfp4", "w8a8")
+
+
+# ----------------------------------------------------------------- detection
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlatformInfo:
+    """What a platform says about itself after cheap detection (no device context)."""
+
+    name: str  # "cuda", "npu", ... ("cpu" for the reference)
+    device_type: str  # torch device type string: "cuda", "npu", "xpu", "musa", "cpu"
+    dist_backend: str  # torch.distributed backend: nccl, hccl, xccl, mccl, gloo
+    device_count: int = 0
+    device_name: str = ""
+    memory_bytes: int = 0  # per device, 0 when unknown without a device context
+    capabilities: frozenset[str] = frozenset()  # e.g. {"fp8", "graphs", "paged_kv"}
+    accelerator: bool = True  # False only for the CPU reference
+
+
+# ----------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionSpec:
+    """One attention configuration a model needs; resolved once per distinct spec."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    mask: str = "none"  # "none" (full), "causal" (bottom-right aligned), "dense" (bool mask in meta)
+    paged: bool = False  # keys/values come from a paged pool through a block table
+    page_size: int = 0  # tokens per page when paged
+    backend: str = "auto"  # preference from the recipe: auto|sdpa|varlen|fa3|flex|...
+    capturable: bool = False  # the callable will be recorded into a device graph
+    scale: float | None = None  # None = 1/sqrt(head_dim)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.mask not in ("none", "causal", "dense"):
+            raise ValueError(f"AttentionSpec.mask must be none|causal|dense, got {self.mask!r}")
+        if self.paged and self.page_size <= 0:
+            raise ValueError("AttentionSpec.paged needs page_size > 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VarlenMeta:
+    """Packing metadata of one attention call, built once per step by the engine.
+
+    ``cu_seqlens_q_B1`` / ``cu_seqlens_k_B1``: int32 cumulative offsets on the
+    device, starting at 0 (CUDA convention). ``*_host``: the same as Python
+    tuples (Ascend wants host lists without the leading 0; derive from these).
+    Paged: ``block_table_BP`` (int32, pages of each sequence in order) and
+    ``seqused_k_B`` (int32 key lengths); k/v passed to the kernel are the pools
+    ``[P, G, K, H]``. Dense mask: ``mask_TS`` bool, True = may attend.
+    """
+
+    cu_seqlens_q_B1: torch.Tensor
+    cu_seqlens_k_B1: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
+    cu_seqlens_q_host: tuple[int, ...]
+    cu_seqlens_k_host: tuple[int, ...]
+    block_table_BP: torch.Tensor | None = None
+    seqused_k_B: torch.Tensor | None = None
+    mask_TS: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens_q_host) - 1
+
+
+class AttentionImpl(Protocol):
+    """``(q_TNH, k, v, meta) -> o_TNH``; k/v are ``[S, K, H]`` or pools ``[P, G, K, H]``."""
+
+    name: str
+
+    def __call__(self, q_TNH: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta) -> torch.Tensor: ...
+
+
+# ----------------------------------------------------------------- GEMM
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GemmSpec:
+    """A dense linear ``y = x @ W.T (+ b)`` with W ``[O, I]``."""
+
+    in_features: int
+    out_features: int
+    dtype: torch.dtype  # activation/output dtype
+    quant: str = "none"  # one of QUANT_SCHEMES
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANT_SCHEMES:
+            raise ValueError(f"GemmSpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupedGemmSpec:
+    """Per-expert GEMMs over tokens sorted by expert: ``y[t] = x[t] @ W[e(t)].T``."""
+
+    num_experts: int
+    in_features: int
+    out_features: int
+    dtype: torch.dtype
+    quant: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANT_SCHEMES:
+            raise ValueError(f"GroupedGemmSpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
+
+
+@dataclass(slots=True)
+class PreparedWeight:
+    """A weight in the layout its kernel wants; ``scale`` is None when unquantized.
+
+    ``data`` is ``[O, I]`` (dense) or ``[E, O, I]`` (grouped) unless the kernel
+    documents another layout; ``scale`` is fp32, ``[]`` per tensor or ``[O, 1]``
+    / ``[E, O, 1]`` per output row.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+class LinearImpl(Protocol):
+    name: str
+
+    def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight: ...
+
+    def __call__(self, x_TI: torch.Tensor, w: PreparedWeight, bias_O: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class GroupedGemmImpl(Protocol):
+    """``(x_TI sorted by expert, w, offsets_E) -> y_TO``; ``offsets_E`` int32 cumulative ends."""
+
+    name: str
+
+    def prepare_weight(self, w_EOI: torch.Tensor) -> PreparedWeight: ...
+
+    def __call__(self, x_TI: torch.Tensor, w: PreparedWeight, offsets_E: torch.Tensor) -> torch.Tensor: ...
+
+
+# ----------------------------------------------------------------- collectives and graphs
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveSpec:
+    """A process group the mesh built, for platforms with a faster communicator."""
+
+    axis: str  # mesh axis name: dp, cfg, sp, tp, ep
+    world_size: int
+    device_type: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CaptureSpec:
+    """A static-shape region the engine wants recorded and replayed."""
+
+    device_type: str
+    name: str  # e.g. "denoise_step[4096x2]"
+    pool_id: int = 0  # regions with the same id may share a memory pool
+
+
+class GraphRunner(Protocol):
+    """Captures ``fn`` with static inputs once; ``replay()`` reruns it."""
+
+    def capture(self, fn: Callable[[], object]) -> object: ...
+
+    def replay(self) -> None: ...
+
+
+# ----------------------------------------------------------------- plan and recipe checks
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanPatch:
+    """A change a platform proposes to the resolved plan; the host applies and logs it."""
+
+    changes: dict[str, object] = field(default_factory=dict)  # dotted recipe path -> new value
+    reason: str = ""

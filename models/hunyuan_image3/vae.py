@@ -1,0 +1,372 @@
+"""HunyuanImage-3.0 VAE ("hunyuan-image-vae-v1", official class AutoencoderKLConv3D).
+
+A KL autoencoder built from 3-D convolutions. Images travel through it as
+short clips: ``encode`` repeats a still frame ``ffactor_temporal`` times,
+and the decoder turns one latent frame back into ``ffactor_temporal``
+frames, of which the image pipeline keeps the last.
+
+The resampling steps follow DC-AE. Every down or up step is a convolution
+plus a pixel (un)shuffle, and a parameter-free shortcut runs beside it. Going
+down, the shortcut averages groups of channels; going up, it repeats channels.
+The encoder's ``conv_out`` and the decoder's ``conv_in`` get the same kind of
+shortcut. All convolutions are zero-padded and symmetric in T (not causal).
+
+Module and parameter names follow the official code, so ``state_dict()`` keys
+equal the checkpoint's ``vae.*`` keys without the ``vae.`` prefix.
+
+Shape suffixes: B batch, C channels, T frames, H/W pixel rows/cols,
+h/w latent rows/cols, N flattened positions (T*h*w).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
+_IGNORED_KEYS = ("_class_name", "_diffusers_version", "sample_size", "sample_tsize")
+_MUST_BE_TRUE = ("downsample_match_channel", "upsample_match_channel")
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """Hyper-parameters of the VAE. The defaults are the released ones."""
+
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 1024, 1024)
+    in_channels: int = 3
+    out_channels: int = 3
+    latent_channels: int = 32
+    layers_per_block: int = 2
+    ffactor_spatial: int = 16
+    ffactor_temporal: int = 4
+    scaling_factor: float = 0.562679178327931
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_out_channels", tuple(self.block_out_channels))
+        n_spatial, n_temporal = _log2(self.ffactor_spatial), _log2(self.ffactor_temporal)
+        if n_temporal > n_spatial or n_spatial >= len(self.block_out_channels):
+            raise ValueError(f"factors {self.ffactor_spatial}/{self.ffactor_temporal} do not fit "
+                             f"{len(self.block_out_channels)} levels")
+        if self.block_out_channels[-1] % (2 * self.latent_channels):
+            raise ValueError("block_out_channels[-1] must be a multiple of 2*latent_channels")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "VAEConfig":
+        """Build from the ``vae`` dict of a checkpoint's config.json.
+
+        Tiling sizes are ignored because tiling is off in the official pipeline.
+        The ``*_match_channel`` flags must be true, since those are the only
+        checkpoints that exist. A null ``shift_factor`` is accepted, because
+        the pipeline applies no shift. Any other unknown key is an error, so
+        that a config this code does not understand is never half-loaded.
+        """
+        known = {f.name for f in fields(cls)}
+        kwargs = {}
+        for key, value in d.items():
+            if key in known:
+                kwargs[key] = value
+            elif key in _MUST_BE_TRUE:
+                if value is not True:
+                    raise ValueError(f"VAE config: {key}={value!r} is not supported (must be true)")
+            elif key == "shift_factor":
+                if value is not None:
+                    raise ValueError(f"VAE config: shift_factor={value!r} is not supported")
+            elif key not in _IGNORED_KEYS:
+                raise ValueError(f"VAE config: unknown key {key!r}")
+        return cls(**kwargs)
+
+
+def _log2(n: int) -> int:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"factor {n} is not a power of two")
+    return n.bit_length() - 1
+
+
+def _group_norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
+
+
+def _conv3(c_in: int, c_out: int) -> nn.Conv3d:
+    return nn.Conv3d(c_in, c_out, kernel_size=3, stride=1, padding=1)
+
+
+def _conv1(c_in: int, c_out: int) -> nn.Conv3d:
+    return nn.Conv3d(c_in, c_out, kernel_size=1)
+
+
+def space_to_channels(x_BCTHW: torch.Tensor, rt: int) -> torch.Tensor:
+    """Pixel-unshuffle by (rt, 2, 2). The output channels are ordered (rt, 2, 2, C), with C innermost."""
+    B, C, T, H, W = x_BCTHW.shape
+    x = x_BCTHW.view(B, C, T // rt, rt, H // 2, 2, W // 2, 2)
+    x = x.permute(0, 3, 5, 7, 1, 2, 4, 6)
+    return x.reshape(B, rt * 4 * C, T // rt, H // 2, W // 2)
+
+
+def channels_to_space(x_BCThw: torch.Tensor, rt: int) -> torch.Tensor:
+    """Inverse of :func:`space_to_channels`."""
+    B, C4, T, h, w = x_BCThw.shape
+    C = C4 // (rt * 4)
+    x = x_BCThw.view(B, rt, 2, 2, C, T, h, w)
+    x = x.permute(0, 4, 5, 1, 6, 2, 7, 3)
+    return x.reshape(B, C, T * rt, h * 2, w * 2)
+
+
+class ResnetBlock(nn.Module):
+    """GN, swish, conv, then GN, swish, conv again, plus a residual (a 1x1x1 conv only if the channel count changes)."""
+
+    def __init__(self, c_in: int, c_out: int):
+        super().__init__()
+        self.norm1, self.conv1 = _group_norm(c_in), _conv3(c_in, c_out)
+        self.norm2, self.conv2 = _group_norm(c_out), _conv3(c_out, c_out)
+        self.nin_shortcut = _conv1(c_in, c_out) if c_in != c_out else None
+
+    def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x_BCTHW)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        skip = x_BCTHW if self.nin_shortcut is None else self.nin_shortcut(x_BCTHW)
+        return skip + h
+
+
+class AttnBlock(nn.Module):
+    """Single-head self-attention over every T*h*w position (the mid block only)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm = _group_norm(channels)
+        self.q, self.k, self.v = _conv1(channels, channels), _conv1(channels, channels), _conv1(channels, channels)
+        self.proj_out = _conv1(channels, channels)
+
+    def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        B, C, T, H, W = x_BCTHW.shape
+        h = self.norm(x_BCTHW)
+        q_B1NC, k_B1NC, v_B1NC = (m(h).flatten(2).transpose(1, 2).unsqueeze(1) for m in (self.q, self.k, self.v))
+        o_B1NC = F.scaled_dot_product_attention(q_B1NC, k_B1NC, v_B1NC)
+        o_BCTHW = o_B1NC.squeeze(1).transpose(1, 2).reshape(B, C, T, H, W)
+        return x_BCTHW + self.proj_out(o_BCTHW)
+
+
+class DownsampleDCAE(nn.Module):
+    """Halve H and W (and T if ``temporal``), going from c_in to c_out channels.
+
+    The conv produces c_out/factor channels, which the unshuffle turns into
+    c_out. The shortcut unshuffles the input the same way and averages each
+    run of consecutive channels down to c_out.
+    """
+
+    def __init__(self, c_in: int, c_out: int, temporal: bool):
+        super().__init__()
+        self.rt = 2 if temporal else 1
+        factor = self.rt * 4
+        if c_out % factor or (factor * c_in) % c_out:
+            raise ValueError(f"DCAE downsample {c_in}->{c_out} does not divide by factor {factor}")
+        self.conv = _conv3(c_in, c_out // factor)
+        self.group_size = factor * c_in // c_out
+
+    def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        h = space_to_channels(self.conv(x_BCTHW), self.rt)
+        skip = space_to_channels(x_BCTHW, self.rt)
+        B, _, T, H, W = skip.shape
+        skip = skip.view(B, h.shape[1], self.group_size, T, H, W).mean(dim=2)
+        return h + skip
+
+
+class UpsampleDCAE(nn.Module):
+    """Double H and W (and T if ``temporal``), going from c_in to c_out channels.
+
+    The conv produces c_out*factor channels, and the shuffle turns them into
+    c_out. The shortcut repeat-interleaves the input channels up to
+    c_out*factor and then shuffles them the same way.
+    """
+
+    def __init__(self, c_in: int, c_out: int, temporal: bool):
+        super().__init__()
+        self.rt = 2 if temporal else 1
+        factor = self.rt * 4
+        if (factor * c_out) % c_in:
+            raise ValueError(f"DCAE upsample {c_in}->{c_out} does not divide by factor {factor}")
+        self.conv = _conv3(c_in, c_out * factor)
+        self.repeats = factor * c_out // c_in
+
+    def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        h = channels_to_space(self.conv(x_BCTHW), self.rt)
+        skip = channels_to_space(x_BCTHW.repeat_interleave(self.repeats, dim=1), self.rt)
+        return h + skip
+
+
+class MidBlock(nn.Module):
+    """ResNet block, attention, ResNet block, all at the bottleneck width."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.block_1 = ResnetBlock(channels, channels)
+        self.attn_1 = AttnBlock(channels)
+        self.block_2 = ResnetBlock(channels, channels)
+
+    def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        return self.block_2(self.attn_1(self.block_1(x_BCTHW)))
+
+
+class Level(nn.Module):
+    """One resolution level: ResNet blocks, then an optional resampler.
+
+    The resampler is registered as ``downsample`` or ``upsample`` so that the
+    keys match the checkpoint.
+    """
+
+    def __init__(self, widths: list[tuple[int, int]], resampler: nn.Module | None, name: str):
+        super().__init__()
+        self.block = nn.ModuleList(ResnetBlock(c_in, c_out) for c_in, c_out in widths)
+        self.resampler_name = name
+        if resampler is not None:
+            self.add_module(name, resampler)
+
+    def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        for blk in self.block:
+            x_BCTHW = blk(x_BCTHW)
+        resampler = getattr(self, self.resampler_name, None)
+        return x_BCTHW if resampler is None else resampler(x_BCTHW)
+
+
+def _chain(c_in: int, c_out: int, n: int) -> list[tuple[int, int]]:
+    """(in, out) widths of n blocks in a row: the first block goes c_in to c_out, the rest stay at c_out."""
+    return [(c_in if i == 0 else c_out, c_out) for i in range(n)]
+
+
+class Encoder(nn.Module):
+    """Image clip [B, 3, T, H, W] to posterior moments [B, 2*latent, T/ft, H/fs, W/fs]."""
+
+    def __init__(self, cfg: VAEConfig):
+        super().__init__()
+        chs = cfg.block_out_channels
+        n_spatial, n_temporal = _log2(cfg.ffactor_spatial), _log2(cfg.ffactor_temporal)
+        self.conv_in = _conv3(cfg.in_channels, chs[0])
+        self.down = nn.ModuleList()
+        c = chs[0]
+        for i, ch in enumerate(chs):
+            spatial = i < n_spatial
+            # T is halved only in the last n_temporal of the spatial levels.
+            temporal = spatial and i >= n_spatial - n_temporal
+            down = DownsampleDCAE(ch, chs[i + 1], temporal) if spatial else None
+            self.down.append(Level(_chain(c, ch, cfg.layers_per_block), down, "downsample"))
+            c = chs[i + 1] if spatial else ch
+        self.mid = MidBlock(c)
+        self.norm_out = _group_norm(c)
+        self.conv_out = _conv3(c, 2 * cfg.latent_channels)
+        self.out_group = c // (2 * cfg.latent_channels)
+
+    def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(x_BCTHW)
+        for level in self.down:
+            h = level(h)
+        h = self.mid(h)
+        B, C, T, H, W = h.shape
+        skip = h.view(B, C // self.out_group, self.out_group, T, H, W).mean(dim=2)
+        return self.conv_out(F.silu(self.norm_out(h))) + skip
+
+
+class Decoder(nn.Module):
+    """Latents [B, latent, T, h, w] to a clip [B, 3, T*ft, h*fs, w*fs]."""
+
+    def __init__(self, cfg: VAEConfig):
+        super().__init__()
+        chs = tuple(reversed(cfg.block_out_channels))
+        n_spatial, n_temporal = _log2(cfg.ffactor_spatial), _log2(cfg.ffactor_temporal)
+        self.conv_in = _conv3(cfg.latent_channels, chs[0])
+        self.in_repeats = chs[0] // cfg.latent_channels
+        self.mid = MidBlock(chs[0])
+        self.up = nn.ModuleList()
+        c = chs[0]
+        for i, ch in enumerate(chs):
+            spatial = i < n_spatial
+            # T is doubled only in the first n_temporal levels (mirroring the encoder).
+            up = UpsampleDCAE(ch, chs[i + 1], i < n_temporal) if spatial else None
+            self.up.append(Level(_chain(c, ch, cfg.layers_per_block + 1), up, "upsample"))
+            c = chs[i + 1] if spatial else ch
+        self.norm_out = _group_norm(c)
+        self.conv_out = _conv3(c, cfg.out_channels)
+
+    def forward(self, z_BCThw: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(z_BCThw) + z_BCThw.repeat_interleave(self.in_repeats, dim=1)
+        h = self.mid(h)
+        for level in self.up:
+            h = level(h)
+        return self.conv_out(F.silu(self.norm_out(h)))
+
+
+class AutoencoderKLConv3D(nn.Module):
+    """The HunyuanImage-3.0 VAE. It holds ``encoder`` and ``decoder``; tiling and slicing are left out."""
+
+    def __init__(self, cfg: VAEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the posterior ``(mean, logvar)``, with logvar clamped to [-30, 20].
+
+        An image [B, C, H, W], or a clip with T=1, is expanded to
+        ``ffactor_temporal`` identical frames first, because the encoder only
+        sees whole temporal groups. For an image input the latent T (which is 1) is squeezed
+        away. A longer clip must have T divisible by ``ffactor_temporal``.
+        """
+        is_image = x.ndim == 4
+        x_BCTHW = x.unsqueeze(2) if is_image else x
+        ft = self.cfg.ffactor_temporal
+        if x_BCTHW.shape[2] == 1:
+            x_BCTHW = x_BCTHW.expand(-1, -1, ft, -1, -1)
+        elif x_BCTHW.shape[2] % ft:
+            raise ValueError(f"clip length {x_BCTHW.shape[2]} is not a multiple of {ft}")
+        mean, logvar = self.encoder(x_BCTHW).chunk(2, dim=1)
+        logvar = logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
+        return (mean.squeeze(2), logvar.squeeze(2)) if is_image else (mean, logvar)
+
+    def decode(self, z_BCThw: torch.Tensor) -> torch.Tensor:
+        """Run the raw decoder: [B, C, T, h, w] to [B, 3, T*ft, H, W], keeping every frame."""
+        return self.decoder(z_BCThw)
+
+    @torch.no_grad()
+    def decode_image(self, latents_BChw: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Turn pipeline latents into pixels in about [-1, 1], following the official pipeline.
+
+        The steps are: divide by scaling_factor, add T=1, decode, and keep the
+        last of the ``ffactor_temporal`` output frames. With a ``dtype`` other
+        than float32, the decoder runs under autocast, as the official fp16
+        path does. GroupNorm and the scaling stay in float32. The result is
+        returned as float32.
+        """
+        z_BCThw = (latents_BChw.float() / self.cfg.scaling_factor).unsqueeze(2)
+        with _autocast(z_BCThw.device, dtype):
+            x_BCTHW = self.decode(z_BCThw)
+        return x_BCTHW[:, :, -1].float()
+
+    @torch.no_grad()
+    def encode_image(self, x_B3HW: torch.Tensor, sample: bool = False,
+                     generator: torch.Generator | None = None,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Turn an image in [-1, 1] into a latent scaled by scaling_factor.
+
+        By default the posterior mean is used. ``sample=True`` draws
+        mean + std*eps with ``generator``, which is what the official code does
+        for conditioning images.
+        """
+        with _autocast(x_B3HW.device, dtype):
+            mean, logvar = self.encode(x_B3HW)
+        mean, logvar = mean.float(), logvar.float()
+        z = mean + torch.exp(0.5 * logvar) * _randn_like(mean, generator) if sample else mean
+        return z * self.cfg.scaling_factor
+
+
+def _autocast(device: torch.device, dtype: torch.dtype):
+    """Autocast to ``dtype``. For float32 autocast is disabled, so the model runs in its own weights' dtype."""
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def _randn_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw noise on the generator's device (as diffusers' randn_tensor does), then move it to ``x``."""
+    device = generator.device if generator is not None else x.device
+    return torch.randn(x.shape, generator=generator, device=device, dtype=x.dtype).to(x.device)

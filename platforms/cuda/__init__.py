@@ -1,0 +1,1 @@
+"""omni.platforms.cuda: the NVIDIA CUDA platform plugin (see plugin.py)."""

@@ -1,0 +1,1 @@
+"""omni.platforms.musa: the musa platform plugin (see plugin.py)."""

@@ -1,0 +1,1 @@
+"""omni.platforms.npu: the npu platform plugin (see plugin.py)."""

@@ -1,0 +1,1 @@
+"""omni.platforms.rocm: the rocm platform plugin (see plugin.py)."""

@@ -1,0 +1,1 @@
+"""omni.platforms.xpu: the xpu platform plugin (see plugin.py)."""
