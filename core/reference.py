@@ -33,9 +33,10 @@ def sdpa_TNH(q_TNH, k_SKH, v_SKH, mask_TS, scale: float) -> torch.Tensor:
     rep = q_TNH.shape[1] // k_SKH.shape[1]
     k_SNH = k_SKH.repeat_interleave(rep, dim=1)
     v_SNH = v_SKH.repeat_interleave(rep, dim=1)
-    o = F.scaled_dot_product_attention(q_TNH.transpose(0, 1), k_SNH.transpose(0, 1), v_SNH.transpose(0, 1),
-                                       attn_mask=mask_TS, scale=scale)
-    return o.transpose(0, 1)
+    # 4-D BNSD inputs: 3-D ones send the CPU to the slow math kernel (10x here).
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_TNH, k_SNH, v_SNH))
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS, scale=scale)
+    return o[0].transpose(0, 1)
 
 
 def paged_keys(pool_PGKH: torch.Tensor, pages: list[int], length: int) -> torch.Tensor:
@@ -93,8 +94,9 @@ class ReferenceGroupedGemm:
         y = x_TI.new_empty(x_TI.shape[0], self.spec.out_features)
         start = 0
         for e, end in enumerate(offsets_E.tolist()):
-            we = PreparedWeight(w.data[e], None if w.scale is None else w.scale[e])
-            y[start:end] = quant.quantized_linear(x_TI[start:end], we, self.spec.quant)
+            if end > start:  # empty groups have nothing to quantize or multiply
+                we = PreparedWeight(w.data[e], None if w.scale is None else w.scale[e])
+                y[start:end] = quant.quantized_linear(x_TI[start:end], we, self.spec.quant)
             start = end
         return y
 

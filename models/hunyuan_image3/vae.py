@@ -90,8 +90,21 @@ def _group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
 
 
+class Conv3x3x3(nn.Conv3d):
+    """3x3x3 conv, zero-padded by 1; a single frame only meets the kernel's middle slice.
+
+    With T == 1 the two outer temporal taps multiply padding zeros, so the
+    result equals a 2-D conv with ``weight[:, :, 1]`` at a third of the cost.
+    """
+
+    def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
+        if x_BCTHW.shape[2] != 1:
+            return super().forward(x_BCTHW)
+        return F.conv2d(x_BCTHW[:, :, 0], self.weight[:, :, 1], self.bias, padding=1).unsqueeze(2)
+
+
 def _conv3(c_in: int, c_out: int) -> nn.Conv3d:
-    return nn.Conv3d(c_in, c_out, kernel_size=3, stride=1, padding=1)
+    return Conv3x3x3(c_in, c_out, kernel_size=3, stride=1, padding=1)
 
 
 def _conv1(c_in: int, c_out: int) -> nn.Conv3d:

@@ -1,0 +1,406 @@
+"""The ``omni-run`` command line.
+
+Commands: ``platforms``, ``recipes``, ``generate``, ``serve`` (also the bare
+form ``omni-run --platform X --recipe Y``) and ``bench``. Exit status: 0 ok,
+1 runtime error, 2 usage or configuration error (bad recipe, unusable or
+refusing platform), each printed as one ``omni-run: error: ...`` line.
+
+For ``generate`` and ``serve`` the CLI does the startup half of the data flow
+and hands over a final recipe::
+
+    load_recipe -> CLI overrides (--model, --host, --port) -> requires check
+      -> select platform (--platform, else the recipe's platform:, auto = detect)
+      -> Platform.check_recipe (+ device count/memory) -> apply plan patches
+      -> generate_main(args, recipe) / serve_main(args, recipe)
+
+The recipe passed on is frozen and final: ``recipe.platform`` is the concrete
+platform name, patches are applied (do not apply them again), overrides are in
+it. ``args`` carries the resolved request values (``size``, ``width``,
+``height``, ``steps``, ``guidance`` from ``recipe.defaults`` when not given),
+``args.platform`` (the name), ``args.trace`` and, for serve, ``host``,
+``port`` and ``api_key`` (read from ``serving.api_key_env`` here: the only
+environment read of the startup path). Heavy modules (torch, the platform
+manager, the model, the server) are imported only by the commands that need
+them, so ``--help`` and ``recipes --check`` stay fast.
+"""
+import argparse
+import logging
+import os
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+from .recipe import GiB, TINY_FLAVOR, Recipe, RecipeError, apply_patches, list_recipes, load_recipe, parse_size, \
+    schema_rows, unmet_requirement
+
+log = logging.getLogger("omni.cli")
+EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
+DEFAULT_RECIPE = "cpu_tiny"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+EPILOG = """\
+examples:
+  omni-run platforms                         which platforms are installed, which are usable here
+  omni-run recipes                           list and validate the packaged recipes
+  omni-run recipes --platform cpu            ... and check each against the cpu platform
+  omni-run recipes --check my.yaml           validate one recipe file (exit 2 with the reason if bad)
+  omni-run recipes --schema                  every recipe key with allowed values and default
+  omni-run generate --prompt "a red fox" -o fox.png
+                                             one image with the embedded tiny model on the CPU
+  omni-run generate --recipe h200_fp8 --model /ckpt/HunyuanImage-3 --prompt "a red fox" --trace
+                                             the real model on one H200, logging each kernel choice
+  omni-run --platform cuda --recipe h200_fp8 --model /ckpt/HunyuanImage-3
+                                             serve (no command = serve) on 127.0.0.1:8091
+  omni-run serve --host 0.0.0.0 --api-key "$KEY"
+                                             serve the tiny model to the network, with a key
+  omni-run bench --help                      the benchmark client's own options
+
+A recipe is a packaged name (see `omni-run recipes`) or a path to a .yaml file.
+--platform wins over detection; a recipe that names another platform is refused.
+
+exit status: 0 ok, 1 runtime error, 2 usage or configuration error"""
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; exit status 2."""
+
+
+# ------------------------------------------------------------------ parser
+
+
+def _common(parser: argparse.ArgumentParser, top: bool) -> None:
+    """--log-level/--trace on the top parser and every command (SUPPRESS keeps the top value)."""
+    default = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-level", choices=LOG_LEVELS, default=default("info"), help="default: info")
+    g.add_argument("--trace", action="store_true", default=default(False),
+                   help="log which platform plugin answered each kernel spec (and who declined)")
+
+
+def _deployment(parser: argparse.ArgumentParser, top: bool) -> None:
+    default = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
+    g = parser.add_argument_group("deployment")
+    g.add_argument("--recipe", metavar="NAME|FILE", default=default(DEFAULT_RECIPE),
+                   help=f"packaged recipe name or .yaml path (default: {DEFAULT_RECIPE})")
+    g.add_argument("--platform", metavar="NAME", default=default(None),
+                   help="cpu, cuda, rocm, npu, xpu, musa, ... (default: the recipe's platform; auto = detect)")
+    g.add_argument("--model", metavar="PATH", default=default(None),
+                   help="Hugging Face-format model directory (overrides model.path)")
+
+
+def _serving(parser: argparse.ArgumentParser, top: bool) -> None:
+    default = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
+    g = parser.add_argument_group("serving")
+    g.add_argument("--host", default=default(None), help="bind address (default: serving.host, 127.0.0.1)")
+    g.add_argument("--port", type=int, default=default(None), help="TCP port (default: serving.port, 8091)")
+    g.add_argument("--api-key", metavar="KEY", default=default(None),
+                   help="require this key (prefer serving.api_key_env: command lines are visible to other users)")
+
+
+def _command(sub, name: str, help: str, epilog: str, **kwargs) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omni-run", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Serve HunyuanImage-3.0 on any accelerator. Without a command, omni-run serves.")
+    parser.add_argument("--version", action="version", version=f"omni-run {_version()}")
+    _common(parser, top=True)
+    _deployment(parser, top=True)
+    _serving(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+
+    p = _command(sub, "platforms", "list installed platforms and whether each is usable here",
+                 "example:\n  omni-run platforms")
+    _common(p, top=False)
+
+    p = _command(sub, "recipes", "list and validate recipes",
+                 "examples:\n  omni-run recipes\n  omni-run recipes --platform cuda\n"
+                 "  omni-run recipes --check my.yaml\n  omni-run recipes --schema")
+    _common(p, top=False)
+    p.add_argument("--platform", metavar="NAME", default=argparse.SUPPRESS,
+                   help="also check recipes for this platform against it (others are listed as skipped)")
+    p.add_argument("--check", metavar="FILE", help="validate one recipe file; prints 'ok: NAME' or the reason")
+    p.add_argument("--schema", action="store_true", help="print every recipe key, its allowed values and default")
+
+    p = _command(sub, "generate", "generate one image",
+                 'examples:\n  omni-run generate --prompt "a red fox in snow" --seed 1 -o fox.png\n'
+                 '  omni-run generate --recipe h200_fp8 --model /ckpt/HunyuanImage-3 --prompt "..." '
+                 '--size 1280x768 --steps 30')
+    _common(p, top=False)
+    _deployment(p, top=False)
+    g = p.add_argument_group("image")
+    g.add_argument("--prompt", required=True, help="what to draw")
+    g.add_argument("--negative-prompt", default="", help="what to steer away from (default: none)")
+    g.add_argument("--size", metavar="WxH", help="image size (default: the recipe's defaults.size)")
+    g.add_argument("--steps", type=int, help="denoising steps (default: defaults.steps)")
+    g.add_argument("--guidance", type=float, help="guidance scale (default: defaults.guidance)")
+    g.add_argument("--seed", type=int, help="random seed (default: random)")
+    g.add_argument("-o", "--output", default="out.png", metavar="PNG", help="output file (default: out.png)")
+
+    p = _command(sub, "serve", "serve the OpenAI-style images API (also: omni-run without a command)",
+                 "examples:\n  omni-run serve\n  omni-run serve --platform npu --recipe a2_tp4 --model /ckpt/HI3 "
+                 "--port 9000\n  omni-run --platform npu --recipe a2_tp4 --model /ckpt/HI3   (same, bare form)")
+    _common(p, top=False)
+    _deployment(p, top=False)
+    _serving(p, top=False)
+
+    _command(sub, "bench", "benchmark a running server (all arguments go to the benchmark client)",
+             "example:\n  omni-run bench --help", add_help=False)
+    return parser
+
+
+def _version() -> str:
+    try:
+        return version("omni-run")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_platforms(args) -> int:
+    from .platform_manager import detect_all
+
+    rows, detections = [], detect_all()
+    for d in detections:
+        if d.info is None:
+            rows.append((d.name, "no", "-", "; ".join(d.reasons) or "no reason given"))
+            continue
+        mem = f", {d.info.memory_bytes / GiB:.0f} GiB each" if d.info.memory_bytes else ""
+        kind = "accelerator" if d.info.accelerator else "reference, not an accelerator"
+        rows.append((d.name, "yes", f"{d.info.device_count} x {d.info.device_name or d.info.device_type}{mem}",
+                     f"{kind}; torch.distributed backend {d.info.dist_backend}"))
+    print(_table(("PLATFORM", "DETECTED", "DEVICES", "DETAILS"), rows))
+    present = [d.name for d in detections if d.info is not None and d.info.accelerator]
+    auto = present[0] if len(present) == 1 else ("none (use --platform cpu)" if not present else "ambiguous: "
+                                                 + ", ".join(present) + " (choose with --platform)")
+    print(f"\n--platform auto selects: {auto}")
+    return EXIT_OK
+
+
+def cmd_recipes(args) -> int:
+    if args.schema:
+        print(_table(("KEY", "ALLOWED", "DEFAULT", "MEANING"), schema_rows()))
+        return EXIT_OK
+    name = getattr(args, "platform", None)
+    platform = _usable_platform(name, args.trace) if name else None
+    if args.check:
+        recipe = load_recipe(args.check)
+        if name and recipe.platform not in ("auto", name):
+            raise UsageError(f"recipe {recipe.name} is for platform {recipe.platform}, not {name}")
+        if platform is not None:
+            _check_on(recipe, platform)
+        print(f"ok: {recipe.name}")
+        return EXIT_OK
+    rows, status = [], EXIT_OK
+    for recipe_name in list_recipes():
+        try:
+            recipe = load_recipe(recipe_name)
+            verdict = _verdict(recipe, name, platform)
+        except (RecipeError, UsageError) as e:
+            rows.append((recipe_name, "-", "-", f"error: {e}", ""))
+            status = EXIT_USAGE
+            continue
+        rows.append((recipe.name, recipe.platform, f"{recipe.device.count} x {recipe.device.kind}", verdict,
+                     recipe.description))
+    print(_table(("RECIPE", "PLATFORM", "DEVICES", "STATUS", "DESCRIPTION"), rows))
+    return status
+
+
+def _usable_platform(name: str, trace: bool):
+    """The selected Platform, or None (with a note) when it is installed but not usable here."""
+    from .platform_manager import PlatformError, discover, select
+
+    installed = discover()
+    if name not in installed:
+        raise UsageError(f"unknown platform {name!r}; installed: {', '.join(sorted(installed))}")
+    try:
+        return select(name, trace=trace)
+    except PlatformError as e:
+        print(f"note: {e}; recipes are only loaded, not checked on {name}")
+        return None
+
+
+def _verdict(recipe: Recipe, name: str | None, platform) -> str:
+    if name is None:
+        return "ok"
+    if recipe.platform not in ("auto", name):
+        return f"skipped (platform {recipe.platform})"
+    if platform is None:
+        return f"ok (loaded; {name} not usable here)"
+    _check_on(recipe, platform)
+    return f"ok (checked on {name})"
+
+
+def _check_on(recipe: Recipe, platform) -> Recipe:
+    """Resolve ``platform: auto``, run the platform's checks, apply its plan patches."""
+    if recipe.platform != platform.name:
+        recipe = recipe.replace_path("platform", platform.name)
+    reasons = platform.check_recipe(recipe) + _device_problems(recipe, platform.info)
+    if reasons:
+        raise UsageError(f"platform {platform.name} refuses recipe {recipe.name}: " + "; ".join(reasons))
+    return apply_patches(recipe, platform.plan_patches(recipe), log.info)
+
+
+def _device_problems(recipe: Recipe, info) -> list[str]:
+    """Host-side checks that need no vendor knowledge (the CPU reference has no device limits)."""
+    if not info.accelerator:
+        return []
+    problems = []
+    if info.device_count < recipe.device.count:
+        problems.append(f"device.count={recipe.device.count} but {info.name} sees {info.device_count} device(s)")
+    have, need = info.memory_bytes / GiB, recipe.device.memory_gib
+    if info.memory_bytes and have < need:
+        problems.append(f"device.memory_gib={need:g} but each {info.device_name or info.name} has {have:.1f} GiB")
+    return problems
+
+
+def _prepare(args, serving: bool) -> Recipe:
+    """Load, override, check and patch the recipe; resolve ``args.platform``."""
+    recipe = load_recipe(args.recipe)
+    if args.platform and recipe.platform not in ("auto", args.platform):
+        raise UsageError(f"recipe {recipe.name} is for platform {recipe.platform}; --platform {args.platform} "
+                         f"conflicts (choose a recipe for {args.platform}, or one with platform: auto)")
+    args.model = os.path.abspath(args.model) if args.model else None
+    overrides = {"model.path": args.model} if args.model else {}
+    if serving:
+        overrides |= {k: v for k, v in (("serving.host", args.host), ("serving.port", args.port)) if v is not None}
+    recipe = recipe.replace_paths(overrides) if overrides else recipe
+    unmet = unmet_requirement(recipe.requires)
+    if unmet:
+        raise UsageError(f"recipe {recipe.name} {unmet}")
+    _check_model_path(recipe)
+    from .platform_manager import select
+
+    platform = select(args.platform or recipe.platform, trace=args.trace)
+    recipe = _check_on(recipe, platform)
+    args.platform = platform.name
+    p = recipe.parallel
+    log.info("recipe %s on %s: %d x %s, world %d (dp %d cfg %d ulysses %d ring %d tp %d ep %d), %s, quant %s",
+             recipe.name, platform.name, recipe.device.count, recipe.device.kind, p.world_size, p.dp, p.cfg,
+             p.ulysses, p.ring, p.tp, p.ep, recipe.model.dtype, recipe.quant.scheme)
+    return recipe
+
+
+def _check_model_path(recipe: Recipe) -> None:
+    path = recipe.model.path
+    if path is None and recipe.model.flavor != TINY_FLAVOR:
+        raise UsageError(f"recipe {recipe.name} runs {recipe.model.flavor}, which needs its weights: "
+                         "pass --model PATH (a Hugging Face-format directory with safetensors)")
+    if path is not None and not os.path.isdir(path):
+        raise UsageError(f"model path {path!r} is not a directory")
+
+
+def cmd_generate(args) -> int:
+    if args.size is not None:
+        _parse_size_arg(args.size)
+    if (args.steps is not None and args.steps < 1) or (args.guidance is not None and args.guidance < 0):
+        raise UsageError(f"--steps must be >= 1 and --guidance >= 0, got {args.steps} and {args.guidance}")
+    recipe = _prepare(args, serving=False)
+    args.size = args.size or recipe.defaults.size
+    args.width, args.height = _parse_size_arg(args.size)
+    args.steps = recipe.defaults.steps if args.steps is None else args.steps
+    args.guidance = recipe.defaults.guidance if args.guidance is None else args.guidance
+    try:
+        from .generate import generate_main
+    except ModuleNotFoundError as e:
+        _missing(e, "omni.generate", "generate")
+    return generate_main(args, recipe)
+
+
+def _parse_size_arg(text: str) -> tuple[int, int]:
+    try:
+        return parse_size(text)
+    except RecipeError as e:
+        raise UsageError(f"--size: {e}") from None
+
+
+def cmd_serve(args) -> int:
+    recipe = _prepare(args, serving=True)
+    args.host, args.port = recipe.serving.host, recipe.serving.port
+    env = recipe.serving.api_key_env
+    if args.api_key is None and env:
+        args.api_key = os.environ.get(env)
+        if not args.api_key:
+            raise UsageError(f"serving.api_key_env names {env}, which is not set (export it, or pass --api-key)")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
+    try:
+        from .serving.server import serve_main
+    except ModuleNotFoundError as e:
+        _missing(e, "omni.serving.server", "serve")
+    return serve_main(args, recipe)
+
+
+def cmd_bench(args) -> int:
+    try:
+        from .bench_client import bench_main
+    except ModuleNotFoundError as e:
+        _missing(e, "omni.bench_client", "bench")
+    return bench_main(args.bench_args)
+
+
+def _missing(error: ModuleNotFoundError, module: str, command: str):
+    """Re-raise unless the command's own module is what is missing (not yet part of this build)."""
+    if error.name is None or not (module == error.name or module.startswith(error.name + ".")):
+        raise error
+    raise RuntimeError(f"'{command}' is not available in this build ({module} is missing)") from None
+
+
+COMMANDS = {"platforms": cmd_platforms, "recipes": cmd_recipes, "generate": cmd_generate,
+            "serve": cmd_serve, "bench": cmd_bench}
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def _table(header: tuple[str, ...], rows: list[tuple]) -> str:
+    rows = [header, *[tuple(map(str, r)) for r in rows]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(r, widths)), r[-1]]).rstrip() for r in rows)
+
+
+def _setup_logging(args) -> None:
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("omni").setLevel(args.log_level.upper())
+    if args.trace:
+        logging.getLogger("omni.platforms").setLevel(logging.INFO)
+
+
+def _exit_code(error: BaseException) -> int:
+    manager = sys.modules.get("omni.platform_manager")
+    config = (RecipeError, UsageError) + ((manager.PlatformError,) if manager else ())
+    return EXIT_USAGE if isinstance(error, config) else EXIT_RUNTIME
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run omni-run with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command != "bench":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # argparse: --help/--version (0) or a usage error (2, already printed)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    args.bench_args = extra
+    _setup_logging(args)
+    try:
+        return COMMANDS[args.command or "serve"](args) or EXIT_OK
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - every error becomes one line and an exit status
+        code = _exit_code(e)
+        log.debug("%s", e, exc_info=True)
+        print(f"omni-run: error: {e if code == EXIT_USAGE else f'{type(e).__name__}: {e}'}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

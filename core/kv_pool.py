@@ -1,0 +1,130 @@
+"""Paged K/V storage shared by every request on a worker, and the per-forward contexts.
+
+The pool holds, per layer, K and V as ``[P, G, K, H]`` (pages x tokens per
+page x kv heads x head dim) inside one fixed byte budget. A request row
+(one CFG row of one request) owns a list of pages; its token at row position
+j lives at slot ``pages[j // G] * G + j % G``. Nothing here assumes the
+prefix is text or that it is written once: a forward writes whatever tokens
+it computes at their row positions, and its queries read any key range of
+their row.
+
+A forward is a list of ``Run``s: query positions ``[q_start, q_end)`` of one
+row attending to that row's keys ``[0, k_end)``. ``PoolContext`` is the
+attention context the model sees (``mask`` and ``keys_values``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .specs import VarlenMeta
+
+
+class KVPoolExhausted(RuntimeError):
+    """Not enough free pages; the scheduler queues or rejects, nothing is overwritten."""
+
+
+class KVPool:
+    """Fixed-size paged K/V memory for ``num_layers`` layers."""
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        if num_pages < 1:
+            raise ValueError("KV pool budget too small for a single page; raise kv_cache.budget_bytes")
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size, self.num_pages = page_size, num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+
+    @staticmethod
+    def bytes_per_page(*, num_layers, page_size, num_kv_heads, head_dim, dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def from_budget(cls, budget_bytes: int, **kw) -> "KVPool":
+        per_page = cls.bytes_per_page(**{k: kw[k] for k in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype")})
+        return cls(num_pages=budget_bytes // per_page, **kw)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        n = self.pages_for(num_tokens)
+        if n > len(self._free):
+            raise KVPoolExhausted(f"need {n} KV pages, {len(self._free)} of {self.num_pages} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat slot indices of row positions ``[start, end)``."""
+        pos = torch.arange(start, end)
+        return torch.tensor(pages, dtype=torch.long)[pos // self.page_size] * self.page_size + pos % self.page_size
+
+
+@dataclass(frozen=True)
+class Run:
+    """Queries at row positions ``[q_start, q_end)`` of the row owning ``pages``, keys ``[0, k_end)``."""
+
+    pages: tuple[int, ...]
+    q_start: int
+    q_end: int
+    k_end: int
+    write: bool = True  # store this run's K/V at its positions
+
+    @property
+    def q_len(self) -> int:
+        return self.q_end - self.q_start
+
+
+class PoolContext:
+    """Attention context of one forward over ``runs`` (in packing order) against ``pool``."""
+
+    def __init__(self, pool: KVPool, runs: list[Run], mask: str, paged: bool, device):
+        self.pool, self.mask, self.paged = pool, mask, paged
+        written = [pool.slots(list(r.pages), r.q_start, r.q_end) for r in runs if r.write]
+        self.write_slots = torch.cat(written).to(device) if written else None
+        self.gather_S = None if paged else torch.cat([pool.slots(list(r.pages), 0, r.k_end) for r in runs]).to(device)
+        self.meta = _meta(runs, paged, device)
+
+    def keys_values(self, layer: int, k_TKH: torch.Tensor, v_TKH: torch.Tensor):
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        if self.write_slots is not None:
+            kp.view(-1, *kp.shape[2:]).index_copy_(0, self.write_slots, k_TKH.to(kp.dtype))
+            vp.view(-1, *vp.shape[2:]).index_copy_(0, self.write_slots, v_TKH.to(vp.dtype))
+        if self.paged:
+            return kp, vp, self.meta
+        return kp.view(-1, *kp.shape[2:])[self.gather_S], vp.view(-1, *vp.shape[2:])[self.gather_S], self.meta
+
+
+def _cumsum(lengths: list[int]) -> tuple[int, ...]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return tuple(out)
+
+
+def _meta(runs: list[Run], paged: bool, device) -> VarlenMeta:
+    cu_q, cu_k = _cumsum([r.q_len for r in runs]), _cumsum([r.k_end for r in runs])
+    block_table = seqused = None
+    if paged:
+        width = max(len(r.pages) for r in runs)
+        block_table = torch.tensor([list(r.pages) + [0] * (width - len(r.pages)) for r in runs],
+                                   dtype=torch.int32, device=device)
+        seqused = torch.tensor([r.k_end for r in runs], dtype=torch.int32, device=device)
+    return VarlenMeta(cu_seqlens_q_B1=torch.tensor(cu_q, dtype=torch.int32, device=device),
+                      cu_seqlens_k_B1=torch.tensor(cu_k, dtype=torch.int32, device=device),
+                      max_seqlen_q=max(r.q_len for r in runs), max_seqlen_k=max(r.k_end for r in runs),
+                      cu_seqlens_q_host=cu_q, cu_seqlens_k_host=cu_k,
+                      block_table_BP=block_table, seqused_k_B=seqused)

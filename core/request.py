@@ -1,0 +1,52 @@
+"""Requests and results that cross the boundary between serving, scheduler and pipeline."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImageRequest:
+    """One text-to-image request (one image; ``n`` images are ``n`` requests)."""
+
+    prompt: str
+    negative_prompt: str | None = None  # None: the official <cfg>-token unconditional row
+    height: int = 1024
+    width: int = 1024
+    steps: int = 50
+    guidance: float = 5.0  # <= 1.0 disables CFG (one row per request)
+    seed: int | None = None  # None: drawn at admission and reported back
+    shift: float = 3.0
+    template: str = "pretrain"  # pretrain | instruct
+    system_prompt: str | None = None
+    cot_text: str | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+    @property
+    def use_cfg(self) -> bool:
+        return self.guidance > 1.0
+
+
+@dataclass
+class StageTimes:
+    """Wall seconds per stage, measured on the host at stage boundaries."""
+
+    queue: float = 0.0
+    prefill: float = 0.0
+    denoise: float = 0.0
+    vae: float = 0.0
+    encode: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class ImageResult:
+    request_id: str
+    image_HW3: object  # uint8 numpy array, height x width x 3
+    seed: int
+    height: int
+    width: int
+    steps: int
+    times: StageTimes

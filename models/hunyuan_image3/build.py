@@ -1,0 +1,60 @@
+"""Build a ready pipeline from a recipe: config -> modules -> weights -> kernels -> KV pool."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from omni.kv_pool import KVPool
+from omni.weights import LoadTarget, load_checkpoint
+
+from .config import HunyuanImage3Config
+from .pipeline import HunyuanImage3Pipeline
+from .tiny import ensure_tiny_checkpoint
+from .tokenizer import Tokenizer
+from .transformer import HunyuanImage3Transformer
+from .vae import AutoencoderKLConv3D, VAEConfig
+
+log = logging.getLogger("omni.hunyuan_image3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Image understanding / editing inputs are not used by text-to-image.
+T2I_UNUSED = ("vision_model.", "vision_aligner.")
+
+
+def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) -> Path:
+    path = override or recipe.model.path
+    if path:
+        return Path(path)
+    if recipe.model.flavor != "hunyuan_image3_tiny":
+        raise ValueError(f"recipe {recipe.name!r}: model.path is required for flavor {recipe.model.flavor!r}")
+    return ensure_tiny_checkpoint(cache_dir)
+
+
+def build_modules(cfg: HunyuanImage3Config, platform, recipe, device):
+    dtype = DTYPES[recipe.model.dtype]
+    paged = recipe.kv_cache.mode == "paged"
+    with torch.device(device):
+        model = HunyuanImage3Transformer(cfg, platform, dtype=dtype, quant=recipe.quant.scheme,
+                                         paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0)
+        vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae))
+    return model.eval(), vae.eval()
+
+
+def build_pipeline(recipe, platform, *, model_path: str | None = None, local_rank: int = 0,
+                   progress: bool = True, cache_dir: Path | None = None) -> HunyuanImage3Pipeline:
+    """Everything one worker needs to generate images for ``recipe`` on ``platform``."""
+    services = platform.device_services(local_rank)
+    root = checkpoint_dir(recipe, model_path, cache_dir)
+    cfg = HunyuanImage3Config.from_file(root / "config.json")
+    model, vae = build_modules(cfg, platform, recipe, services.device)
+    load_checkpoint(root, [LoadTarget("", model, model.param_name_for), LoadTarget("vae.", vae)],
+                    skip_prefixes=T2I_UNUSED, progress=progress)
+    model.finalize()
+    pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
+                              page_size=recipe.kv_cache.page_tokens, num_kv_heads=cfg.num_key_value_heads,
+                              head_dim=cfg.head_dim, dtype=DTYPES[recipe.model.dtype], device=services.device)
+    log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages, pool.page_size)
+    return HunyuanImage3Pipeline(model=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"),
+                                 config=cfg, pool=pool, device=services.device,
+                                 paged=recipe.kv_cache.mode == "paged", vae_dtype=DTYPES[recipe.model.vae_dtype])

@@ -1,0 +1,124 @@
+"""Image input/output heads of HunyuanImage-3.0 (img_proj_type "unet", patch_size 1).
+
+- ``TimestepEmbedder``: 256-dim sinusoid [cos, sin] of t (0..1000 scale),
+  Linear, exact GELU, Linear. The model owns three (``timestep_emb``,
+  ``time_embed``, ``time_embed_2``) and the Distil model two more.
+- ``ResBlock``: ADM residual block with FiLM conditioning,
+  ``GN(h) * (1 + scale) + shift`` with *scale the first half*.
+- ``UNetDown`` (``patch_embed``): conv3 C -> hidden, ResBlock hidden -> D,
+  flattened row-major into image tokens.
+- ``UNetUp`` (``final_layer``): tokens -> [B, D, h, w], ResBlock D -> hidden,
+  GN, SiLU, conv3 hidden -> C: the velocity.
+
+Module names follow the official code so ``state_dict()`` keys match the
+checkpoint. Convolutions and GroupNorm are plain torch (they are not in the
+platform contract); the Linear layers resolve the platform's kernel.
+
+Shape suffixes: B batch, C channels, h/w latent rows/cols, D model width,
+E embedding width.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from omni.layers import Linear
+
+FREQUENCY_DIM = 256
+GN_GROUPS, GN_EPS = 32, 1e-5
+
+
+def timestep_sinusoid(t_B: torch.Tensor, dim: int = FREQUENCY_DIM, max_period: float = 10000.0) -> torch.Tensor:
+    """float32 ``[B, dim]`` = [cos(t f), sin(t f)], f_j = exp(-ln(max_period) j / (dim/2))."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t_B.device) / half)
+    args_BF = t_B.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args_BF), torch.sin(args_BF)], dim=-1)
+
+
+class TimestepEmbedder(nn.Module):
+    """t -> Linear(256, D), GELU, Linear(D, D)."""
+
+    def __init__(self, hidden: int, *, platform, dtype: torch.dtype):
+        super().__init__()
+        self.mlp = nn.Sequential(Linear(FREQUENCY_DIM, hidden, platform=platform, dtype=dtype, bias=True),
+                                 nn.GELU(),
+                                 Linear(hidden, hidden, platform=platform, dtype=dtype, bias=True))
+        self.dtype = dtype
+
+    def forward(self, t_B: torch.Tensor) -> torch.Tensor:
+        return self.mlp(timestep_sinusoid(t_B).to(self.dtype))
+
+
+class GroupNorm32(nn.GroupNorm):
+    """GroupNorm(32, eps 1e-5) computed in fp32 and cast back (ADM's GroupNorm32)."""
+
+    def __init__(self, channels: int, dtype: torch.dtype):
+        super().__init__(GN_GROUPS, channels, eps=GN_EPS, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.group_norm(x.float(), self.num_groups, self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def conv3(c_in: int, c_out: int, dtype: torch.dtype) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, kernel_size=3, padding=1, dtype=dtype)
+
+
+class ResBlock(nn.Module):
+    """ADM ResBlock with scale-shift norm: ``skip(x) + conv(SiLU(FiLM(GN(conv(SiLU(GN(x)))))))``."""
+
+    def __init__(self, c_in: int, c_out: int, emb: int, *, platform, dtype: torch.dtype):
+        super().__init__()
+        self.in_layers = nn.Sequential(GroupNorm32(c_in, dtype), nn.SiLU(), conv3(c_in, c_out, dtype))
+        self.emb_layers = nn.Sequential(nn.SiLU(), Linear(emb, 2 * c_out, platform=platform, dtype=dtype, bias=True))
+        # index 2 is the (inference-time no-op) dropout, kept so the conv stays at out_layers.3
+        self.out_layers = nn.Sequential(GroupNorm32(c_out, dtype), nn.SiLU(), nn.Identity(), conv3(c_out, c_out, dtype))
+        self.skip_connection = nn.Conv2d(c_in, c_out, 1, dtype=dtype) if c_in != c_out else nn.Identity()
+
+    def forward(self, x_BCHW: torch.Tensor, emb_BE: torch.Tensor) -> torch.Tensor:
+        h = self.in_layers(x_BCHW)
+        scale_BC, shift_BC = self.emb_layers(emb_BE).to(h.dtype).chunk(2, dim=-1)
+        h = self.out_layers[0](h) * (1 + scale_BC[..., None, None]) + shift_BC[..., None, None]
+        return self.skip_connection(x_BCHW) + self.out_layers[1:](h)
+
+
+def _require_patch_size_1(patch_size: int) -> None:
+    if patch_size != 1:
+        raise ValueError(f"patch_size {patch_size} is not supported: only the released patch_size 1 "
+                         "(no down/up-sampling ResBlocks) is implemented")
+
+
+class UNetDown(nn.Module):
+    """``patch_embed``: latents ``[B, C, h, w]`` -> image tokens ``[B, h*w, D]`` (row-major)."""
+
+    def __init__(self, latent_channels: int, hidden: int, dim: int, *, patch_size: int, platform,
+                 dtype: torch.dtype):
+        super().__init__()
+        _require_patch_size_1(patch_size)
+        self.model = nn.ModuleList([conv3(latent_channels, hidden, dtype),
+                                    ResBlock(hidden, dim, dim, platform=platform, dtype=dtype)])
+
+    def forward(self, latents_BChw: torch.Tensor, emb_BD: torch.Tensor) -> torch.Tensor:
+        conv_in, resblock = self.model
+        x_BDhw = resblock(conv_in(latents_BChw), emb_BD)
+        return x_BDhw.flatten(2).transpose(1, 2)
+
+
+class UNetUp(nn.Module):
+    """``final_layer``: image-token hidden states ``[B, h*w, D]`` -> velocity ``[B, C, h, w]``."""
+
+    def __init__(self, dim: int, hidden: int, latent_channels: int, *, patch_size: int, platform,
+                 dtype: torch.dtype):
+        super().__init__()
+        _require_patch_size_1(patch_size)
+        head = nn.Sequential(GroupNorm32(hidden, dtype), nn.SiLU(), conv3(hidden, latent_channels, dtype))
+        self.model = nn.ModuleList([ResBlock(dim, hidden, dim, platform=platform, dtype=dtype), head])
+
+    def forward(self, x_BhwD: torch.Tensor, emb_BD: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        resblock, head = self.model
+        x_BDhw = x_BhwD.transpose(1, 2).reshape(x_BhwD.shape[0], -1, h, w)
+        return head(resblock(x_BDhw, emb_BD))

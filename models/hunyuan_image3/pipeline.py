@@ -1,0 +1,181 @@
+"""Text-to-image on the prefix-KV engine path (DESIGN.md, "The model").
+
+Per request: build the conditional (and unconditional) rows, run their text
+prefix once (causal prefill, K/V kept in the pool), then at every denoising
+step run only ``<timestep>`` + image tokens. Within a step each row is two
+varlen runs with no mask: the timestep query over ``[prefix; timestep]`` and
+the image queries over ``[prefix; timestep; image]`` -- exactly the official
+generalized-causal mask, without materialising it. All rows of all active
+requests (any resolution, step count, guidance) pack into one forward.
+
+Shape suffixes: T packed tokens, D hidden, C latent channels, h/w token grid,
+H head dim (rope tables).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from omni.kv_pool import KVPool, PoolContext, Run
+from omni.request import ImageRequest, StageTimes
+
+from .rope import rope_cos_sin
+from .sampler import cfg_combine, euler_step, flow_match_sigmas
+from .sequence import T2ISequence, build_t2i_pair
+from .resolution import snap
+
+
+@dataclass
+class Row:
+    """One CFG row of a request and the KV pages holding its keys."""
+
+    seq: T2ISequence
+    pages: list[int]
+
+    @property
+    def block_len(self) -> int:  # <timestep> + image tokens
+        return 1 + self.seq.token_h * self.seq.token_w
+
+
+@dataclass
+class RequestState:
+    request: ImageRequest
+    rows: list[Row]
+    latents_1Chw: torch.Tensor  # fp32
+    sigmas: torch.Tensor  # [steps + 1] fp32, on the host
+    seed: int
+    step: int = 0
+    times: StageTimes = field(default_factory=StageTimes)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.sigmas) - 1
+
+    @property
+    def t(self) -> float:
+        return float(self.sigmas[self.step]) * 1000.0
+
+
+class HunyuanImage3Pipeline:
+    """Owns the model, VAE, tokenizer and KV pool of one worker; no scheduling policy."""
+
+    def __init__(self, *, model, vae, tokenizer, config, pool: KVPool, device, paged: bool,
+                 vae_dtype: torch.dtype = torch.float32):
+        self.model, self.vae, self.tok, self.cfg = model, vae, tokenizer, config
+        self.pool, self.device, self.paged, self.vae_dtype = pool, torch.device(device), paged, vae_dtype
+        self.downsample = config.vae_downsample_factor[0] * config.patch_size
+        self.latent_channels = vae.cfg.latent_channels
+
+    # ---------------------------------------------------------------- admission
+    def build_rows(self, req: ImageRequest) -> list[T2ISequence]:
+        _, h_px, w_px = snap(req.height, req.width)
+        kw = dict(template=req.template, height=h_px, width=w_px, downsample=self.downsample,
+                  system_prompt=req.system_prompt, cot_text=req.cot_text)
+        if not req.use_cfg:
+            return list(build_t2i_pair(self.tok, req.prompt, cfg=False, **kw))
+        if req.negative_prompt is None:
+            return list(build_t2i_pair(self.tok, req.prompt, cfg=True, **kw))
+        return [build_t2i_pair(self.tok, p, cfg=False, **kw)[0] for p in (req.prompt, req.negative_prompt)]
+
+    def pages_needed(self, req: ImageRequest) -> int:
+        return sum(self.pool.pages_for(s.prefix_len + 1 + s.token_h * s.token_w) for s in self.build_rows(req))
+
+    def admit(self, req: ImageRequest) -> RequestState:
+        """Allocate pages for every row (all or nothing) and draw the initial noise."""
+        seqs = self.build_rows(req)
+        rows: list[Row] = []
+        try:
+            for s in seqs:
+                rows.append(Row(s, self.pool.allocate(s.prefix_len + 1 + s.token_h * s.token_w)))
+        except Exception:
+            self.release_rows(rows)
+            raise
+        seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        return RequestState(req, rows, self._noise(seed, seqs[0]), flow_match_sigmas(req.steps, req.shift), seed)
+
+    def _noise(self, seed: int, seq: T2ISequence) -> torch.Tensor:
+        """Noise drawn in bf16 on a CPU generator (as the official code), identical for both rows."""
+        g = torch.Generator().manual_seed(seed)
+        shape = (1, self.latent_channels, seq.token_h, seq.token_w)
+        return torch.randn(shape, generator=g, dtype=torch.bfloat16).float().to(self.device)
+
+    def release(self, state: RequestState) -> None:
+        self.release_rows(state.rows)
+        state.rows = []
+
+    def release_rows(self, rows: list[Row]) -> None:
+        for r in rows:
+            self.pool.release(r.pages)
+
+    # ---------------------------------------------------------------- forwards
+    def _rope(self, pos_yx: list[tuple[int, int]]):
+        pos_T2 = torch.tensor(pos_yx, dtype=torch.long, device=self.device)
+        cos, sin = rope_cos_sin(pos_T2, self.cfg.head_dim, self.cfg.rope_theta)
+        return cos.to(self.model_dtype), sin.to(self.model_dtype)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        return self.model.model.wte.weight.dtype
+
+    @torch.inference_mode()
+    def prefill(self, states: list[RequestState]) -> None:
+        """Causal forward over every row's text prefix; only its K/V are kept."""
+        t0 = time.perf_counter()
+        rows = [r for s in states for r in s.rows]
+        ids = torch.tensor([i for r in rows for i in r.seq.ids[: r.seq.prefix_len]], device=self.device)
+        pos = [p for r in rows for p in r.seq.pos_yx[: r.seq.prefix_len]]
+        runs = [Run(tuple(r.pages), 0, r.seq.prefix_len, r.seq.prefix_len) for r in rows]
+        ctx = PoolContext(self.pool, runs, mask="causal", paged=self.paged, device=self.device)
+        self.model.backbone(self.model.embed_tokens(ids), *self._rope(pos), ctx)
+        for s in states:
+            s.times.prefill += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def denoise_step(self, states: list[RequestState]) -> None:
+        """One Euler step for every state, all rows packed into one forward."""
+        t0 = time.perf_counter()
+        x_parts, pos, runs = [], [], []
+        for s in states:
+            self._pack_request(s, x_parts, pos, runs)
+        ctx = PoolContext(self.pool, runs, mask="none", paged=self.paged, device=self.device)
+        h_TD = self.model.backbone(torch.cat(x_parts), *self._rope(pos), ctx)
+        offset = 0
+        for s in states:
+            offset = self._advance(s, h_TD, offset)
+            s.times.denoise += time.perf_counter() - t0
+
+    def _pack_request(self, s: RequestState, x_parts, pos, runs) -> None:
+        t_1 = torch.full((1,), s.t, dtype=torch.float32, device=self.device)
+        img_1LD = self.model.image_tokens(s.latents_1Chw.to(self.model_dtype), t_1)
+        ts_1D = self.model.timestep_token(t_1)
+        for r in s.rows:
+            p, n = r.seq.prefix_len, r.block_len
+            x_parts += [ts_1D.to(self.model_dtype), img_1LD[0]]
+            pos += r.seq.pos_yx[p: p + n]
+            runs += [Run(tuple(r.pages), p, p + 1, p + 1), Run(tuple(r.pages), p + 1, p + n, p + n)]
+
+    def _advance(self, s: RequestState, h_TD: torch.Tensor, offset: int) -> int:
+        th, tw = s.rows[0].seq.token_h, s.rows[0].seq.token_w
+        hs = []
+        for r in s.rows:
+            hs.append(h_TD[offset + 1: offset + r.block_len])
+            offset += r.block_len
+        t_B = torch.full((len(hs),), s.t, dtype=torch.float32, device=self.device)
+        v_BChw = self.model.velocity(torch.stack(hs), t_B, th, tw).float()
+        v = cfg_combine(v_BChw[:1], v_BChw[1:], s.request.guidance) if len(hs) == 2 else v_BChw
+        s.latents_1Chw = euler_step(s.latents_1Chw, v, s.sigmas[s.step], s.sigmas[s.step + 1])
+        s.step += 1
+        return offset
+
+    # ---------------------------------------------------------------- output
+    @torch.inference_mode()
+    def decode(self, s: RequestState) -> torch.Tensor:
+        """Latents -> uint8 ``[H, W, 3]`` on the host (converted on the device first)."""
+        t0 = time.perf_counter()
+        x_13HW = self.vae.decode_image(s.latents_1Chw, dtype=self.vae_dtype)
+        img = ((x_13HW[0] / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        out = img.permute(1, 2, 0).contiguous().cpu()
+        s.times.vae += time.perf_counter() - t0
+        return out

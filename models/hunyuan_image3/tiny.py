@@ -1,0 +1,114 @@
+"""The embedded default: a tiny HunyuanImage-3.0 checkpoint generated deterministically.
+
+Same architecture and checkpoint layout as the released model (official
+names, per-expert tensors, ``config.json``, ``tokenizer.json``, two shards
+with ``model.safetensors.index.json``), with tiny widths so the whole
+text-to-image path runs on a CPU in seconds. Weights are random (seed 0):
+images look like coloured noise; the point is that every real code path runs
+with no download. The generator writes the directory once; later runs reuse it.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+FORMAT_VERSION = 2
+TINY_CONFIG = {
+    "architectures": ["HunyuanImage3ForCausalMM"], "model_type": "hunyuan_image_3_moe",
+    "vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "attention_head_dim": 16, "num_hidden_layers": 2, "intermediate_size": 48,
+    "moe_intermediate_size": [32, 32], "num_experts": 4, "moe_topk": [2, 2], "num_shared_expert": [1, 1],
+    "use_mixed_mlp_moe": True, "moe_layer_num_skipped": 0, "norm_topk_prob": True,
+    "hidden_act": "silu", "use_qk_norm": True, "norm_type": "rms", "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "rope_scaling": {"type": "custom", "factor": 1.0}, "rope_type": "2d",
+    "max_position_embeddings": 8192, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "pad_id": 0,
+    "img_proj_type": "unet", "patch_size": 1, "patch_embed_hidden_dim": 32, "image_base_size": 1024,
+    "vae_downsample_factor": [16, 16], "torch_dtype": "float32",
+    "vae": {"_class_name": "AutoencoderKLConv3D", "block_out_channels": [32, 32, 32, 32, 32],
+            "in_channels": 3, "out_channels": 3, "latent_channels": 4, "layers_per_block": 1,
+            "ffactor_spatial": 16, "ffactor_temporal": 1, "downsample_match_channel": True,
+            "upsample_match_channel": True, "scaling_factor": 0.562679178327931},
+}
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "omni-run" / f"hunyuan_image3_tiny-v{FORMAT_VERSION}"
+
+
+def _init_(name: str, p: torch.Tensor, g: torch.Generator) -> None:
+    """Non-degenerate random init: norms near 1, small biases, fan-in scaled matrices."""
+    r = torch.randn(p.shape, generator=g)
+    if p.dim() == 1:
+        p.copy_(1 + 0.1 * r if name.endswith("weight") else 0.05 * r)
+    else:
+        p.copy_(r / (p[0].numel() ** 0.5))
+
+
+def official_tensors(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """State dicts under official names: prefix per module, stacked experts split per expert."""
+    out = {}
+    for prefix, module in modules.items():
+        for name, t in module.state_dict().items():
+            if ".mlp.experts." in name and t.dim() == 3:
+                head, leaf = name.split(".mlp.experts.")
+                out.update({f"{prefix}{head}.mlp.experts.{e}.{leaf}": t[e].contiguous() for e in range(t.shape[0])})
+            else:
+                out[prefix + name] = t.contiguous()
+    return out
+
+
+def write_tiny_checkpoint(dest: Path) -> Path:
+    """Generate the tiny checkpoint into ``dest`` (atomically) and return it."""
+    from omni.platform_manager import select
+
+    from .config import HunyuanImage3Config
+    from .transformer import HunyuanImage3Transformer
+    from .vae import AutoencoderKLConv3D, VAEConfig
+
+    cfg = HunyuanImage3Config.from_json_dict(TINY_CONFIG)
+    model = HunyuanImage3Transformer(cfg, select("cpu"), dtype=torch.float32)
+    vae = AutoencoderKLConv3D(VAEConfig.from_dict(TINY_CONFIG["vae"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for prefix, m in (("", model), ("vae.", vae)):
+            for name, p in m.named_parameters():
+                _init_(name, p, g)
+    tensors = official_tensors({"": model, "vae.": vae})
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _write_shards(tmp, tensors)
+    (tmp / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
+    tok = resources.files("omni.models.hunyuan_image3.assets").joinpath("tiny_tokenizer.json")
+    (tmp / "tokenizer.json").write_text(tok.read_text())
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def _write_shards(root: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Two shards (backbone / the rest) plus the index, as large checkpoints ship."""
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": [n for n in names if n.startswith("model.")],
+              "model-00002-of-00002.safetensors": [n for n in names if not n.startswith("model.")]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(root / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in keys})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
+    """The tiny checkpoint directory, generated on first use."""
+    dest = Path(cache_dir) if cache_dir else default_cache_dir()
+    if not (dest / "model.safetensors.index.json").is_file():
+        write_tiny_checkpoint(dest)
+    return dest

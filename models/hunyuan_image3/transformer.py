@@ -1,0 +1,313 @@
+"""HunyuanImage-3.0 transformer: one MoE decoder that writes text and denoises image latents.
+
+Hunyuan-A13B's decoder (pre-norm RMSNorm, GQA attention with QK-norm, a MoE
+MLP of 64 routed SwiGLU experts, top 8, plus one shared expert) with image
+heads. Image latent tokens sit in the token stream; the attention context
+decides who sees whom (text causal, the ``<img>`` run bidirectional).
+
+    h   = x + o_proj(Attn(QKNorm(RoPE(qkv_proj(RMSNorm(x))))))
+    out = h + shared_mlp(RMSNorm(h)) + sum_k w_k expert_k(RMSNorm(h))
+    text:  logits   = lm_head(ln_f(h_L))          (ln_f only here)
+    image: velocity = final_layer(h_L[<img>], time_embed_2(t))
+
+Everything is packed: ``T`` counts all tokens of all sequences in the batch
+(no batch dim), and the attention context (``ctx.mask``, ``ctx.keys_values``)
+carries where each sequence starts and what it may see. Every GEMM and the
+attention run through kernels the platform resolved at build time.
+
+Parameter names equal the official checkpoint names, except that the routed
+experts are stacked: ``mlp.experts.{e}.gate_and_up_proj.weight`` [2I, D] is
+row ``e`` of ``mlp.experts.gate_and_up_proj.weight`` [E, 2I, D] (same for
+``down_proj``); ``param_name_for`` maps one to the other.
+
+Shape suffixes: T packed tokens, S keys visible to them, D model width,
+N query heads, K kv heads, H head dim, E experts, k experts per token,
+R = T*k routed rows, I expert width, V vocab, B images, C latent channels,
+h/w latent rows/cols.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterator, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from omni.layers import GroupedLinear, Linear, finalize_all
+from omni.specs import AttentionSpec
+
+from .config import HunyuanImage3Config
+from .image_io import TimestepEmbedder, UNetDown, UNetUp
+from .rope import apply_rope
+
+MASKS = ("none", "causal", "dense")
+FOREIGN_PREFIXES = ("vae.", "vision_model.", "vision_aligner.")  # checkpoint parts other modules own
+_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_and_up_proj|down_proj)\.weight")
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_and_up_proj|down_proj)\.weight")
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x * rsqrt(mean(x^2) + eps))``; normalised in fp32, cast back before the weight."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+# ---------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """GQA attention; RoPE first, then per-head RMSNorm on q and k."""
+
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size):
+        super().__init__()
+        D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.layer_idx, self.shape_NKH = layer_idx, (N, K, H)
+        self.qkv_proj = Linear(D, (N + 2 * K) * H, platform=platform, dtype=dtype, quant=quant)
+        self.o_proj = Linear(N * H, D, platform=platform, dtype=dtype, quant=quant)
+        self.query_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
+        self.key_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
+        self.attn = {mask: platform.attention(AttentionSpec(
+            num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, mask=mask, paged=paged_kv, page_size=page_size))
+            for mask in MASKS}
+
+    def split_qkv(self, qkv_TO: torch.Tensor):
+        """The packed rows of KV group g are [q heads g*N/K .. (g+1)*N/K - 1, k head g, v head g]."""
+        N, K, H = self.shape_NKH
+        qkv_TKGH = qkv_TO.view(-1, K, N // K + 2, H)
+        return qkv_TKGH[:, :, :-2].reshape(-1, N, H), qkv_TKGH[:, :, -2], qkv_TKGH[:, :, -1]
+
+    def forward(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
+        q_TNH, k_TKH, v_TKH = self.split_qkv(self.qkv_proj(x_TD))
+        q_TNH = self.query_layernorm(apply_rope(q_TNH, cos_TH, sin_TH))
+        k_TKH = self.key_layernorm(apply_rope(k_TKH, cos_TH, sin_TH))
+        k_all, v_all, meta = ctx.keys_values(self.layer_idx, k_TKH, v_TKH)
+        o_TNH = self.attn[ctx.mask](q_TNH, k_all, v_all, meta)
+        return self.o_proj(o_TNH.flatten(1))
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+
+def swiglu(x_T2I: torch.Tensor) -> torch.Tensor:
+    """``x1 * silu(x2)``: the SiLU gates with the SECOND half of gate_and_up_proj."""
+    x1, x2 = x_T2I.chunk(2, dim=-1)
+    return x1 * F.silu(x2)
+
+
+class SwiGLU(nn.Module):
+    """The shared expert: ``down(swiglu(gate_and_up(x)))``."""
+
+    def __init__(self, dim: int, inner: int, *, platform, dtype, quant):
+        super().__init__()
+        self.gate_and_up_proj = Linear(dim, 2 * inner, platform=platform, dtype=dtype, quant=quant)
+        self.down_proj = Linear(inner, dim, platform=platform, dtype=dtype, quant=quant)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_and_up_proj(x_TD)))
+
+
+class Router(nn.Module):
+    """``wg`` in fp32; softmax over all experts, top-k, renormalised to sum 1."""
+
+    def __init__(self, dim: int, num_experts: int, topk: int, *, platform):
+        super().__init__()
+        self.wg = Linear(dim, num_experts, platform=platform, dtype=torch.float32)
+        self.topk = topk
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs_TE = torch.softmax(self.wg(x_TD.float()), dim=-1)
+        weights_Tk, experts_Tk = probs_TE.topk(self.topk, dim=-1)
+        return weights_Tk / weights_Tk.sum(dim=-1, keepdim=True), experts_Tk
+
+
+def expert_offsets(expert_R: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int32 cumulative row ends per expert, on the device (scatter_add: no host sync)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_R.device)
+    counts_E.scatter_add_(0, expert_R, torch.ones_like(expert_R))
+    return counts_E.cumsum(0).to(torch.int32)
+
+
+class RoutedExperts(nn.Module):
+    """All experts' SwiGLUs as two grouped GEMMs over expert-sorted rows."""
+
+    def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, platform=platform, dtype=dtype, quant=quant)
+        self.down_proj = GroupedLinear(num_experts, inner, dim, platform=platform, dtype=dtype, quant=quant)
+
+    def forward(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor) -> torch.Tensor:
+        expert_R = experts_Tk.flatten()
+        order_R = expert_R.argsort(stable=True)
+        token_R = order_R // experts_Tk.shape[1]
+        offsets_E = expert_offsets(expert_R, self.num_experts)
+        y_RD = self.down_proj(swiglu(self.gate_and_up_proj(x_TD[token_R], offsets_E)), offsets_E)
+        y_RD = y_RD.float() * weights_Tk.flatten()[order_R, None]
+        out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
+        return out_TD.index_add_(0, token_R, y_RD).to(x_TD.dtype)
+
+
+class MoE(nn.Module):
+    """``shared_mlp(x) + sum_k w_k expert_k(x)`` (the shared expert is always added)."""
+
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant):
+        super().__init__()
+        D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[layer_idx], cfg.num_experts
+        self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform)
+        self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, dtype=dtype,
+                                 quant=quant)
+        self.experts = RoutedExperts(E, D, inner, platform=platform, dtype=dtype, quant=quant)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        weights_Tk, experts_Tk = self.gate(x_TD)
+        return self.shared_mlp(x_TD) + self.experts(x_TD, weights_Tk, experts_Tk)
+
+
+# ---------------------------------------------------------------- decoder
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant,
+                                   paged_kv=paged_kv, page_size=page_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MoE(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant)
+
+    def forward(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
+        h_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_TH, sin_TH, ctx)
+        return h_TD + self.mlp(self.post_attention_layernorm(h_TD))
+
+
+class Decoder(nn.Module):
+    """The ``model.`` part of the checkpoint: ``wte``, ``layers``, ``ln_f``."""
+
+    def __init__(self, cfg: HunyuanImage3Config, **kw):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id, dtype=kw["dtype"])
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **kw) for i in range(cfg.num_hidden_layers))
+        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw["dtype"])
+
+
+class HunyuanImage3Transformer(nn.Module):
+    """Backbone, text head and image I/O heads; inference only (no grads)."""
+
+    def __init__(self, cfg: HunyuanImage3Config, platform, dtype: torch.dtype = torch.float32, quant: str = "none",
+                 paged_kv: bool = False, page_size: int = 0):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        D, C, hidden = cfg.hidden_size, cfg.latent_channels, cfg.patch_embed_hidden_dim
+        kw = dict(platform=platform, dtype=dtype)
+        self.model = Decoder(cfg, quant=quant, paged_kv=paged_kv, page_size=page_size, **kw)
+        self.lm_head = Linear(D, cfg.vocab_size, **kw)  # kept unquantized: logits quality
+        self.timestep_emb = TimestepEmbedder(D, **kw)  # replaces the <timestep> token
+        self.time_embed = TimestepEmbedder(D, **kw)  # conditions patch_embed
+        self.time_embed_2 = TimestepEmbedder(D, **kw)  # conditions final_layer
+        if cfg.cfg_distilled:
+            self.guidance_emb = TimestepEmbedder(D, **kw)  # replaces the <guidance> token
+        if cfg.use_meanflow:
+            self.timestep_r_emb = TimestepEmbedder(D, **kw)  # replaces the <timestep_r> token
+        self.patch_embed = UNetDown(C, hidden, D, patch_size=cfg.patch_size, **kw)
+        self.final_layer = UNetUp(D, hidden, C, patch_size=cfg.patch_size, **kw)
+        self.requires_grad_(False)
+
+    # ------------------------------------------------------------ token stream
+
+    def embed_tokens(self, ids_T: torch.Tensor) -> torch.Tensor:
+        return self.model.wte(ids_T)
+
+    def timestep_token(self, t_B: torch.Tensor) -> torch.Tensor:
+        """Embedding of the ``<timestep>`` token for t on the 0..1000 scale, ``[B, D]``."""
+        return self.timestep_emb(t_B)
+
+    def guidance_token(self, scale_B: torch.Tensor) -> torch.Tensor:
+        """Distil only: embedding of the ``<guidance>`` token (input 1000 * guidance scale)."""
+        return self.guidance_emb(1000 * scale_B)
+
+    def timestep_r_token(self, r_B: torch.Tensor) -> torch.Tensor:
+        """Distil / MeanFlow only: embedding of the ``<timestep_r>`` token (the next timestep)."""
+        return self.timestep_r_emb(r_B)
+
+    def image_tokens(self, latents_BChw: torch.Tensor, t_B: torch.Tensor) -> torch.Tensor:
+        """``patch_embed`` conditioned on ``time_embed(t)``: ``[B, h*w, D]``, row-major."""
+        return self.patch_embed(latents_BChw.to(self.dtype), self.time_embed(t_B))
+
+    # ------------------------------------------------------------ backbone and heads
+
+    def backbone(self, x_TD: torch.Tensor, cos_TH: torch.Tensor, sin_TH: torch.Tensor, ctx) -> torch.Tensor:
+        """All decoder layers over packed tokens; no ``ln_f`` (the image head reads this directly)."""
+        for layer in self.model.layers:
+            x_TD = layer(x_TD, cos_TH, sin_TH, ctx)
+        return x_TD
+
+    def text_logits(self, h_TD: torch.Tensor) -> torch.Tensor:
+        """``lm_head(ln_f(h))`` in fp32, ``[T, V]``."""
+        return self.lm_head(self.model.ln_f(h_TD)).float()
+
+    def velocity(self, h_BhwD: torch.Tensor, t_B: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """``final_layer`` on the image tokens' last hidden states, conditioned on ``time_embed_2(t)``; fp32."""
+        return self.final_layer(h_BhwD, self.time_embed_2(t_B), h, w).float()
+
+    # ------------------------------------------------------------ checkpoint names
+
+    def official_names(self) -> Iterator[str]:
+        """Every checkpoint name this module owns (per-expert names for the stacked experts)."""
+        for name, _ in self.named_parameters():
+            stacked = _STACKED.fullmatch(name)
+            if stacked is None:
+                yield name
+            else:
+                yield from (f"{stacked[1]}.{e}.{stacked[2]}.weight" for e in range(self.cfg.num_experts))
+
+    def param_name_for(self, official_name: str) -> tuple[str, int | None]:
+        """(this module's parameter, index into its stacked expert dim or None) for a checkpoint name."""
+        per_expert = _PER_EXPERT.fullmatch(official_name)
+        if per_expert is not None:
+            return f"{per_expert[1]}.{per_expert[3]}.weight", int(per_expert[2])
+        if official_name.startswith(FOREIGN_PREFIXES) or not _has_param(self, official_name):
+            raise KeyError(f"{official_name!r} is not a parameter of HunyuanImage3Transformer")
+        return official_name, None
+
+    def finalize(self) -> None:
+        """Prepare every kernel-backed weight (quantize, re-layout) once, after loading."""
+        finalize_all(self)
+
+
+def _has_param(module: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    try:
+        return leaf in dict(module.get_submodule(owner).named_parameters(recurse=False))
+    except AttributeError:
+        return False
+
+
+def load_state(model: HunyuanImage3Transformer, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy checkpoint tensors (official names) into ``model``; ``vae.``/``vision_*`` keys are skipped.
+
+    Raises ValueError listing every missing, unexpected and mis-shaped key (with both shapes).
+    """
+    expected = set(model.official_names())
+    given = {n for n in tensors if not n.startswith(FOREIGN_PREFIXES)}
+    problems = [f"missing {n}" for n in sorted(expected - given)]
+    problems += [f"unexpected {n}" for n in sorted(given - expected)]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in sorted(given & expected):
+            param_name, expert = model.param_name_for(name)
+            dst = params[param_name] if expert is None else params[param_name][expert]
+            if dst.shape != tensors[name].shape:
+                problems.append(f"shape of {name}: checkpoint {tuple(tensors[name].shape)} vs model {tuple(dst.shape)}")
+            else:
+                dst.copy_(tensors[name])
+    if problems:
+        raise ValueError("load_state:\n  " + "\n  ".join(problems))

@@ -1,0 +1,299 @@
+"""Attention kernels of the CUDA platform and the rule that picks one per spec.
+
+May assume: the spec is resolved on a worker whose CUDA device is set; tensors
+passed to the returned objects live on that device. Vendor modules (FA3) are
+imported here lazily, at resolution, never at package import.
+
+Backends, in ``auto`` order for masks ``none`` / ``causal``:
+
+    fa3     FlashAttention-3 varlen (``fa3_fwd_interface`` or ``flash_attn_interface``):
+            sm90, fp16/bf16 (as built), head_dim <= 256, paged through
+            ``flash_attn_with_kvcache`` when the build has paged KV.
+    varlen  ``torch.nn.attention.varlen.varlen_attn`` (aten FlashAttention-2):
+            sm80+, fp16/bf16, head_dim % 8 == 0 and <= 256, paged when this torch
+            takes ``block_table``/``seqused_k`` and page_size % 256 == 0.
+    sdpa    ``F.scaled_dot_product_attention`` in BNSD (cuDNN / flash / efficient
+            chosen by torch): any dtype; equal-length batches in one call, else
+            one call per sequence; paged pools gathered on the device with
+            a length mask (no host sync).
+
+``dense`` masks go to sdpa with the bool mask under ``auto``; ``flex``
+(compiled FlexAttention with a block mask) serves every mask when asked for
+by name. A named backend that cannot serve a spec is refused with its
+reason; the chain is only walked for ``auto``. Every object here is
+capturable except flex (its block mask is rebuilt from host lengths).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from omni.reference import causal_mask
+from omni.specs import AttentionSpec, VarlenMeta
+
+from .capabilities import Caps, Fa3, load_fa3
+
+HALF = (torch.float16, torch.bfloat16)
+BACKENDS = ("fa3", "varlen", "sdpa", "flex")
+
+
+def _lengths(cu: tuple[int, ...]) -> list[int]:
+    return [b - a for a, b in zip(cu, cu[1:])]
+
+
+def _scale(spec: AttentionSpec) -> float:
+    return spec.scale or 1.0 / math.sqrt(spec.head_dim)
+
+
+def _cu_from_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
+    return F.pad(lengths_B.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+# ----------------------------------------------------------------- FA3
+
+
+class Fa3Attention:
+    def __init__(self, spec: AttentionSpec, fa3: Fa3):
+        self.name = f"cuda-fa3({fa3.name})"
+        self.mod, self.paged = fa3.module, spec.paged
+        self.kw = {"softmax_scale": _scale(spec), "causal": spec.mask == "causal"}
+
+    def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        if self.paged:
+            out = self.mod.flash_attn_with_kvcache(
+                q_TNH, k, v, cache_seqlens=meta.seqused_k_B, page_table=meta.block_table_BP,
+                cu_seqlens_q=meta.cu_seqlens_q_B1, max_seqlen_q=meta.max_seqlen_q, **self.kw)
+        else:
+            out = self.mod.flash_attn_varlen_func(
+                q_TNH, k, v, meta.cu_seqlens_q_B1, meta.cu_seqlens_k_B1,
+                meta.max_seqlen_q, meta.max_seqlen_k, **self.kw)
+        return out[0] if isinstance(out, tuple) else out  # older builds return (out, lse)
+
+
+def build_fa3(spec: AttentionSpec, caps: Caps, reject, load=load_fa3):
+    if caps.fa3_module is None:
+        return reject("fa3: neither fa3_fwd_interface nor flash_attn_interface is installed")
+    if caps.sm[0] != 9:
+        return reject(f"fa3: needs sm90 (Hopper), this device is sm{caps.sm[0]}{caps.sm[1]}")
+    if spec.mask == "dense":
+        return reject("fa3: no arbitrary (dense) masks; use sdpa or flex")
+    if spec.dtype not in HALF or spec.head_dim > 256:
+        return reject(f"fa3: needs fp16/bf16 and head_dim <= 256, got {spec.dtype} / {spec.head_dim}")
+    fa3 = load(caps.fa3_module)
+    if isinstance(fa3, str):
+        return reject(fa3)
+    return _fa3_build_fits(spec, fa3, reject)
+
+
+def _fa3_build_fits(spec: AttentionSpec, fa3: Fa3, reject):
+    if spec.dtype == torch.float16 and not fa3.fp16:
+        return reject(f"fa3: {fa3.name} was built without fp16 kernels")
+    if not any(spec.head_dim <= d for d in fa3.head_dims):
+        return reject(f"fa3: {fa3.name} has no kernel for head_dim {spec.head_dim}")
+    if spec.paged and not (fa3.paged and hasattr(fa3.module, "flash_attn_with_kvcache")):
+        return reject(f"fa3: {fa3.name} was built without paged KV")
+    return Fa3Attention(spec, fa3)
+
+
+# ----------------------------------------------------------------- torch varlen_attn
+
+
+class VarlenAttention:
+    name = "cuda-varlen"
+
+    def __init__(self, spec: AttentionSpec, params: frozenset[str]):
+        from torch.nn.attention.varlen import varlen_attn
+
+        self.fn, self.paged = varlen_attn, spec.paged
+        self.kw: dict = {"scale": _scale(spec)} if "scale" in params else {}
+        if spec.mask == "causal":  # bottom-right aligned, as FlashAttention
+            self.kw.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+        if spec.num_heads != spec.num_kv_heads and "enable_gqa" in params:
+            self.kw["enable_gqa"] = True  # older versions pass fewer kv heads straight to the kernel
+
+    def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        if not self.paged:
+            return self.fn(q_TNH, k, v, meta.cu_seqlens_q_B1, meta.cu_seqlens_k_B1,
+                           meta.max_seqlen_q, meta.max_seqlen_k, **self.kw)
+        cu_k = meta.cu_seqlens_k_B1 if meta.cu_seqlens_k_B1 is not None else _cu_from_lengths(meta.seqused_k_B)
+        return self.fn(q_TNH, k, v, meta.cu_seqlens_q_B1, cu_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                       seqused_k=meta.seqused_k_B, block_table=meta.block_table_BP, **self.kw)
+
+
+def build_varlen(spec: AttentionSpec, caps: Caps, reject):
+    params = caps.varlen_params
+    if not params:
+        return reject("varlen: torch.nn.attention.varlen.varlen_attn is not in this torch (needs >= 2.10)")
+    if caps.sm < (8, 0):
+        return reject(f"varlen: FlashAttention-2 needs sm80+, this device is sm{caps.sm[0]}{caps.sm[1]}")
+    if spec.mask == "dense":
+        return reject("varlen: no arbitrary (dense) masks; use sdpa or flex")
+    if spec.dtype not in HALF or spec.head_dim % 8 or spec.head_dim > 256:
+        return reject(f"varlen: needs fp16/bf16 and head_dim % 8 == 0, <= 256; got {spec.dtype} / {spec.head_dim}")
+    if spec.mask == "causal" and not params & {"window_size", "is_causal"}:
+        return reject("varlen: this torch's varlen_attn has no causal option")
+    if spec.scale is not None and "scale" not in params:
+        return reject("varlen: this torch's varlen_attn takes no scale")
+    if spec.paged and not caps.native_paged:
+        return reject("varlen: this torch's varlen_attn takes no block_table/seqused_k (paged KV)")
+    if spec.paged and spec.page_size % 256:
+        return reject(f"varlen: FlashAttention-2 paged KV needs page_size % 256 == 0, got {spec.page_size}")
+    return VarlenAttention(spec, params)
+
+
+# ----------------------------------------------------------------- SDPA
+
+
+class SdpaAttention:
+    """``F.scaled_dot_product_attention`` over packed runs; host lengths only, so capturable."""
+
+    name = "cuda-sdpa"
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec, self.scale = spec, _scale(spec)
+        self.rep = spec.num_heads // spec.num_kv_heads
+
+    def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        if self.spec.mask == "dense":
+            return self._sdpa(q_TNH[None], k[None], v[None], meta.mask_TS)[0]
+        if self.spec.paged:
+            return self._paged(q_TNH, k, v, meta)
+        return self._packed(q_TNH, k, v, meta)
+
+    def _sdpa(self, q_BLNH, k_BSKH, v_BSKH, mask=None, is_causal=False) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BSKH, v_BSKH))
+        gqa = {}
+        if self.rep > 1 and mask is None:
+            gqa = {"enable_gqa": True}
+        elif self.rep > 1:  # the masked (efficient) kernel has no GQA: expand kv heads
+            k, v = k.repeat_interleave(self.rep, 1), v.repeat_interleave(self.rep, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, **gqa)
+        return o.transpose(1, 2)
+
+    def _causal(self, lq: int, lk: int, device) -> dict:
+        if self.spec.mask != "causal":
+            return {}
+        return {"is_causal": True} if lq == lk else {"mask": causal_mask(lq, lk, device)}
+
+    def _packed(self, q, k, v, meta: VarlenMeta) -> torch.Tensor:
+        cq, ck = meta.cu_seqlens_q_host, meta.cu_seqlens_k_host
+        lq, lk = _lengths(cq), _lengths(ck)
+        if len(set(lq)) == 1 and len(set(lk)) == 1:  # one batched call
+            b = len(lq)
+            qb, kb, vb = (t[: c[-1]].reshape(b, n, *t.shape[1:]) for t, c, n in
+                          ((q, cq, lq[0]), (k, ck, lk[0]), (v, ck, lk[0])))
+            return self._sdpa(qb, kb, vb, **self._causal(lq[0], lk[0], q.device)).reshape(q.shape)
+        out = torch.zeros_like(q)
+        for b in range(len(lq)):
+            qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            out[qs] = self._sdpa(q[None, qs], k[None, ks], v[None, ks], **self._causal(lq[b], lk[b], q.device))[0]
+        return out
+
+    def _paged_mask(self, lq: int, s: int, used: torch.Tensor) -> torch.Tensor:
+        """Keep key j < used (and bottom-right causal); ``used`` 0-d or ``[B, 1, 1]`` on the device."""
+        j = torch.arange(s, device=used.device)
+        keep = j < used
+        if self.spec.mask == "causal":
+            i = torch.arange(lq, device=used.device)[:, None]
+            keep = keep & (j <= i + used - lq)
+        return keep
+
+    def _paged(self, q, k_pool, v_pool, meta: VarlenMeta) -> torch.Tensor:
+        table = meta.block_table_BP.long().clamp(0, k_pool.shape[0] - 1)
+        used = meta.seqused_k_B.long()
+        s = table.shape[1] * k_pool.shape[1]
+        cq = meta.cu_seqlens_q_host
+        lq = _lengths(cq)
+        if len(set(lq)) == 1:  # one batched call over gathered pages
+            kb, vb = k_pool[table].flatten(1, 2), v_pool[table].flatten(1, 2)
+            mask = self._paged_mask(lq[0], s, used[:, None, None])[:, None]
+            out = self._sdpa(q[: cq[-1]].reshape(len(lq), lq[0], *q.shape[1:]), kb, vb, mask)
+            return out.reshape(-1, *q.shape[1:])
+        out = torch.zeros_like(q)
+        for b in range(len(lq)):
+            kb, vb = k_pool[table[b]].flatten(0, 1), v_pool[table[b]].flatten(0, 1)
+            qs = slice(cq[b], cq[b + 1])
+            out[qs] = self._sdpa(q[None, qs], kb[None], vb[None], self._paged_mask(lq[b], s, used[b]))[0]
+        return out
+
+
+def build_sdpa(spec: AttentionSpec, caps: Caps, reject):
+    return SdpaAttention(spec)
+
+
+# ----------------------------------------------------------------- FlexAttention
+
+
+class FlexAttention:
+    """Compiled FlexAttention over all packed tokens with a document (or dense) block mask."""
+
+    name = "cuda-flex"
+
+    def __init__(self, spec: AttentionSpec):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        self.spec, self.scale = spec, _scale(spec)
+        self.create_block_mask = create_block_mask
+        self.flex = torch.compile(flex_attention, dynamic=False)
+
+    def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        t, s = q_TNH.shape[0], k.shape[0]
+        block_mask = self.create_block_mask(self._mask_mod(meta, q_TNH.device), None, None, t, s, device=q_TNH.device)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q_TNH, k, v))
+        o = self.flex(q, k, v, block_mask=block_mask, scale=self.scale,
+                      enable_gqa=self.spec.num_heads != self.spec.num_kv_heads)
+        return o[0].transpose(0, 1)
+
+    def _mask_mod(self, meta: VarlenMeta, device):
+        if self.spec.mask == "dense":
+            mask = meta.mask_TS
+            return lambda b, h, i, j: mask[i, j]
+        cq, ck = meta.cu_seqlens_q_host, meta.cu_seqlens_k_host
+        lq, lk = _lengths(cq), _lengths(ck)
+        doc_q = torch.repeat_interleave(torch.arange(len(lq)), torch.tensor(lq))
+        doc_k = torch.repeat_interleave(torch.arange(len(lk)), torch.tensor(lk))
+        if self.spec.mask != "causal":
+            doc_q, doc_k = doc_q.to(device), doc_k.to(device)
+            return lambda b, h, i, j: doc_q[i] == doc_k[j]
+        # last key each query may see: its run's key start + its position + (Lk - Lq)
+        pos_q = torch.arange(cq[-1]) - torch.tensor(cq[:-1])[doc_q]
+        limit = torch.tensor(ck[:-1])[doc_q] + pos_q + (torch.tensor(lk) - torch.tensor(lq))[doc_q]
+        doc_q, doc_k, limit = (x.to(device) for x in (doc_q, doc_k, limit))
+        return lambda b, h, i, j: (doc_q[i] == doc_k[j]) & (j <= limit[i])
+
+
+def build_flex(spec: AttentionSpec, caps: Caps, reject):
+    if not caps.has_flex:
+        return reject("flex: torch.nn.attention.flex_attention is not in this torch")
+    if spec.paged:
+        return reject("flex: paged KV is not implemented for flex; use varlen or sdpa")
+    if spec.capturable:
+        return reject("flex: the block mask is rebuilt from host lengths every call, so flex is not capturable")
+    return FlexAttention(spec)
+
+
+# ----------------------------------------------------------------- resolution
+
+
+BUILDERS = {"fa3": build_fa3, "varlen": build_varlen, "sdpa": build_sdpa, "flex": build_flex}
+
+
+def resolve(spec: AttentionSpec, caps: Caps, reject, builders=BUILDERS):
+    """First backend that fits; a named ``spec.backend`` is the only one tried."""
+    if spec.backend == "auto":
+        order = ("sdpa",) if spec.mask == "dense" else ("fa3", "varlen", "sdpa")
+    elif spec.backend in builders:
+        order = (spec.backend,)
+    else:
+        return reject(f"cuda: unknown attention backend {spec.backend!r} (choose auto, {', '.join(builders)})")
+    skipped: list[str] = []
+    for name in order:
+        impl = builders[name](spec, caps, skipped.append)
+        if impl is not None:
+            impl.skipped = tuple(skipped)  # why faster backends were passed over, for the trace
+            return impl
+    for reason in skipped:
+        reject(f"cuda: {reason}")
+    return None

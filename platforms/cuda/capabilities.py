@@ -1,0 +1,140 @@
+"""What this CUDA machine and this torch build can do, read once and kept as data.
+
+May assume: ``torch`` is importable; nothing else. Reading a ``Caps`` touches
+no kernel: ``detect_caps()`` queries device properties (no allocation), looks
+for vendor modules with ``find_spec`` and introspects torch signatures; the
+FA3 module itself is imported only by ``load_fa3()``, when an attention spec is
+resolved. Resolution code takes a ``Caps`` argument, so tests can hand it a
+made-up machine (an sm89 card, a torch without ``varlen_attn``) on a CPU box.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from omni.specs import PlatformInfo
+
+FA3_MODULES = ("fa3_fwd_interface", "flash_attn_interface")  # probe order, as vllm-omni
+_FA3_CONFIGS = {"fa3_fwd_interface": "fa3_fwd_config", "flash_attn_interface": "flash_attn_config"}
+
+
+@dataclass(frozen=True)
+class Caps:
+    """One device's capability snapshot plus the torch / vendor features present."""
+
+    sm: tuple[int, int] = (0, 0)
+    cuda_version: tuple[int, int] = (0, 0)  # torch.version.cuda
+    fa3_module: str | None = None  # importable FA3 interface module name (found, not imported)
+    varlen_params: frozenset[str] = frozenset()  # keyword names of torch varlen_attn; empty = absent
+    has_flex: bool = False
+    has_scaled_mm: bool = False
+    has_grouped_mm: bool = False
+    has_scaled_grouped_mm: bool = False
+
+    @property
+    def fp8(self) -> bool:
+        return self.sm >= (8, 9) and self.has_scaled_mm
+
+    @property
+    def varlen(self) -> bool:
+        return bool(self.varlen_params)
+
+    @property
+    def native_paged(self) -> bool:
+        """A kernel that reads a paged pool itself (no gather): varlen with block_table."""
+        return "block_table" in self.varlen_params and "seqused_k" in self.varlen_params
+
+    def names(self) -> frozenset[str]:
+        """Capability flags for ``PlatformInfo.capabilities``."""
+        flags = {"graphs"}
+        flags |= {"fp8"} if self.fp8 else set()
+        flags |= {"paged_kv"} if self.native_paged else set()
+        flags |= {"fa3"} if self.fa3_module and self.sm[0] == 9 else set()
+        flags |= {"varlen"} if self.varlen else set()
+        flags |= {"flex"} if self.has_flex else set()
+        flags |= {"grouped_mm"} if self.has_grouped_mm else set()
+        return frozenset(flags)
+
+
+def _version_tuple(text: str | None) -> tuple[int, int]:
+    if not text:
+        return (0, 0)
+    major, minor = (text.split(".") + ["0"])[:2]
+    return (int(major), int(minor))
+
+
+def varlen_params() -> frozenset[str]:
+    """Parameter names of ``torch.nn.attention.varlen.varlen_attn`` (empty when absent)."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return frozenset()
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def find_fa3() -> str | None:
+    """Name of the first FA3 interface module that is installed (not imported)."""
+    return next((m for m in FA3_MODULES if importlib.util.find_spec(m) is not None), None)
+
+
+def detect_caps(device_index: int = 0) -> Caps:
+    """Snapshot of device ``device_index``; needs ``torch.cuda.is_available()``."""
+    props = torch.cuda.get_device_properties(device_index)
+    return Caps(
+        sm=(props.major, props.minor),
+        cuda_version=_version_tuple(torch.version.cuda),
+        fa3_module=find_fa3(),
+        varlen_params=varlen_params(),
+        has_flex=importlib.util.find_spec("torch.nn.attention.flex_attention") is not None,
+        has_scaled_mm=hasattr(torch, "_scaled_mm"),
+        has_grouped_mm=hasattr(torch, "_grouped_mm"),
+        has_scaled_grouped_mm=hasattr(torch, "_scaled_grouped_mm"),
+    )
+
+
+@dataclass(frozen=True)
+class Fa3:
+    """An imported FA3 interface and what its build supports."""
+
+    module: object
+    name: str
+    fp16: bool = True
+    paged: bool = True
+    head_dims: tuple[int, ...] = (64, 96, 128, 192, 256)
+
+
+def load_fa3(name: str) -> Fa3 | str:
+    """Import FA3 module ``name``; a reason string when it cannot be used."""
+    try:
+        module = importlib.import_module(name)
+    except (ImportError, OSError, RuntimeError) as err:  # a broken vendor build is a reason, not a crash
+        return f"fa3: importing {name} failed: {type(err).__name__}: {err}"
+    flags = _fa3_build_flags(name)
+    dims = tuple(d for d in (64, 96, 128, 192, 256) if not flags.get(f"FLASHATTENTION_DISABLE_HDIM{d}", False))
+    return Fa3(module, name, fp16=not flags.get("FLASHATTENTION_DISABLE_FP16", False),
+               paged=not flags.get("FLASHATTENTION_DISABLE_PAGEDKV", False), head_dims=dims)
+
+
+def _fa3_build_flags(name: str) -> dict:
+    config = _FA3_CONFIGS.get(name)
+    if config is None or importlib.util.find_spec(config) is None:
+        return {}  # full upstream build: every feature compiled in
+    return dict(importlib.import_module(config).CONFIG.get("build_flags", {}))
+
+
+def platform_info(reject) -> PlatformInfo | None:
+    """Cheap detection: device count and properties only, no allocation, no vendor import."""
+    if torch.version.hip is not None:
+        return reject(f"cuda: this torch is a ROCm build (torch.version.hip={torch.version.hip}); use --platform rocm")
+    if torch.version.cuda is None:
+        return reject("cuda: this torch was built without CUDA (torch.version.cuda is None)")
+    if not torch.cuda.is_available():
+        return reject("cuda: torch.cuda.is_available() is False (no NVIDIA driver or no visible device)")
+    props = torch.cuda.get_device_properties(0)
+    return PlatformInfo(name="cuda", device_type="cuda", dist_backend="nccl",
+                        device_count=torch.cuda.device_count(), device_name=props.name,
+                        memory_bytes=props.total_memory, capabilities=detect_caps(0).names())

@@ -1,0 +1,170 @@
+"""Dense and grouped (MoE) GEMMs of the CUDA platform, plain and FP8.
+
+May assume: weights and activations live on the worker's CUDA device. The
+quantization math is ``omni.quant``'s (e4m3, absmax scales, dynamic
+activations), so a prepared weight here dequantizes exactly as the
+reference's does; only the product runs on tensor cores.
+
+Layouts: ``PreparedWeight.data`` stays ``[O, I]`` / ``[E, O, I]`` row-major
+(the documented layout); ``torch._scaled_mm`` and the grouped kernels get the
+free transposed view (``[I, O]`` column-major) they require. Grouped FP8
+weights keep one scale per output row, ``[E, O, 1]`` (a per-expert tensor
+scale is broadcast once at load), since ``_scaled_grouped_mm`` is row-wise.
+Every ``__call__`` is capturable: no host reads of ``offsets_E``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omni import quant
+from omni.specs import GemmSpec, GroupedGemmSpec, PreparedWeight
+
+from .capabilities import Caps
+
+FP8_SCHEMES = ("fp8_tensor", "fp8_row")
+LATER = {
+    "mxfp8": "mxfp8 needs sm100 block-scaled kernels (e8m0 scales); lands later",
+    "nvfp4": "nvfp4 needs sm100 fp4 kernels; lands later",
+    "w8a8": "w8a8 int8 kernels land later",
+}
+
+
+def _unwrap(y):
+    return y[0] if isinstance(y, tuple) else y  # torch < 2.4 returned (out, amax)
+
+
+# ----------------------------------------------------------------- dense
+
+
+class CudaLinear:
+    name = "cuda-linear"
+
+    def __init__(self, spec: GemmSpec):
+        self.dtype = spec.dtype
+
+    def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
+        return PreparedWeight(w_OI)
+
+    def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
+        return F.linear(x_TI.to(self.dtype), w.data, bias_O)
+
+
+class Fp8Linear:
+    """``torch._scaled_mm`` with e4m3 weights and dynamic per-tensor / per-token activations."""
+
+    def __init__(self, spec: GemmSpec, caps: Caps):
+        self.spec, self.per_row = spec, spec.quant == "fp8_row"
+        self.name = f"cuda-scaled-mm[{spec.quant}]"
+        # row-wise on other than sm90 + cuBLAS >= 12.9 runs a CUTLASS kernel that writes bf16 only
+        any_out = not self.per_row or (caps.sm[0] == 9 and caps.cuda_version >= (12, 9))
+        self.out_dtype = spec.dtype if any_out else torch.bfloat16
+        self.fuse_bias = self.out_dtype in (torch.bfloat16, torch.float16)
+
+    def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
+        return quant.prepare_weight(w_OI.contiguous(), self.spec.quant)
+
+    def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
+        lead, x = x_TI.shape[:-1], x_TI.reshape(-1, self.spec.in_features).to(self.spec.dtype)
+        xq, x_scale = quant.quantize_fp8(x, per_row=self.per_row)
+        w_scale = w.scale.view(1, -1) if self.per_row else w.scale
+        bias = bias_O.to(self.out_dtype) if bias_O is not None and self.fuse_bias else None
+        y = _unwrap(torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale, bias=bias,
+                                     out_dtype=self.out_dtype)).to(self.spec.dtype)
+        if bias_O is not None and bias is None:
+            y = y + bias_O
+        return y.reshape(*lead, self.spec.out_features)
+
+
+def resolve_linear(spec: GemmSpec, caps: Caps, reject):
+    if spec.quant == "none":
+        return CudaLinear(spec)
+    if spec.quant in LATER:
+        return reject(f"cuda: quant {spec.quant!r}: {LATER[spec.quant]}")
+    if not caps.has_scaled_mm:
+        return reject("cuda: torch._scaled_mm is not in this torch")
+    if caps.sm < (8, 9):
+        return reject(f"cuda: {spec.quant} needs compute capability >= 8.9 (FP8 tensor cores), device is sm{caps.sm[0]}{caps.sm[1]}")
+    if spec.in_features % 16 or spec.out_features % 16:
+        return reject(f"cuda: torch._scaled_mm needs in/out features divisible by 16, got {spec.in_features}x{spec.out_features}")
+    return Fp8Linear(spec, caps)
+
+
+# ----------------------------------------------------------------- grouped
+
+
+class GroupedMM:
+    """``torch._grouped_mm`` (bf16) over expert-sorted rows with int32 cumulative offsets."""
+
+    name = "cuda-grouped-mm"
+
+    def __init__(self, spec: GroupedGemmSpec):
+        self.spec = spec
+
+    def prepare_weight(self, w_EOI: torch.Tensor) -> PreparedWeight:
+        return PreparedWeight(w_EOI.contiguous())
+
+    def __call__(self, x_TI, w: PreparedWeight, offsets_E) -> torch.Tensor:
+        x = x_TI.to(torch.bfloat16).contiguous()
+        return torch._grouped_mm(x, w.data.transpose(-2, -1), offs=offsets_E.to(torch.int32), out_dtype=torch.bfloat16)
+
+
+def group_tensor_scales(x_TI: torch.Tensor, offsets_E: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Per-row fp32 scales ``[T, 1]`` equal to the absmax scale of each row's expert group (no host sync)."""
+    rows = torch.arange(x_TI.shape[0], device=x_TI.device, dtype=offsets_E.dtype)
+    expert = torch.searchsorted(offsets_E, rows, right=True).clamp_max(num_experts - 1).long()
+    row_amax = x_TI.abs().amax(dim=-1).float()
+    group_amax = row_amax.new_zeros(num_experts).scatter_reduce(0, expert, row_amax, "amax")
+    return (group_amax / quant.FP8_MAX).clamp_min(1e-12)[expert][:, None]
+
+
+class ScaledGroupedMM:
+    """``torch._scaled_grouped_mm``: e4m3 rows x e4m3 experts, row-wise scales, bf16 out."""
+
+    def __init__(self, spec: GroupedGemmSpec):
+        self.spec, self.per_row = spec, spec.quant == "fp8_row"
+        self.name = f"cuda-scaled-grouped-mm[{spec.quant}]"
+
+    def prepare_weight(self, w_EOI: torch.Tensor) -> PreparedWeight:
+        p = quant.prepare_weight(w_EOI.contiguous(), self.spec.quant)
+        e, o, _ = w_EOI.shape
+        return PreparedWeight(p.data, p.scale.expand(e, o, 1).contiguous())
+
+    def __call__(self, x_TI, w: PreparedWeight, offsets_E) -> torch.Tensor:
+        x, offs = x_TI.to(self.spec.dtype), offsets_E.to(torch.int32)
+        if self.per_row:
+            xq, x_scale = quant.quantize_fp8(x, per_row=True)
+        else:  # reference semantics: one activation scale per expert group
+            x_scale = group_tensor_scales(x, offs, self.spec.num_experts)
+            xq = (x.float() / x_scale).clamp(-quant.FP8_MAX, quant.FP8_MAX).to(torch.float8_e4m3fn)
+        e, o = self.spec.num_experts, self.spec.out_features
+        return torch._scaled_grouped_mm(xq, w.data.transpose(-2, -1), x_scale.view(-1), w.scale.view(e, o),
+                                        offs=offs, out_dtype=torch.bfloat16)
+
+
+def resolve_grouped(spec: GroupedGemmSpec, caps: Caps, reject):
+    if spec.quant in LATER:
+        return reject(f"cuda: quant {spec.quant!r}: {LATER[spec.quant]}")
+    if spec.dtype != torch.bfloat16:
+        return reject(f"cuda: grouped GEMM kernels write bf16 only, spec.dtype is {spec.dtype}")
+    if spec.quant == "none":
+        return _grouped_bf16(spec, caps, reject)
+    return _grouped_fp8(spec, caps, reject)
+
+
+def _grouped_bf16(spec: GroupedGemmSpec, caps: Caps, reject):
+    if not caps.has_grouped_mm or caps.sm < (8, 0):
+        return reject(f"cuda: torch._grouped_mm needs this torch to have it and sm80+ (has={caps.has_grouped_mm}, sm{caps.sm[0]}{caps.sm[1]})")
+    if spec.in_features % 8 or spec.out_features % 8:
+        return reject(f"cuda: torch._grouped_mm needs 16-byte aligned rows (features % 8 in bf16), got {spec.in_features}x{spec.out_features}")
+    return GroupedMM(spec)
+
+
+def _grouped_fp8(spec: GroupedGemmSpec, caps: Caps, reject):
+    if not caps.has_scaled_grouped_mm:
+        return reject("cuda: torch._scaled_grouped_mm is not in this torch")
+    if caps.sm not in ((9, 0), (10, 0)):
+        return reject(f"cuda: torch._scaled_grouped_mm runs on sm90/sm100 only, device is sm{caps.sm[0]}{caps.sm[1]}")
+    if spec.in_features % 16 or spec.out_features % 16:
+        return reject(f"cuda: torch._scaled_grouped_mm needs features divisible by 16, got {spec.in_features}x{spec.out_features}")
+    return ScaledGroupedMM(spec)

@@ -1,0 +1,225 @@
+"""Spec grid, input builders and oracles shared by the conformance tests.
+
+Two oracles, both computed on the CPU:
+
+- ``naive_*``: written here, independently of ``omni.reference`` (explicit
+  einsum softmax with explicit masks, explicit fp8 quantize / dequantize and
+  a float64 matmul), used for the ``cpu`` platform, whose kernels *are* the
+  reference, so that the check can fail;
+- ``reference_*``: the reference platform's own kernels run in float32 on
+  the CPU, used for accelerator platforms.
+
+Shape suffixes as in ``omni.specs``: T queries, S keys, N heads, K kv heads,
+H head dim, P pages, G page size, B sequences, I/O features, E experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections import defaultdict
+
+import torch
+
+from omni import platform_manager
+from omni.reference import ReferenceAttention, ReferenceGroupedGemm, ReferenceLinear
+from omni.specs import AttentionSpec, GemmSpec, GroupedGemmSpec, VarlenMeta
+
+FP8_MAX = 448.0  # OCP e4m3, written out here on purpose (independent of omni.quant)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOL = {
+    torch.float32: dict(atol=2e-4, rtol=2e-4),
+    torch.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+}
+# (query lengths, key lengths) per sequence; no zero lengths, q never longer than k
+BATCHES = {
+    "mixed": ([1, 17, 64], [1, 17, 64]),
+    "q<k": ([5, 17, 32], [40, 17, 100]),
+    "equal": ([16, 16, 16, 16], [48, 48, 48, 48]),
+}
+GQA = {1: (4, 4), 4: (8, 2)}  # ratio -> (num_heads, num_kv_heads)
+
+@functools.lru_cache(maxsize=None)
+def get_platform(name: str):
+    """One selected ``Platform`` per name for the whole session, bound to device 0."""
+    platform = platform_manager.select(name)
+    platform.device_services(0)
+    return platform
+
+
+def device_of(name: str) -> str:
+    return get_platform(name).info.device_type
+
+
+# which kernel answered which spec, printed at the end of the session (conftest)
+RESOLVED: dict[tuple, set[str]] = defaultdict(set)
+
+
+def attention_grid():
+    """(dtype, head_dim, gqa, mask, page_size, batch); page_size 0 = not paged; dense is never paged."""
+    for dt, hd, gqa, mask, page, batch in itertools.product(DTYPES, (64, 128), GQA, ("none", "causal", "dense"),
+                                                             (0, 16, 256), BATCHES):
+        if not (mask == "dense" and page):
+            yield dt, hd, gqa, mask, page, batch
+
+
+def attention_spec(dtype, head_dim, gqa, mask, page, backend="auto", capturable=False) -> AttentionSpec:
+    n, k = GQA[gqa]
+    return AttentionSpec(num_heads=n, num_kv_heads=k, head_dim=head_dim, dtype=DTYPES[dtype], mask=mask,
+                         paged=bool(page), page_size=page, backend=backend, capturable=capturable)
+
+
+def _cu(lengths) -> tuple[int, ...]:
+    return tuple(itertools.accumulate(lengths, initial=0))
+
+
+def make_attention_case(spec: AttentionSpec, batch: str, device, seed: int = 0):
+    """Random packed q/k/v (k/v as page pools when paged) and the matching ``VarlenMeta``."""
+    g = torch.Generator().manual_seed(seed)
+    lq, lk = BATCHES[batch]
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    n, kh, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(spec.dtype)
+
+    q = rand(cu_q[-1], n, h)
+    extra = {}
+    if spec.paged:
+        k, v, extra = _paged_pools(lk, spec.page_size, kh, h, g, rand)
+    else:
+        k, v = rand(cu_k[-1], kh, h), rand(cu_k[-1], kh, h)
+    if spec.mask == "dense":
+        extra["mask_TS"] = _dense_mask(lq, lk, g)
+    meta = VarlenMeta(
+        cu_seqlens_q_B1=torch.tensor(cu_q, dtype=torch.int32), cu_seqlens_k_B1=torch.tensor(cu_k, dtype=torch.int32),
+        max_seqlen_q=max(lq), max_seqlen_k=max(lk), cu_seqlens_q_host=cu_q, cu_seqlens_k_host=cu_k, **extra)
+    return q.to(device), k.to(device), v.to(device), meta_to(meta, device)
+
+
+def _paged_pools(lk, page, kh, h, g, rand):
+    pages = [math.ceil(n / page) for n in lk]
+    num_pages = sum(pages) + 3  # a few pages nobody owns
+    order = torch.randperm(num_pages, generator=g).tolist()
+    table = torch.zeros(len(lk), max(pages), dtype=torch.int32)
+    start = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = torch.tensor(order[start:start + p], dtype=torch.int32)
+        start += p
+    k, v = rand(num_pages, page, kh, h), rand(num_pages, page, kh, h)
+    return k, v, {"block_table_BP": table, "seqused_k_B": torch.tensor(lk, dtype=torch.int32)}
+
+
+def _dense_mask(lq, lk, g) -> torch.Tensor:
+    """Block-diagonal random mask over packed tokens; every query keeps its run's last key."""
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    mask = torch.zeros(cu_q[-1], cu_k[-1], dtype=torch.bool)
+    for b in range(len(lq)):
+        block = torch.rand(lq[b], lk[b], generator=g) < 0.5
+        block[:, -1] = True
+        mask[cu_q[b]:cu_q[b + 1], cu_k[b]:cu_k[b + 1]] = block
+    return mask
+
+
+def meta_to(meta: VarlenMeta, device) -> VarlenMeta:
+    moved = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+    return VarlenMeta(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+# ----------------------------------------------------------------- attention oracles
+
+
+def naive_attention(spec: AttentionSpec, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+    """float64 einsum-softmax attention with every mask written out."""
+    q, k, v = (t.detach().cpu().double() for t in (q_TNH, k, v))
+    meta = meta_to(meta, "cpu")
+    scale = spec.scale or 1.0 / math.sqrt(spec.head_dim)
+    kv_head = torch.arange(spec.num_heads) // (spec.num_heads // spec.num_kv_heads)
+    if spec.mask == "dense":
+        return _softmax_attend(q, k[:, kv_head], v[:, kv_head], meta.mask_TS, scale)
+    out = torch.zeros_like(q)
+    cq, ck = meta.cu_seqlens_q_host, meta.cu_seqlens_k_host
+    for b in range(len(cq) - 1):
+        qb = q[cq[b]:cq[b + 1]]
+        if spec.paged:
+            n = int(meta.seqused_k_B[b])
+            pages = [int(p) for p in meta.block_table_BP[b][: math.ceil(n / spec.page_size)]]
+            kb = torch.cat([k[p] for p in pages])[:n]
+            vb = torch.cat([v[p] for p in pages])[:n]
+        else:
+            kb, vb = k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
+        lq, lk = qb.shape[0], kb.shape[0]
+        allowed = torch.ones(lq, lk, dtype=torch.bool)
+        if spec.mask == "causal":  # query i (of lq) sees key j iff j <= i + (lk - lq)
+            allowed = torch.tensor([[j <= i + (lk - lq) for j in range(lk)] for i in range(lq)])
+        out[cq[b]:cq[b + 1]] = _softmax_attend(qb, kb[:, kv_head], vb[:, kv_head], allowed, scale)
+    return out
+
+
+def _softmax_attend(q_TNH, k_SNH, v_SNH, allowed_TS, scale) -> torch.Tensor:
+    scores = torch.einsum("tnh,snh->nts", q_TNH, k_SNH) * scale
+    scores = scores.masked_fill(~allowed_TS[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("nts,snh->tnh", probs, v_SNH)
+
+
+def reference_attention(spec: AttentionSpec, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+    """The reference kernel in float32 on the CPU."""
+    ref = ReferenceAttention(dataclasses.replace(spec, dtype=torch.float32))
+    return ref(q_TNH.cpu().float(), k.cpu().float(), v.cpu().float(), meta_to(meta, "cpu"))
+
+
+# ----------------------------------------------------------------- GEMM oracles
+
+
+def naive_fp8(x: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """Quantize to e4m3 with an absmax scale (fp32 arithmetic) and dequantize back to float64."""
+    x32 = x.float()
+    amax = x32.abs().amax(dim=-1, keepdim=True) if per_row else x32.abs().amax()
+    scale = (amax / FP8_MAX).clamp_min(1e-12)
+    q = (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.double() * scale.double()
+
+
+def naive_linear(spec: GemmSpec, x, w_OI, bias_O) -> torch.Tensor:
+    x, w = x.detach().cpu().to(spec.dtype), w_OI.detach().cpu()
+    if spec.quant != "none":
+        per_row = spec.quant == "fp8_row"
+        x, w = naive_fp8(x, per_row), naive_fp8(w, per_row)
+    y = torch.einsum("...i,oi->...o", x.double(), w.double())
+    return y if bias_O is None else y + bias_O.cpu().double()
+
+
+def naive_grouped(spec: GroupedGemmSpec, x_TI, w_EOI, offsets_E) -> torch.Tensor:
+    x, w = x_TI.detach().cpu().to(spec.dtype), w_EOI.detach().cpu()
+    y = torch.zeros(x.shape[0], spec.out_features, dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offsets_E.cpu().tolist()):
+        xe, we = x[start:end], w[e]
+        if spec.quant != "none" and end > start:  # fp8_tensor: one scale per expert group of rows
+            per_row = spec.quant == "fp8_row"
+            xe, we = naive_fp8(xe, per_row), naive_fp8(we, per_row)
+        y[start:end] = xe.double() @ we.double().T
+        start = end
+    return y
+
+
+def reference_linear(spec: GemmSpec, x, w_OI, bias_O) -> torch.Tensor:
+    ref = ReferenceLinear(dataclasses.replace(spec, dtype=torch.float32))
+    bias = None if bias_O is None else bias_O.cpu().float()
+    return ref(x.cpu().float(), ref.prepare_weight(w_OI.cpu().float()), bias)
+
+
+def reference_grouped(spec: GroupedGemmSpec, x_TI, w_EOI, offsets_E) -> torch.Tensor:
+    ref = ReferenceGroupedGemm(dataclasses.replace(spec, dtype=torch.float32))
+    return ref(x_TI.cpu().float(), ref.prepare_weight(w_EOI.cpu().float()), offsets_E.cpu())
+
+
+def oracles(platform_name: str):
+    """(attention, linear, grouped) oracle functions for a platform under test."""
+    if platform_name == "cpu":
+        return naive_attention, naive_linear, naive_grouped
+    return reference_attention, reference_linear, reference_grouped

@@ -1,0 +1,65 @@
+"""Resolved attention kernels against an oracle, over the spec grid, per platform.
+
+The grid covers fp32/bf16/fp16, head dims 64/128, GQA 1 and 4, varlen batches
+with unequal and mismatched q/k lengths ([1, 17, 64]; q shorter than k;
+equal lengths), masks none / causal (bottom-right) / dense, and paged KV with
+page sizes 16 and 256. A second, smaller grid asks the CUDA platform for each
+backend by name (fa3, varlen, sdpa, flex); a backend that refuses the spec is
+skipped with its reason.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conformance_cases import (RESOLVED, TOL, attention_grid, attention_spec, device_of, get_platform,
+                               make_attention_case, oracles)
+
+GRID = list(attention_grid())
+
+
+def _check(impl, spec, batch, platform_name, seed=0):
+    q, k, v, meta = make_attention_case(spec, batch, device_of(platform_name), seed)
+    out = impl(q, k, v, meta)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    expected = oracles(platform_name)[0](spec, q, k, v, meta)
+    torch.testing.assert_close(out.float().cpu(), expected.float(), **TOL[spec.dtype])
+    assert torch.equal(impl(q, k, v, meta), out), "same inputs must give bitwise identical outputs"
+
+
+@pytest.mark.parametrize("dtype,head_dim,gqa,mask,page,batch", GRID,
+                         ids=[f"{d}-h{h}-gqa{g}-{m}-page{p}-{b}" for d, h, g, m, p, b in GRID])
+def test_attention_matches_oracle(platform_name, dtype, head_dim, gqa, mask, page, batch):
+    spec = attention_spec(dtype, head_dim, gqa, mask, page)
+    impl = get_platform(platform_name).attention(spec)
+    RESOLVED[(platform_name, "attention", dtype, mask, f"page{page}", "auto")].add(impl.name)
+    _check(impl, spec, batch, platform_name)
+
+
+BACKEND_GRID = [
+    (backend, dtype, hd, gqa, mask, page, batch)
+    for backend in ("fa3", "varlen", "sdpa")
+    for dtype in ("bf16", "fp16")
+    for hd in (64, 128)
+    for gqa in (1, 4)
+    for mask, page in (("none", 0), ("causal", 0), ("causal", 256), ("dense", 0))
+    for batch in ("mixed", "q<k")
+] + [("flex", "bf16", 64, 4, "dense", 0, "mixed"), ("flex", "bf16", 64, 1, "causal", 0, "q<k")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend,dtype,head_dim,gqa,mask,page,batch", BACKEND_GRID,
+                         ids=["-".join(map(str, c)) for c in BACKEND_GRID])
+def test_cuda_named_backend(backend, dtype, head_dim, gqa, mask, page, batch):
+    if not torch.cuda.is_available():
+        pytest.skip("cuda: no CUDA device here")
+    from omni.platforms.cuda.plugin import plugin
+
+    spec = attention_spec(dtype, head_dim, gqa, mask, page, backend=backend)
+    reasons: list[str] = []
+    impl = plugin.omni_attention_impl(spec=spec, reject=reasons.append)
+    if impl is None:
+        assert reasons, "a refusal must carry a reason"
+        pytest.skip("; ".join(reasons))
+    RESOLVED[("cuda", "attention", dtype, mask, f"page{page}", backend)].add(impl.name)
+    _check(impl, spec, batch, "cuda")

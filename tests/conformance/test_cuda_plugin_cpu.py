@@ -1,0 +1,222 @@
+"""The CUDA plugin's logic, checked on a CPU box.
+
+- importing it has no side effects;
+- backend selection and refusal reasons, against made-up machines (``Caps``);
+- the FA3 call contract, against a recording double of the FA3 module;
+- kernels that are plain torch (SDPA packing/paging, ``_scaled_mm``,
+  ``_grouped_mm``, per-group fp8 scales) run on CPU tensors against the
+  naive oracles. Their CUDA runs are in the ``cuda`` conformance cases.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conformance_cases import (TOL, attention_grid, attention_spec, make_attention_case, naive_attention,
+                               naive_grouped, naive_linear)
+from omni.platforms.cuda import attention, gemm
+from omni.platforms.cuda.capabilities import Caps, Fa3
+from omni.specs import GemmSpec, GroupedGemmSpec
+
+VARLEN_2_13 = frozenset({"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "return_aux",
+                         "scale", "window_size", "enable_gqa", "seqused_k", "block_table", "num_splits"})
+VARLEN_2_10 = frozenset({"query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal",
+                         "return_aux"})
+H100 = Caps(sm=(9, 0), cuda_version=(13, 0), varlen_params=VARLEN_2_13, has_flex=True, has_scaled_mm=True,
+            has_grouped_mm=True, has_scaled_grouped_mm=True)
+A100 = dataclasses.replace(H100, sm=(8, 0))
+OLD_TORCH = dataclasses.replace(H100, varlen_params=VARLEN_2_10, has_scaled_grouped_mm=False)
+
+
+def test_import_has_no_side_effects():
+    code = (
+        "import sys, torch\n"
+        "before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())\n"
+        "import omni.platforms.cuda.plugin\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialized at import'\n"
+        "vendor = [m for m in ('fa3_fwd_interface', 'flash_attn_interface', 'flash_attn') if m in sys.modules]\n"
+        "assert not vendor, vendor\n"
+        "after = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())\n"
+        "assert before == after, (before, after)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_detection_refuses_with_a_reason_without_cuda():
+    from omni import platform_manager
+
+    with pytest.raises(platform_manager.PlatformError, match="cuda: "):
+        platform_manager.select("cuda")
+
+
+# ----------------------------------------------------------------- selection against made-up machines
+
+
+def _resolve(caps, **kw):
+    spec = attention_spec(**{"dtype": "bf16", "head_dim": 128, "gqa": 4, "mask": "causal", "page": 0, **kw})
+    reasons: list[str] = []
+    impl = attention.resolve(spec, caps, reasons.append)
+    return impl, reasons
+
+
+@pytest.mark.parametrize("caps,kw,expected", [
+    (H100, {}, "cuda-varlen"),
+    (H100, {"dtype": "fp32"}, "cuda-sdpa"),
+    (H100, {"mask": "dense"}, "cuda-sdpa"),
+    (H100, {"page": 16}, "cuda-sdpa"),
+    (H100, {"page": 256}, "cuda-varlen"),
+    (H100, {"head_dim": 320}, "cuda-sdpa"),
+    (OLD_TORCH, {}, "cuda-varlen"),
+    (OLD_TORCH, {"page": 256}, "cuda-sdpa"),
+    (H100, {"backend": "sdpa"}, "cuda-sdpa"),
+    (H100, {"backend": "flex", "mask": "dense"}, "cuda-flex"),
+], ids=["bf16", "fp32", "dense", "page16", "page256", "hd320", "old-torch", "old-torch-paged", "named-sdpa", "named-flex"])
+def test_auto_and_named_selection(caps, kw, expected):
+    impl, reasons = _resolve(caps, **kw)
+    assert impl is not None and impl.name == expected and not reasons
+
+
+def test_auto_records_why_faster_backends_were_skipped():
+    impl, _ = _resolve(H100, dtype="fp32")
+    assert any("fa3: neither" in r for r in impl.skipped) and any("varlen: needs fp16/bf16" in r for r in impl.skipped)
+
+
+@pytest.mark.parametrize("caps,kw,reason", [
+    (H100, {"backend": "fa3"}, "fa3: neither fa3_fwd_interface nor flash_attn_interface is installed"),
+    (dataclasses.replace(A100, fa3_module="flash_attn_interface"), {"backend": "fa3"}, "fa3: needs sm90"),
+    (H100, {"backend": "varlen", "dtype": "fp32"}, "varlen: needs fp16/bf16"),
+    (H100, {"backend": "varlen", "page": 16}, "page_size % 256 == 0, got 16"),
+    (H100, {"backend": "varlen", "mask": "dense"}, "varlen: no arbitrary (dense) masks"),
+    (OLD_TORCH, {"backend": "varlen", "page": 256}, "takes no block_table"),
+    (dataclasses.replace(H100, varlen_params=frozenset()), {"backend": "varlen"}, "varlen_attn is not in this torch"),
+    (H100, {"backend": "flex", "page": 16}, "flex: paged KV"),
+    (H100, {"backend": "flex", "capturable": True}, "not capturable"),
+    (H100, {"backend": "bogus"}, "unknown attention backend 'bogus'"),
+], ids=["fa3-missing", "fa3-sm80", "varlen-fp32", "varlen-page16", "varlen-dense", "varlen-old-paged",
+        "varlen-missing", "flex-paged", "flex-capture", "unknown"])
+def test_named_backend_refuses_with_reason_never_falls_back(caps, kw, reason):
+    impl, reasons = _resolve(caps, **kw)
+    assert impl is None and any(reason in r for r in reasons), reasons
+    assert all(r.startswith("cuda: ") for r in reasons)
+
+
+def test_varlen_keywords_follow_the_torch_signature():
+    new, _ = _resolve(H100)
+    old, _ = _resolve(OLD_TORCH)
+    assert new.kw == {"scale": 1 / math.sqrt(128), "window_size": (-1, 0), "enable_gqa": True}
+    assert old.kw == {"is_causal": True}  # 2.10: default scale, native GQA in the kernel
+
+
+@pytest.mark.parametrize("factory,spec,caps,reason", [
+    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="fp8_row"), A100, ">= 8.9"),
+    ("linear", GemmSpec(in_features=40, out_features=64, dtype=torch.bfloat16, quant="fp8_tensor"), H100, "divisible by 16"),
+    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="nvfp4"), H100, "lands later"),
+    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="mxfp8"), H100, "lands later"),
+    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="w8a8"), H100, "land later"),
+    ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=torch.float16), H100, "bf16 only"),
+    ("grouped", GroupedGemmSpec(num_experts=4, in_features=36, out_features=64, dtype=torch.bfloat16), H100, "16-byte aligned"),
+    ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=torch.bfloat16,
+                                quant="fp8_row"), A100, "sm90/sm100 only"),
+    ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=torch.bfloat16,
+                                quant="fp8_row"), OLD_TORCH, "_scaled_grouped_mm is not in this torch"),
+])
+def test_gemm_refusals(factory, spec, caps, reason):
+    reasons: list[str] = []
+    resolve = gemm.resolve_linear if factory == "linear" else gemm.resolve_grouped
+    assert resolve(spec, caps, reasons.append) is None
+    assert any(reason in r for r in reasons), reasons
+
+
+# ----------------------------------------------------------------- FA3 contract (recording double)
+
+
+class FakeFa3:
+    """Records calls; computes with the naive oracle; returns ``(out, lse)`` like older FA3 builds."""
+
+    def __init__(self, spec):
+        self.spec, self.calls = spec, []
+
+    def flash_attn_varlen_func(self, q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, causal):
+        self.calls.append(dict(cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=softmax_scale, causal=causal))
+        from omni.specs import VarlenMeta
+
+        meta = VarlenMeta(cu_seqlens_q_B1=cu_q, cu_seqlens_k_B1=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                          cu_seqlens_q_host=tuple(cu_q.tolist()), cu_seqlens_k_host=tuple(cu_k.tolist()))
+        assert causal == (self.spec.mask == "causal")
+        return naive_attention(self.spec, q, k, v, meta).to(q.dtype), torch.zeros(1)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_fa3_call_contract(mask):
+    spec = attention_spec("bf16", 128, 4, mask, 0, backend="fa3")
+    fake = FakeFa3(spec)
+    caps = dataclasses.replace(H100, fa3_module="fa3_fwd_interface")
+    reasons: list[str] = []
+    impl = attention.build_fa3(spec, caps, reasons.append, load=lambda name: Fa3(fake, name, fp16=False, paged=False))
+    assert impl.name == "cuda-fa3(fa3_fwd_interface)"
+    q, k, v, meta = make_attention_case(spec, "q<k", "cpu")
+    out = impl(q, k, v, meta)
+    torch.testing.assert_close(out.float(), naive_attention(spec, q, k, v, meta).float(), **TOL[torch.bfloat16])
+    assert fake.calls[0]["max_q"] == 32 and fake.calls[0]["scale"] == pytest.approx(1 / math.sqrt(128))
+    fp16 = attention_spec("fp16", 128, 4, mask, 0, backend="fa3")
+    assert attention.build_fa3(fp16, caps, reasons.append, load=lambda n: Fa3(fake, n, fp16=False)) is None
+    assert "without fp16" in reasons[-1]
+    paged = attention_spec("bf16", 128, 4, mask, 256, backend="fa3")
+    assert attention.build_fa3(paged, caps, reasons.append, load=lambda n: Fa3(fake, n, paged=False)) is None
+    assert "without paged KV" in reasons[-1]
+
+
+# ----------------------------------------------------------------- torch-only kernels on CPU tensors
+
+SDPA_GRID = [c for c in attention_grid() if c[0] in ("fp32", "bf16") and c[1] == 64]
+
+
+@pytest.mark.parametrize("dtype,head_dim,gqa,mask,page,batch", SDPA_GRID,
+                         ids=[f"{d}-h{h}-gqa{g}-{m}-page{p}-{b}" for d, h, g, m, p, b in SDPA_GRID])
+def test_cuda_sdpa_kernel_on_cpu_tensors(dtype, head_dim, gqa, mask, page, batch):
+    spec = attention_spec(dtype, head_dim, gqa, mask, page, capturable=True)
+    impl = attention.SdpaAttention(spec)
+    q, k, v, meta = make_attention_case(spec, batch, "cpu", seed=7)
+    torch.testing.assert_close(impl(q, k, v, meta).float(), naive_attention(spec, q, k, v, meta).float(),
+                               **TOL[spec.dtype])
+
+
+@pytest.mark.parametrize("quant,dtype", list(itertools.product(("none", "fp8_tensor", "fp8_row"),
+                                                                (torch.bfloat16, torch.float32))))
+def test_cuda_linear_kernels_on_cpu_tensors(quant, dtype):
+    spec = GemmSpec(in_features=64, out_features=48, dtype=dtype, quant=quant, bias=True)
+    impl = gemm.resolve_linear(spec, H100, pytest.fail)
+    g = torch.Generator().manual_seed(0)
+    w, x, b = (torch.randn(*s, generator=g).to(dtype) for s in ((48, 64), (3, 7, 64), (48,)))
+    y = impl(x, impl.prepare_weight(w), b)
+    assert y.dtype == dtype and y.shape == (3, 7, 48)
+    torch.testing.assert_close(y.float(), naive_linear(spec, x, w, b).float(), **TOL[torch.bfloat16])
+
+
+def test_grouped_mm_kernel_on_cpu_tensors():
+    spec = GroupedGemmSpec(num_experts=4, in_features=64, out_features=48, dtype=torch.bfloat16)
+    impl = gemm.resolve_grouped(spec, H100, pytest.fail)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 48, 64, generator=g).bfloat16(), torch.randn(25, 64, generator=g).bfloat16()
+    offsets = torch.tensor([5, 5, 20, 25], dtype=torch.int32)
+    y = impl(x, impl.prepare_weight(w), offsets)
+    torch.testing.assert_close(y.float(), naive_grouped(spec, x, w, offsets).float(), **TOL[torch.bfloat16])
+
+
+def test_group_tensor_scales_match_per_group_absmax():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(25, 64, generator=g) * torch.linspace(0.1, 3, 25)[:, None]
+    offsets = torch.tensor([5, 5, 20, 25], dtype=torch.int32)
+    scales = gemm.group_tensor_scales(x, offsets, 4)
+    start = 0
+    for end in offsets.tolist():
+        if end > start:
+            assert torch.all(scales[start:end] == x[start:end].abs().amax() / 448.0)
+        start = end
