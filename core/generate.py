@@ -14,21 +14,11 @@ from .request import ImageRequest
 log = logging.getLogger("omni.generate")
 
 
-def parse_size(size: str) -> tuple[int, int]:
-    """``"WxH"`` (OpenAI convention) -> (height, width)."""
-    try:
-        w, h = (int(v) for v in size.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--size must look like 1024x1024 (width x height), got {size!r}") from None
-    return h, w
-
-
 def request_from_args(args, recipe) -> ImageRequest:
+    """The CLI has already filled width/height/steps/guidance from the recipe defaults."""
     d = recipe.defaults
-    h, w = parse_size(args.size or d.size)
     return ImageRequest(prompt=args.prompt, negative_prompt=getattr(args, "negative_prompt", None),
-                        height=h, width=w, steps=args.steps or d.steps,
-                        guidance=d.guidance if args.guidance is None else args.guidance,
+                        height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
                         seed=args.seed, shift=d.shift, template=d.template, system_prompt=d.system_prompt)
 
 

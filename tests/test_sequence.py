@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omni.models.hunyuan_image3.resolution import (
-    INSTRUCT_EXTRA, RESOLUTIONS, parse_size, rows, snap, token_grid,
+    INSTRUCT_EXTRA, RESOLUTIONS, rows, snap, token_grid,
 )
 from omni.models.hunyuan_image3.sequence import build_t2i_pair, cot_pieces
 from omni.models.hunyuan_image3.system_prompts import EN_VANILLA, SYSTEM_PROMPTS, resolve_system_prompt
@@ -175,17 +175,6 @@ def test_instruct_extra_rows():
     assert len(table) == 37 and table[33:] == INSTRUCT_EXTRA
     assert table[33] == (1024, 768) and table[36] == (720, 1280)
     assert snap(768, 1024, extra=True)[0] == 35
-
-
-def test_parse_size_is_width_by_height():
-    assert parse_size("1024x1024") == (1024, 1024)
-    assert parse_size("1024x1536") == (1536, 1024)
-
-
-@pytest.mark.parametrize("bad", ["1024", "axb", "1024x", "0x1024", "1024x768x2", "-5x10"])
-def test_parse_size_names_bad_value(bad):
-    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(")):
-        parse_size(bad)
 
 
 def test_snap():

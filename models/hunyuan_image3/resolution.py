@@ -6,8 +6,8 @@ base size, constant) and ``<img_ratio_k>``, where k indexes a fixed table of
 aspect: it is snapped to the row whose H/W is nearest, and that row's pixels
 are what gets generated (base-model behaviour, official ``ResolutionGroup``).
 
-Sizes are (height, width) everywhere in this module, except the user-facing
-string ``parse_size`` reads, which follows the OpenAI convention "WxH".
+Sizes are (height, width) everywhere in this module; user-facing "WxH"
+strings are parsed by ``omni.recipe.parse_size``.
 """
 from __future__ import annotations
 
@@ -47,21 +47,6 @@ INSTRUCT_EXTRA: tuple[tuple[int, int], ...] = ((1024, 768), (1280, 720), (768, 1
 def rows(extra: bool = False) -> tuple[tuple[int, int], ...]:
     """The addressable rows: 33 for the base model, 37 with the Instruct extras."""
     return RESOLUTIONS + INSTRUCT_EXTRA if extra else RESOLUTIONS
-
-
-def parse_size(size: str) -> tuple[int, int]:
-    """Parse an OpenAI-style ``"WIDTHxHEIGHT"`` string into (height, width).
-
-    "1024x1536" is 1024 wide and 1536 tall (portrait). Note the official
-    HunyuanImage code reads "AxB" as HxW; this API deliberately does not.
-    """
-    parts = str(size).strip().lower().split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"bad image size {size!r}: expected 'WIDTHxHEIGHT', e.g. '1024x768'")
-    width, height = (int(p) for p in parts)
-    if width <= 0 or height <= 0:
-        raise ValueError(f"bad image size {size!r}: width and height must be positive")
-    return height, width
 
 
 def snap(height: int, width: int, *, extra: bool = False) -> tuple[int, int, int]:

@@ -76,7 +76,7 @@ def build_fa3(spec: AttentionSpec, caps: Caps, reject, load=load_fa3):
     if caps.fa3_module is None:
         return reject("fa3: neither fa3_fwd_interface nor flash_attn_interface is installed")
     if caps.sm[0] != 9:
-        return reject(f"fa3: needs sm90 (Hopper), this device is sm{caps.sm[0]}{caps.sm[1]}")
+        return reject(f"fa3: needs sm90 (Hopper), this device is {caps.sm_name}")
     if spec.mask == "dense":
         return reject("fa3: no arbitrary (dense) masks; use sdpa or flex")
     if spec.dtype not in HALF or spec.head_dim > 256:
@@ -127,7 +127,7 @@ def build_varlen(spec: AttentionSpec, caps: Caps, reject):
     if not params:
         return reject("varlen: torch.nn.attention.varlen.varlen_attn is not in this torch (needs >= 2.10)")
     if caps.sm < (8, 0):
-        return reject(f"varlen: FlashAttention-2 needs sm80+, this device is sm{caps.sm[0]}{caps.sm[1]}")
+        return reject(f"varlen: FlashAttention-2 needs sm80+, this device is {caps.sm_name}")
     if spec.mask == "dense":
         return reject("varlen: no arbitrary (dense) masks; use sdpa or flex")
     if spec.dtype not in HALF or spec.head_dim % 8 or spec.head_dim > 256:
@@ -193,7 +193,7 @@ class SdpaAttention:
 
     def _paged_mask(self, lq: int, s: int, used: torch.Tensor) -> torch.Tensor:
         """Keep key j < used (and bottom-right causal); ``used`` 0-d or ``[B, 1, 1]`` on the device."""
-        j = torch.arange(s, device=used.device)
+        j = torch.arange(s, device=used.device)[None]
         keep = j < used
         if self.spec.mask == "causal":
             i = torch.arange(lq, device=used.device)[:, None]

@@ -36,6 +36,10 @@ class Caps:
     has_scaled_grouped_mm: bool = False
 
     @property
+    def sm_name(self) -> str:
+        return f"sm{self.sm[0]}{self.sm[1]}"
+
+    @property
     def fp8(self) -> bool:
         return self.sm >= (8, 9) and self.has_scaled_mm
 

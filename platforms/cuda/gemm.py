@@ -30,6 +30,10 @@ LATER = {
 }
 
 
+def _dims(spec) -> str:
+    return f"{spec.in_features}x{spec.out_features}"
+
+
 def _unwrap(y):
     return y[0] if isinstance(y, tuple) else y  # torch < 2.4 returned (out, amax)
 
@@ -84,9 +88,9 @@ def resolve_linear(spec: GemmSpec, caps: Caps, reject):
     if not caps.has_scaled_mm:
         return reject("cuda: torch._scaled_mm is not in this torch")
     if caps.sm < (8, 9):
-        return reject(f"cuda: {spec.quant} needs compute capability >= 8.9 (FP8 tensor cores), device is sm{caps.sm[0]}{caps.sm[1]}")
+        return reject(f"cuda: {spec.quant} needs compute capability >= 8.9 (fp8 tensor cores), not {caps.sm_name}")
     if spec.in_features % 16 or spec.out_features % 16:
-        return reject(f"cuda: torch._scaled_mm needs in/out features divisible by 16, got {spec.in_features}x{spec.out_features}")
+        return reject(f"cuda: torch._scaled_mm needs features divisible by 16, got {_dims(spec)}")
     return Fp8Linear(spec, caps)
 
 
@@ -154,9 +158,9 @@ def resolve_grouped(spec: GroupedGemmSpec, caps: Caps, reject):
 
 def _grouped_bf16(spec: GroupedGemmSpec, caps: Caps, reject):
     if not caps.has_grouped_mm or caps.sm < (8, 0):
-        return reject(f"cuda: torch._grouped_mm needs this torch to have it and sm80+ (has={caps.has_grouped_mm}, sm{caps.sm[0]}{caps.sm[1]})")
+        return reject(f"cuda: torch._grouped_mm needs a torch that has it and sm80+ ({caps.sm_name})")
     if spec.in_features % 8 or spec.out_features % 8:
-        return reject(f"cuda: torch._grouped_mm needs 16-byte aligned rows (features % 8 in bf16), got {spec.in_features}x{spec.out_features}")
+        return reject(f"cuda: torch._grouped_mm needs 16-byte aligned rows (features % 8), got {_dims(spec)}")
     return GroupedMM(spec)
 
 
@@ -164,7 +168,7 @@ def _grouped_fp8(spec: GroupedGemmSpec, caps: Caps, reject):
     if not caps.has_scaled_grouped_mm:
         return reject("cuda: torch._scaled_grouped_mm is not in this torch")
     if caps.sm not in ((9, 0), (10, 0)):
-        return reject(f"cuda: torch._scaled_grouped_mm runs on sm90/sm100 only, device is sm{caps.sm[0]}{caps.sm[1]}")
+        return reject(f"cuda: torch._scaled_grouped_mm runs on sm90/sm100 only, not {caps.sm_name}")
     if spec.in_features % 16 or spec.out_features % 16:
-        return reject(f"cuda: torch._scaled_grouped_mm needs features divisible by 16, got {spec.in_features}x{spec.out_features}")
+        return reject(f"cuda: torch._scaled_grouped_mm needs features divisible by 16, got {_dims(spec)}")
     return ScaledGroupedMM(spec)

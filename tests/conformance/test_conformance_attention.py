@@ -63,3 +63,35 @@ def test_cuda_named_backend(backend, dtype, head_dim, gqa, mask, page, batch):
         pytest.skip("; ".join(reasons))
     RESOLVED[("cuda", "attention", dtype, mask, f"page{page}", backend)].add(impl.name)
     _check(impl, spec, batch, "cuda")
+
+
+class _Broken:
+    """Kernels with classic bugs; the oracle must reject each, or the suite proves nothing."""
+
+    def __init__(self, spec, bug):
+        from omni.reference import sdpa_TNH
+
+        self.spec, self.bug, self.sdpa = spec, bug, sdpa_TNH
+
+    def __call__(self, q, k, v, meta):
+        cq, ck = meta.cu_seqlens_q_host, meta.cu_seqlens_k_host
+        out = torch.zeros_like(q)
+        for b in range(len(cq) - 1):
+            qb, kb, vb = q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]
+            if self.bug == "gqa-modulo":  # query head n reads kv head n % K instead of n // (N // K)
+                idx = torch.arange(q.shape[1]) % k.shape[1]
+                kb, vb = kb[:, idx], vb[:, idx]
+            mask = torch.ones(qb.shape[0], kb.shape[0], dtype=torch.bool).tril()  # top-left causal
+            out[cq[b]:cq[b + 1]] = self.sdpa(qb, kb, vb, mask, 1 / self.spec.head_dim ** 0.5)
+        return out
+
+
+@pytest.mark.parametrize("bug", ["top-left-causal", "gqa-modulo"])
+def test_oracle_rejects_known_bugs(bug):
+    spec = attention_spec("fp32", 64, 4, "causal", 0)
+    q, k, v, meta = make_attention_case(spec, "q<k", "cpu")
+    if bug == "gqa-modulo":  # make only the head mapping wrong: equal lengths, bottom-right == top-left
+        q, k, v, meta = make_attention_case(spec, "mixed", "cpu")
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(_Broken(spec, bug)(q, k, v, meta), oracles("cpu")[0](spec, q, k, v, meta).float(),
+                                   **TOL[spec.dtype])

@@ -13,16 +13,13 @@ import math
 import pytest
 import torch
 
-from conformance_cases import DTYPES, RESOLVED, TOL, device_of, get_platform, naive_grouped, oracles
+from conformance_cases import DTYPES, RESOLVED, TOL, device_of, get_platform, oracles
 
 QUANTS = ("none", "fp8_tensor", "fp8_row")
 SHAPES = ((64, 48), (256, 128), (40, 24))  # (in, out)
 LINEAR_GRID = list(itertools.product(DTYPES, QUANTS, SHAPES, (False, True)))
 GROUPS = {"empty-mid": [5, 0, 17, 3], "one-busy": [0, 0, 9, 0], "even": [8, 8, 8, 8]}
 GROUPED_GRID = list(itertools.product(DTYPES, QUANTS, SHAPES, GROUPS))
-REFERENCE_EMPTY_GROUP_BUG = (
-    "core: the reference grouped GEMM calls quant.quantize_fp8(per_row=False) on an empty expert "
-    "group, and amax() of an empty tensor raises; fp8_tensor with an empty group cannot run there")
 
 
 def _tol(dtype, quant):
@@ -55,7 +52,7 @@ def test_linear_matches_oracle(platform_name, dtype, quant, shape, bias):
 
 @pytest.mark.parametrize("dtype,quant,shape,groups", GROUPED_GRID,
                          ids=[f"{d}-{q}-{i}x{o}-{g}" for d, q, (i, o), g in GROUPED_GRID])
-def test_grouped_gemm_matches_oracle(request, platform_name, dtype, quant, shape, groups):
+def test_grouped_gemm_matches_oracle(platform_name, dtype, quant, shape, groups):
     from omni.specs import GroupedGemmSpec
 
     (i, o), dt, dev = shape, DTYPES[dtype], device_of(platform_name)
@@ -66,11 +63,7 @@ def test_grouped_gemm_matches_oracle(request, platform_name, dtype, quant, shape
     w = _rand(len(sizes), o, i, dtype=dt, device=dev, seed=4, scale=1 / math.sqrt(i))
     x = _rand(sum(sizes), i, dtype=dt, device=dev, seed=5)
     offsets = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=dev)
-    empty_fp8_group = quant == "fp8_tensor" and 0 in sizes
-    if empty_fp8_group and impl.name.startswith("reference"):  # strict: turns red once core is fixed
-        request.applymarker(pytest.mark.xfail(raises=RuntimeError, strict=True, reason=REFERENCE_EMPTY_GROUP_BUG))
     y = impl(x, impl.prepare_weight(w), offsets)
     assert y.shape == (sum(sizes), o) and y.dtype == dt and y.device == x.device
-    oracle = naive_grouped if empty_fp8_group else oracles(platform_name)[2]  # the reference would raise
-    expected = oracle(spec, x, w, offsets)
+    expected = oracles(platform_name)[2](spec, x, w, offsets)
     torch.testing.assert_close(y.float().cpu(), expected.float(), **_tol(dt, quant))

@@ -1,0 +1,1 @@
+"""HTTP serving: an OpenAI-compatible FastAPI app over the step-level scheduler's engine thread."""

@@ -1,0 +1,110 @@
+"""Request and response bodies of the HTTP API (OpenAI Images and vLLM-Omni chat shapes).
+
+Static limits live in the field declarations (a violation is a 400 naming the
+field); limits that depend on the deployment (n against the queue, prompt
+length) are checked in app.py with the same error shape.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 10  # OpenAI's limit for n
+MAX_STEPS = 200
+MAX_GUIDANCE = 30.0
+MAX_SEED = 2**63 - 1
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+BOT_TASKS = ("image", "recaption", "think", "think_recaption")  # only "image" is served so far
+
+
+class GenerationParams(BaseModel):
+    """Diffusion extras shared by both endpoints (top level, or the SDK's flattened ``extra_body``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="noise seed; image i of n uses seed + i")
+    num_inference_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="denoising steps")
+    guidance_scale: float | None = Field(None, ge=0.0, le=MAX_GUIDANCE,
+                                         description="classifier-free guidance; <= 1 disables CFG")
+    negative_prompt: str | None = Field(None, description="text of the unconditional row (default: the <cfg> row)")
+    system_prompt: str | None = Field(
+        None, description="a system prompt mode (None, dynamic, en_vanilla, en_recaption, en_think_recaption, "
+                          "en_unified) or the text itself")
+    bot_task: str | None = Field(None, description="only 'image' (direct text-to-image) is served")
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality")
+    return_timings: bool = Field(False, description="add per-stage seconds to the response")
+
+
+class ImageGenerationRequest(GenerationParams):
+    """``POST /v1/images/generations`` (OpenAI Images create, plus the diffusion extras)."""
+
+    prompt: str
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    size: str | None = Field(None, description="WIDTHxHEIGHT or auto; snapped to the model's nearest aspect row")
+    response_format: Literal["b64_json", "url"] | None = None
+    quality: str | None = None  # accepted for OpenAI compatibility, no effect
+    style: str | None = None  # accepted for OpenAI compatibility, no effect
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    moderation: str | None = None  # accepted for OpenAI compatibility, no effect
+    user: str | None = None
+    stream: bool | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(GenerationParams):
+    """``POST /v1/chat/completions`` with ``modalities: ["image"]`` (vLLM-Omni's diffusion chat)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str | None = None
+    modalities: list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    size: str | None = None
+    height: int | None = Field(None, ge=1)
+    width: int | None = Field(None, ge=1)
+    num_outputs_per_prompt: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    user: str | None = None
+    # text-generation knobs clients send by habit; accepted and ignored (no text is generated)
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+# ------------------------------------------------------------------ responses (documentation and tests)
+
+
+class ImageData(BaseModel):
+    b64_json: str
+    revised_prompt: str | None = None
+    seed: int | None = None
+    timings: dict[str, float] | None = None
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    output_format: str
+    size: str
+    timings: dict[str, float] | None = None
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+    request_id: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,316 @@
+"""The omni-run command line: in-process through main([...]) and as a subprocess.
+
+generate/serve/bench hand over to modules written elsewhere; here they are
+replaced by recording fakes in ``sys.modules`` so the tests check the CLI's
+contract (exit codes, resolved args, final recipe) and never run a model.
+"""
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from omni.cli import build_parser, main
+from omni.recipe import load_recipe
+
+BUILTIN_PLATFORMS = ("cpu", "cuda", "rocm", "npu", "xpu", "musa")
+
+# The CLI surface, frozen: changing it is a deliberate change for every user and script.
+CLI_SURFACE = {
+    "": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe", "--trace",
+         "--version", "-h"],
+    "platforms": ["--help", "--log-level", "--trace", "-h"],
+    "recipes": ["--check", "--help", "--log-level", "--platform", "--schema", "--trace", "-h"],
+    "generate": ["--guidance", "--help", "--log-level", "--model", "--negative-prompt", "--output", "--platform",
+                 "--prompt", "--recipe", "--seed", "--size", "--steps", "--trace", "-h", "-o"],
+    "serve": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe",
+              "--trace", "-h"],
+    "bench": [],  # everything after `bench` goes to the benchmark client
+}
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omni.cli", *argv], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def _restore_log_levels():
+    levels = {name: logging.getLogger(name).level for name in ("omni", "omni.platforms")}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+@pytest.fixture
+def handover(monkeypatch):
+    """Install recording fakes for omni.generate / omni.serving.server / omni.bench_client."""
+    calls: list[tuple] = []
+
+    def fake(module: str, attr: str, result=0):
+        def entry(*args):
+            calls.append(args)
+            if isinstance(result, BaseException):
+                raise result
+            return result
+
+        parent = module.rpartition(".")[0]
+        if parent != "omni":
+            package = types.ModuleType(parent)
+            package.__path__ = []
+            monkeypatch.setitem(sys.modules, parent, package)
+        mod = types.ModuleType(module)
+        setattr(mod, attr, entry)
+        monkeypatch.setitem(sys.modules, module, mod)
+        return calls
+
+    return fake
+
+
+def recipe_file(tmp_path, text: str, name: str = "x_test.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# ------------------------------------------------------------------ help and surface
+
+
+def test_help_teaches_every_command():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("platforms", "recipes", "generate", "serve", "bench"):
+        assert command in result.stdout
+    assert "examples:" in result.stdout and "exit status" in result.stdout
+
+
+def test_no_arguments_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "examples:" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    exe = shutil.which("omni-run")
+    if exe is None:
+        pytest.skip("omni-run is not on PATH (package not installed)")
+    assert subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120).returncode == 0
+
+
+def test_cli_surface_is_frozen():
+    parser = build_parser()
+    surface = {"": sorted(o for a in parser._actions for o in a.option_strings)}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                surface[name] = sorted(o for a in sub._actions for o in a.option_strings)
+    assert surface == CLI_SURFACE
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["serve", "--bogus"]) == 2
+    assert main(["generate"]) == 2  # --prompt is required
+    assert main(["generate", "--prompt", "x", "--steps", "many"]) == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ platforms
+
+
+def test_platforms_lists_every_builtin_platform(capsys):
+    assert main(["platforms"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1] for line in lines[1:] if line.strip() and not line.startswith("--")}
+    assert set(BUILTIN_PLATFORMS) <= set(rows)
+    assert rows["cpu"] == "yes"
+    assert lines[-1].startswith("--platform auto selects:")
+
+
+def test_platforms_as_subprocess():
+    result = run_cli("platforms")
+    assert result.returncode == 0, result.stderr
+    for name in BUILTIN_PLATFORMS:
+        assert f"\n{name} " in result.stdout
+
+
+# ------------------------------------------------------------------ recipes
+
+
+def test_recipes_lists_and_validates_packaged_recipes(capsys):
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu_tiny" in out and "h200_fp8" in out and "error" not in out
+
+
+def test_recipes_checks_against_a_platform(capsys):
+    assert main(["recipes", "--platform", "cpu"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "ok (checked on cpu)" in rows["cpu_tiny"]
+    assert "skipped (platform cuda)" in rows["h200_fp8"]
+
+
+def test_recipes_unknown_platform_exits_2(capsys):
+    assert main(["recipes", "--platform", "tpu"]) == 2
+    assert "unknown platform 'tpu'; installed: " in capsys.readouterr().err
+
+
+def test_recipes_check_bad_file_exits_2_with_one_line(tmp_path):
+    bad = recipe_file(tmp_path, "platform: cpu\nparallel: {tp: 1, tpp: 2}\n", "bad.yaml")
+    result = run_cli("recipes", "--check", bad)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line == f"omni-run: error: {bad}: parallel.tpp: unknown key 'tpp'; allowed: tp, ep, ulysses, ring, cfg, dp"
+
+
+def test_recipes_check_good_file(tmp_path, capsys):
+    good = recipe_file(tmp_path, "name: cpu_mine\nplatform: cpu\n")
+    assert main(["recipes", "--check", good]) == 0
+    assert capsys.readouterr().out.strip() == "ok: cpu_mine"
+    assert main(["recipes", "--check", good, "--platform", "cpu"]) == 0
+
+
+def test_recipes_check_for_another_platform_exits_2(capsys):
+    assert main(["recipes", "--check", "h200_fp8", "--platform", "cpu"]) == 2
+    assert "is for platform cuda, not cpu" in capsys.readouterr().err
+
+
+def test_recipes_schema(capsys):
+    assert main(["recipes", "--schema"]) == 0
+    out = capsys.readouterr().out
+    assert "parallel.ulysses" in out and "kv_cache.budget_bytes" in out
+
+
+# ------------------------------------------------------------------ generate
+
+
+def test_generate_hands_over_resolved_args_and_final_recipe(handover, capsys):
+    calls = handover("omni.generate", "generate_main")
+    assert main(["generate", "--prompt", "a red fox", "--seed", "7", "--trace"]) == 0
+    ((args, recipe),) = calls
+    assert recipe == load_recipe("cpu_tiny")
+    assert (args.prompt, args.seed, args.platform, args.trace, args.output) == ("a red fox", 7, "cpu", True, "out.png")
+    assert (args.size, args.width, args.height, args.steps, args.guidance) == ("1024x1024", 1024, 1024, 20, 5.0)
+    assert args.negative_prompt == ""
+
+
+def test_generate_flags_win_over_recipe_defaults(handover, tmp_path):
+    calls = handover("omni.generate", "generate_main")
+    assert main(["generate", "--prompt", "x", "--size", "768x512", "--steps", "3", "--guidance", "0",
+                 "--model", str(tmp_path), "-o", "y.png"]) == 0
+    ((args, recipe),) = calls
+    assert (args.width, args.height, args.steps, args.guidance, args.output) == (768, 512, 3, 0.0, "y.png")
+    assert recipe.model.path == args.model == os.path.abspath(tmp_path)
+
+
+def test_generate_exit_status_and_runtime_errors(handover, capsys):
+    handover("omni.generate", "generate_main", result=RuntimeError("boom"))
+    assert main(["generate", "--prompt", "x"]) == 1
+    assert capsys.readouterr().err.strip() == "omni-run: error: RuntimeError: boom"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--size", "big"], "--size: expected WIDTHxHEIGHT"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--model", "/nonexistent/ckpt"], "model path '/nonexistent/ckpt' is not a directory"),
+    (["--recipe", "nope"], "unknown recipe 'nope'; packaged recipes:"),
+    (["--recipe", "h200_fp8"], "recipe h200_fp8 runs hunyuan_image3, which needs its weights: pass --model PATH"),
+    (["--recipe", "h200_fp8", "--platform", "cpu"], "recipe h200_fp8 is for platform cuda; --platform cpu conflicts"),
+    (["--platform", "tpu"], "recipe cpu_tiny is for platform cpu; --platform tpu conflicts"),
+])
+def test_generate_configuration_errors_exit_2(handover, capsys, argv, message):
+    calls = handover("omni.generate", "generate_main")
+    assert main(["generate", "--prompt", "x", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omni-run: error: ") and message in err
+    assert not calls
+
+
+def test_bad_recipe_file_exits_2(handover, tmp_path, capsys):
+    handover("omni.generate", "generate_main")
+    bad = recipe_file(tmp_path, "attention: {backend: fa4}\n")
+    assert main(["generate", "--prompt", "x", "--recipe", bad]) == 2
+    assert f"omni-run: error: {bad}: attention.backend: 'fa4' is not allowed; allowed values:" \
+        in capsys.readouterr().err
+
+
+def test_unusable_platform_exits_2_with_the_managers_reason(handover, tmp_path, capsys):
+    calls = handover("omni.generate", "generate_main")
+    npu = recipe_file(tmp_path, "platform: npu\ndevice: {kind: a2}\n", "a2_tiny.yaml")
+    assert main(["generate", "--prompt", "x", "--recipe", npu]) == 2
+    assert "omni-run: error: platform 'npu' is not usable here: npu: " in capsys.readouterr().err
+    assert not calls
+
+
+def test_auto_recipe_takes_the_platform_flag(handover, tmp_path):
+    calls = handover("omni.generate", "generate_main")
+    auto = recipe_file(tmp_path, "platform: auto\nmodel: {dtype: float32}\n", "any_tiny.yaml")
+    assert main(["generate", "--prompt", "x", "--recipe", auto, "--platform", "cpu"]) == 0
+    ((args, recipe),) = calls
+    assert recipe.platform == args.platform == "cpu", "the recipe handed over names the concrete platform"
+
+
+def test_unmet_requirement_exits_2(handover, tmp_path, capsys):
+    handover("omni.generate", "generate_main")
+    future = recipe_file(tmp_path, "platform: cpu\nrequires: omni-run>=99\n")
+    assert main(["generate", "--prompt", "x", "--recipe", future]) == 2
+    assert "requires 'omni-run>=99' but omni-run" in capsys.readouterr().err
+
+
+def test_missing_handover_module_is_a_runtime_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "omni.generate", None)  # import raises ModuleNotFoundError
+    assert main(["generate", "--prompt", "x"]) == 1
+    assert "'generate' is not available in this build (omni.generate is missing)" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ serve
+
+
+def test_bare_form_serves(handover):
+    calls = handover("omni.serving.server", "serve_main")
+    assert main(["--platform", "cpu", "--recipe", "cpu_tiny", "--port", "9001"]) == 0
+    ((args, recipe),) = calls
+    assert (args.command, args.platform, args.host, args.port, args.api_key) == (None, "cpu", "127.0.0.1", 9001, None)
+    assert recipe.serving.port == 9001 and recipe.name == "cpu_tiny"
+
+
+def test_serve_command(handover):
+    calls = handover("omni.serving.server", "serve_main")
+    assert main(["serve", "--host", "0.0.0.0", "--api-key", "k", "--log-level", "warning"]) == 0
+    ((args, recipe),) = calls
+    assert (args.host, args.api_key, recipe.serving.host) == ("0.0.0.0", "k", "0.0.0.0")
+    assert logging.getLogger("omni").level == logging.WARNING
+
+
+def test_serve_reads_the_key_from_the_named_environment_variable(handover, tmp_path, monkeypatch, capsys):
+    calls = handover("omni.serving.server", "serve_main")
+    keyed = recipe_file(tmp_path, "platform: cpu\nserving: {api_key_env: OMNI_TEST_API_KEY}\n")
+    monkeypatch.delenv("OMNI_TEST_API_KEY", raising=False)
+    assert main(["serve", "--recipe", keyed]) == 2
+    assert "serving.api_key_env names OMNI_TEST_API_KEY, which is not set" in capsys.readouterr().err
+    monkeypatch.setenv("OMNI_TEST_API_KEY", "secret")
+    assert main(["serve", "--recipe", keyed]) == 0
+    assert calls[-1][0].api_key == "secret"
+
+
+def test_serve_rejects_a_bad_port(handover, capsys):
+    handover("omni.serving.server", "serve_main")
+    assert main(["serve", "--port", "0"]) == 2
+    assert "serving.port: must be in 1..65535, got 0" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ bench
+
+
+def test_bench_passes_every_argument_through(handover):
+    calls = handover("omni.bench_client", "bench_main")
+    assert main(["bench", "--url", "http://127.0.0.1:8091", "--port", "1", "-n", "8", "--help"]) == 0
+    assert calls == [(["--url", "http://127.0.0.1:8091", "--port", "1", "-n", "8", "--help"],)]
+
+
+def test_bench_exit_status_is_passed_on(handover):
+    handover("omni.bench_client", "bench_main", result=3)
+    assert main(["bench"]) == 3
