@@ -4,6 +4,8 @@ A checkpoint directory holds ``config.json`` and either ``model.safetensors``
 or shards listed by ``model.safetensors.index.json``. Each checkpoint name is
 routed to a ``LoadTarget`` by prefix; the target's ``name_map`` turns the
 official name into (parameter name, index into a stacked dim or None).
+Problems are collected over the whole checkpoint and raised once, naming
+every missing, unexpected and mis-shaped key (with both shapes).
 Only safetensors are read: no pickle, no remote code.
 """
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -22,7 +24,7 @@ SINGLE = "model.safetensors"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model; the message names the key and the shapes."""
+    """A checkpoint that does not fit the model; the message names the keys and the shapes."""
 
 
 @dataclass(frozen=True)
@@ -46,61 +48,72 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return found
 
 
-class _Tracker:
-    """Which parameter elements were filled, to report missing ones."""
+class _Loader:
+    """Routes keys to parameters, copies them and records what was filled or wrong."""
 
     def __init__(self, targets: list[LoadTarget]):
-        self.params = {(id(t), n): p for t in targets for n, p in t.module.named_parameters()}
+        self.targets = targets
         self.filled: dict[tuple[int, str], set] = {}
+        self.problems: list[str] = []
 
-    def mark(self, target, name, index) -> None:
+    def _dest(self, key: str):
+        routed = [t for t in self.targets if key.startswith(t.prefix)]
+        if not routed:
+            return None, None, None
+        target = max(routed, key=lambda t: len(t.prefix))
+        try:
+            name, index = target.name_map(key[len(target.prefix):])
+            return target, name, target.module.get_parameter(name)
+        except (KeyError, AttributeError):
+            return None, None, None
+
+    def load(self, key: str, shape: tuple[int, ...], read: Callable[[], torch.Tensor], origin: str) -> None:
+        target, name, param = self._dest(key)
+        if param is None:
+            return self.problems.append(f"unexpected {key} ({origin})")
+        index = target.name_map(key[len(target.prefix):])[1]
+        dest = param.data if index is None else param.data[index]
+        if tuple(shape) != tuple(dest.shape):
+            return self.problems.append(f"{key}: checkpoint {tuple(shape)} vs model {tuple(dest.shape)} ({origin})")
+        dest.copy_(read().to(dest.dtype))
         self.filled.setdefault((id(target.module), name), set()).add(index)
 
-    def missing(self, targets) -> list[str]:
+    def missing(self) -> list[str]:
         out = []
-        for t in targets:
+        for t in self.targets:
             for n, p in t.module.named_parameters():
                 got = self.filled.get((id(t.module), n), set())
                 if not got:
-                    out.append(f"{t.prefix}{n}")
+                    out.append(f"missing {t.prefix}{n}")
                 elif None not in got and len(got) < p.shape[0]:
                     absent = sorted(set(range(p.shape[0])) - got)
-                    out.append(f"{t.prefix}{n}[{', '.join(map(str, absent[:4]))}...]")
+                    out.append(f"missing {t.prefix}{n} entries {absent[:8]}")
         return out
+
+    def finish(self, what: str, strict: bool) -> None:
+        problems = self.problems + (self.missing() if strict else [])
+        if problems:
+            raise CheckpointError(f"{what} does not fit the model ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
 
 
 def load_checkpoint(path: str | Path, targets: list[LoadTarget], *, skip_prefixes: tuple[str, ...] = (),
                     strict: bool = True, progress: bool = True, files: list[Path] | None = None) -> None:
     """Copy every tensor of the checkpoint into its target parameter (dtype converted)."""
-    tracker = _Tracker(targets)
-    files = files or checkpoint_files(path)
-    for file in files:
+    loader = _Loader(targets)
+    for file in files or checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             keys = [k for k in f.keys() if not k.startswith(skip_prefixes)]
             for key in tqdm(keys, desc=f"loading {file.name}", disable=not progress, leave=False):
-                _load_one(f, key, file, targets, tracker)
-    missing = tracker.missing(targets)
-    if strict and missing:
-        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} parameter(s), first: {', '.join(missing[:5])}")
+                loader.load(key, f.get_slice(key).get_shape(), lambda k=key: f.get_tensor(k), file.name)
+    loader.finish(f"checkpoint {path}", strict)
 
 
-def _route(key: str, targets: list[LoadTarget]) -> LoadTarget | None:
-    best = [t for t in targets if key.startswith(t.prefix)]
-    return max(best, key=lambda t: len(t.prefix)) if best else None
-
-
-def _load_one(f, key: str, file: Path, targets: list[LoadTarget], tracker: _Tracker) -> None:
-    target = _route(key, targets)
-    try:
-        name, index = target.name_map(key[len(target.prefix):]) if target else (None, None)
-        param = target.module.get_parameter(name) if target else None
-    except (KeyError, AttributeError):
-        param = None
-    if param is None:
-        raise CheckpointError(f"{file.name}: unexpected key {key!r} (no parameter of the model takes it)")
-    dest = param.data if index is None else param.data[index]
-    shape = tuple(f.get_slice(key).get_shape())
-    if shape != tuple(dest.shape):
-        raise CheckpointError(f"{file.name}: {key!r} has shape {list(shape)}, the model expects {list(dest.shape)}")
-    dest.copy_(f.get_tensor(key).to(dest.dtype))
-    tracker.mark(target, name, index)
+@torch.no_grad()
+def load_state_dict(tensors: Mapping[str, torch.Tensor], targets: list[LoadTarget], *,
+                    skip_prefixes: tuple[str, ...] = (), strict: bool = True) -> None:
+    """The same routing and checks for tensors already in memory."""
+    loader = _Loader(targets)
+    for key, t in tensors.items():
+        if not key.startswith(skip_prefixes):
+            loader.load(key, tuple(t.shape), lambda t=t: t, "state dict")
+    loader.finish("state dict", strict)

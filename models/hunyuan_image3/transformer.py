@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from omni.weights import LoadTarget, load_state_dict
 from omni.layers import GroupedLinear, Linear, finalize_all
 from omni.specs import AttentionSpec
 
@@ -294,20 +295,7 @@ def _has_param(module: nn.Module, name: str) -> bool:
 def load_state(model: HunyuanImage3Transformer, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy checkpoint tensors (official names) into ``model``; ``vae.``/``vision_*`` keys are skipped.
 
-    Raises ValueError listing every missing, unexpected and mis-shaped key (with both shapes).
+    Raises ``CheckpointError`` (a ValueError) listing every missing, unexpected
+    and mis-shaped key, with both shapes.
     """
-    expected = set(model.official_names())
-    given = {n for n in tensors if not n.startswith(FOREIGN_PREFIXES)}
-    problems = [f"missing {n}" for n in sorted(expected - given)]
-    problems += [f"unexpected {n}" for n in sorted(given - expected)]
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name in sorted(given & expected):
-            param_name, expert = model.param_name_for(name)
-            dst = params[param_name] if expert is None else params[param_name][expert]
-            if dst.shape != tensors[name].shape:
-                problems.append(f"shape of {name}: checkpoint {tuple(tensors[name].shape)} vs model {tuple(dst.shape)}")
-            else:
-                dst.copy_(tensors[name])
-    if problems:
-        raise ValueError("load_state:\n  " + "\n  ".join(problems))
+    load_state_dict(tensors, [LoadTarget("", model, model.param_name_for)], skip_prefixes=FOREIGN_PREFIXES)

@@ -33,7 +33,8 @@ def shy_platform(trace=False) -> Platform:
     return Platform(info, Shy(), trace=trace)
 
 
-@pytest.mark.parametrize("spec,factory", [(NVFP4, "linear"), (NVFP4_GROUPED, "grouped_gemm")], ids=["linear", "grouped"])
+@pytest.mark.parametrize("spec,factory", [(NVFP4, "linear"), (NVFP4_GROUPED, "grouped_gemm")],
+                         ids=["linear", "grouped"])
 def test_no_implementation_lists_each_plugin_reason(platform_name, spec, factory):
     platform = get_platform(platform_name)
     with pytest.raises(NoImplementationError) as err:

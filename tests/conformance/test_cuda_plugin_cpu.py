@@ -35,14 +35,16 @@ OLD_TORCH = dataclasses.replace(H100, varlen_params=VARLEN_2_10, has_scaled_grou
 
 
 def test_import_has_no_side_effects():
+    flags = "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, " \
+            "torch.get_float32_matmul_precision())"
     code = (
         "import sys, torch\n"
-        "before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())\n"
+        f"before = {flags}\n"
         "import omni.platforms.cuda.plugin\n"
         "assert not torch.cuda.is_initialized(), 'CUDA initialized at import'\n"
         "vendor = [m for m in ('fa3_fwd_interface', 'flash_attn_interface', 'flash_attn') if m in sys.modules]\n"
         "assert not vendor, vendor\n"
-        "after = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())\n"
+        f"after = {flags}\n"
         "assert before == after, (before, after)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -77,7 +79,8 @@ def _resolve(caps, **kw):
     (OLD_TORCH, {"page": 256}, "cuda-sdpa"),
     (H100, {"backend": "sdpa"}, "cuda-sdpa"),
     (H100, {"backend": "flex", "mask": "dense"}, "cuda-flex"),
-], ids=["bf16", "fp32", "dense", "page16", "page256", "hd320", "old-torch", "old-torch-paged", "named-sdpa", "named-flex"])
+], ids=["bf16", "fp32", "dense", "page16", "page256", "hd320", "old-torch", "old-torch-paged", "named-sdpa",
+        "named-flex"])
 def test_auto_and_named_selection(caps, kw, expected):
     impl, reasons = _resolve(caps, **kw)
     assert impl is not None and impl.name == expected and not reasons
@@ -114,14 +117,17 @@ def test_varlen_keywords_follow_the_torch_signature():
     assert old.kw == {"is_causal": True}  # 2.10: default scale, native GQA in the kernel
 
 
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
 @pytest.mark.parametrize("factory,spec,caps,reason", [
     ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="fp8_row"), A100, ">= 8.9"),
-    ("linear", GemmSpec(in_features=40, out_features=64, dtype=torch.bfloat16, quant="fp8_tensor"), H100, "divisible by 16"),
+    ("linear", GemmSpec(in_features=40, out_features=64, dtype=BF16, quant="fp8_tensor"), H100, "divisible by 16"),
     ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="nvfp4"), H100, "lands later"),
     ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="mxfp8"), H100, "lands later"),
     ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="w8a8"), H100, "land later"),
-    ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=torch.float16), H100, "bf16 only"),
-    ("grouped", GroupedGemmSpec(num_experts=4, in_features=36, out_features=64, dtype=torch.bfloat16), H100, "16-byte aligned"),
+    ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=FP16), H100, "bf16 only"),
+    ("grouped", GroupedGemmSpec(num_experts=4, in_features=36, out_features=64, dtype=BF16), H100, "16-byte aligned"),
     ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=torch.bfloat16,
                                 quant="fp8_row"), A100, "sm90/sm100 only"),
     ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=torch.bfloat16,

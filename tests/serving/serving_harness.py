@@ -1,0 +1,107 @@
+"""Shared pieces of the serving tests: a real uvicorn server in a thread, a test pipeline wrapper.
+
+``TestPipeline`` wraps the real tiny pipeline. Its transformer, KV pool,
+admission and packing are the real ones; two things differ:
+
+- ``decode`` writes the final latents' raw float32 bytes into the image
+  (unless ``real_decode`` is set). The tiny VAE needs 10-30 s per 1024px
+  image on a 2-core CPU, and the image is a deterministic per-request
+  function of the latents, so "same PNG bytes" here means "bitwise-equal
+  latents", a stricter check than pixels after the VAE.
+- a prompt containing ``FAULT_IN_STEP`` (or ``FAULT_IN_DECODE``) raises
+  inside the pipeline, to test failure isolation.
+"""
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+
+import numpy as np
+import torch
+import uvicorn
+from PIL import Image
+
+FAULT_IN_STEP, FAULT_IN_DECODE = "FAULT_IN_STEP", "FAULT_IN_DECODE"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class TestPipeline:
+    __test__ = False  # not a pytest class
+
+    def __init__(self, pipeline):
+        self.inner = pipeline
+        self.real_decode = False
+        self.step_calls: list[int] = []  # batch size of every denoise_step call
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def denoise_step(self, states):
+        self.step_calls.append(len(states))
+        if any(FAULT_IN_STEP in s.request.prompt for s in states):
+            raise InjectedFault("injected fault in denoise_step")
+        return self.inner.denoise_step(states)
+
+    def decode(self, state):
+        if FAULT_IN_DECODE in state.request.prompt:
+            raise InjectedFault("injected fault in decode")
+        if self.real_decode:
+            return self.inner.decode(state)
+        return latents_as_image(state.latents_1Chw, state.request.height, state.request.width)
+
+
+def latents_as_image(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 ``[H, W, 3]`` whose first bytes are the latents' float32 bytes (lossless), the rest zero."""
+    raw = torch.frombuffer(bytearray(latents.detach().float().cpu().contiguous().numpy().tobytes()),
+                           dtype=torch.uint8)
+    out = torch.zeros(height * width * 3, dtype=torch.uint8)
+    out[: raw.numel()] = raw
+    return out.view(height, width, 3)
+
+
+def png_array(blob: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(blob)).convert("RGB"))
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on 127.0.0.1 at a free port, in a daemon thread."""
+
+    def __init__(self, app):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        wait_until(lambda: self.server.started, 30, "uvicorn did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def wait_until(predicate, timeout_s: float, message: str, poll_s: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message} (after {timeout_s}s)")
+        time.sleep(poll_s)
+
+
+def raw_post(port: int, path: str, body: bytes) -> socket.socket:
+    """Send a POST and return the open socket (the caller closes it to simulate a client going away)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    s.sendall(head + body)
+    return s

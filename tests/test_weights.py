@@ -1,0 +1,84 @@
+"""Loading HF-format safetensors checkpoints: shards + index, dtype conversion, clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from omni.platform_manager import select
+from omni.weights import CheckpointError, LoadTarget, checkpoint_files, load_checkpoint
+from omni.models.hunyuan_image3.config import HunyuanImage3Config
+from omni.models.hunyuan_image3.tiny import write_tiny_checkpoint
+from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def fresh(ckpt, dtype=torch.float32):
+    cfg = HunyuanImage3Config.from_file(ckpt / "config.json")
+    model = HunyuanImage3Transformer(cfg, select("cpu"), dtype=dtype)
+    vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae))
+    return model, vae, [LoadTarget("", model, model.param_name_for), LoadTarget("vae.", vae)]
+
+
+def test_sharded_checkpoint_loads_every_tensor(ckpt):
+    files = checkpoint_files(ckpt)
+    assert [f.name for f in files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    model, vae, targets = fresh(ckpt)
+    load_checkpoint(ckpt, targets, progress=False)
+    with safe_open(str(files[0]), "pt") as f:
+        want = f.get_tensor("model.layers.1.mlp.experts.3.down_proj.weight")
+    assert torch.equal(model.model.layers[1].mlp.experts.down_proj.weight[3], want)
+
+
+def test_dtype_is_converted_on_load(ckpt):
+    model, _, targets = fresh(ckpt, dtype=torch.bfloat16)
+    load_checkpoint(ckpt, targets, progress=False)
+    assert model.model.wte.weight.dtype == torch.bfloat16
+
+
+def edited_copy(ckpt, tmp_path, edit):
+    """A single-file copy of the checkpoint with ``edit(tensors)`` applied."""
+    tensors = {}
+    for f in checkpoint_files(ckpt):
+        with safe_open(str(f), "pt") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    edit(tensors)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((ckpt / "config.json").read_text())
+    return tmp_path
+
+
+def test_errors_name_missing_unexpected_and_misshaped_keys(ckpt, tmp_path):
+    def edit(t):
+        del t["lm_head.weight"]
+        del t["model.layers.0.mlp.experts.2.gate_and_up_proj.weight"]
+        t["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+        t["model.ln_f.weight"] = torch.zeros(7)
+
+    bad = edited_copy(ckpt, tmp_path, edit)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(bad, fresh(ckpt)[2], progress=False)
+    msg = str(err.value)
+    assert "missing lm_head.weight" in msg
+    assert "missing model.layers.0.mlp.experts.gate_and_up_proj.weight entries [2]" in msg
+    assert "unexpected model.layers.0.self_attn.extra.weight" in msg
+    assert "model.ln_f.weight: checkpoint (7,) vs model (64,)" in msg
+
+
+def test_index_names_the_shards(ckpt):
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in checkpoint_files(ckpt)}
+
+
+def test_directory_without_safetensors_is_refused(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="only safetensors"):
+        checkpoint_files(tmp_path)
