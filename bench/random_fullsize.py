@@ -1,0 +1,43 @@
+"""The released HunyuanImage-3.0 shapes with random weights, for benchmarks (no checkpoint needed).
+
+``released_layers(n)`` keeps every released width (hidden 4096, 32/8 heads,
+64 experts top-8, expert dim 3072, vocab 133120) but only ``n`` decoder
+layers; per-layer figures extrapolate linearly to 32 layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from omni.models.hunyuan_image3.config import HunyuanImage3Config
+from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+
+
+def released_layers(n: int) -> HunyuanImage3Config:
+    cfg = HunyuanImage3Config.released()
+    per_layer = {k: getattr(cfg, k)[:n] for k in ("moe_topk", "moe_intermediate_size", "num_shared_expert")}
+    return dataclasses.replace(cfg, num_hidden_layers=n, **per_layer)
+
+
+@torch.no_grad()
+def random_init_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Norm weights ~1, biases ~0, matrices ~N(0, 1/fan_in): activations stay O(1) through the layers."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0 if name.endswith("weight") else 0.0)
+        else:
+            fan_in = p[0].numel() if p.dim() == 2 or "experts" not in name else p[0, 0].numel()
+            p.normal_(0.0, fan_in ** -0.5, generator=g)
+
+
+def build_random_model(n_layers: int, platform, *, dtype=torch.bfloat16, quant="none", paged=True,
+                       page_size=256, device="cuda") -> HunyuanImage3Transformer:
+    cfg = released_layers(n_layers)
+    with torch.device(device):
+        model = HunyuanImage3Transformer(cfg, platform, dtype=dtype, quant=quant, paged_kv=paged,
+                                         page_size=page_size if paged else 0)
+    random_init_(model)
+    model.finalize()
+    return model.eval()
