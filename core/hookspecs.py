@@ -184,7 +184,12 @@ def omni_attention_impl(spec: AttentionSpec, reject: Reject) -> AttentionImpl | 
     (query i of a run of Lq sees keys ``j <= i + Lk - Lq``), as FlashAttention;
     ``dense`` = ``meta.mask_TS`` (True = attend) over the packed tokens.
     GQA: N is a multiple of K; query head n uses kv head ``n // (N // K)``.
-    Output dtype = q dtype. Scale = ``spec.scale`` or 1/sqrt(H).
+    Output dtype = q dtype. Scale = ``spec.scale`` or 1/sqrt(H). A query that
+    may see no key (causal with Lq > Lk, an all-False dense row) outputs zeros.
+    Paged: ``cu_seqlens_k_*`` are the cumulative ``seqused_k``; block-table
+    slots past a sequence's last page hold 0 and must not be read.
+    ``spec.backend`` other than ``auto`` is a demand: a plugin that is not that
+    backend rejects (the reference answers only ``auto`` and ``sdpa``).
 
     Capture safety: with ``spec.capturable`` the callable must not sync the
     host, read tensor values on the host or allocate by tensor values (use the
@@ -231,8 +236,12 @@ def omni_grouped_gemm_impl(spec: GroupedGemmSpec, reject: Reject) -> GroupedGemm
     by expert and ``offsets_E`` (int32, device) holds cumulative row ends per
     expert (expert e owns rows ``offsets[e-1]:offsets[e]``, empty groups allowed).
 
+    Prepared scales: ``fp8_tensor`` one fp32 scale per expert ``[E, 1, 1]``
+    (activations get one scale per expert group), ``fp8_row`` ``[E, O, 1]``
+    (activations per token).
+
     Capture safety: must not read ``offsets_E`` on the host when the MoE runs
-    in a captured region.
+    in a captured region (the reference does, so it is never captured).
     Default implementation: a loop over experts with ``F.linear``.
     Versions: 0.1.
     """

@@ -36,12 +36,29 @@ def sdpa_TNH(q_TNH, k_SKH, v_SKH, mask_TS, scale: float) -> torch.Tensor:
     # 4-D BNSD inputs: 3-D ones send the CPU to the slow math kernel (10x here).
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_TNH, k_SNH, v_SNH))
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TS, scale=scale)
-    return o[0].transpose(0, 1)
+    return _zero_unseen(o[0].transpose(0, 1), mask_TS)
 
 
 def paged_keys(pool_PGKH: torch.Tensor, pages: list[int], length: int) -> torch.Tensor:
     """Gather one sequence's ``[length, K, H]`` keys from a paged pool."""
     return pool_PGKH[pages].flatten(0, 1)[:length]
+
+
+def attention_lse_TNH(q_TNH, k_SKH, v_SKH, mask_TS, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention that also returns the log-sum-exp of the scores: ``(o_TNH, lse_TN)``, both in fp32 math.
+
+    A query that sees no key gets ``o = 0`` and ``lse = -inf`` (so merging it is a no-op).
+    """
+    rep = q_TNH.shape[1] // k_SKH.shape[1]
+    k_NSH = k_SKH.repeat_interleave(rep, dim=1).transpose(0, 1).float()
+    v_NSH = v_SKH.repeat_interleave(rep, dim=1).transpose(0, 1).float()
+    s_NTS = torch.matmul(q_TNH.transpose(0, 1).float(), k_NSH.transpose(1, 2)) * scale
+    if mask_TS is not None:
+        s_NTS = s_NTS.masked_fill(~mask_TS, float("-inf"))
+    lse_NT = torch.logsumexp(s_NTS, dim=-1)
+    p_NTS = torch.exp(s_NTS - lse_NT[..., None]).nan_to_num(0.0)
+    o_NTH = torch.matmul(p_NTS, v_NSH)
+    return o_NTH.transpose(0, 1).to(q_TNH.dtype), lse_NT.transpose(0, 1).contiguous()
 
 
 class ReferenceAttention:
@@ -50,8 +67,13 @@ class ReferenceAttention:
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
         self.scale = spec.scale or 1.0 / math.sqrt(spec.head_dim)
+        self.returns_lse = spec.return_lse
+        if spec.return_lse:
+            self.name = "reference-lse"
 
-    def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+    def __call__(self, q_TNH, k, v, meta: VarlenMeta):
+        if self.spec.return_lse:
+            return self._with_lse(q_TNH, k, v, meta)
         if self.spec.mask == "dense":
             return sdpa_TNH(q_TNH, k, v, meta.mask_TS, self.scale)
         outs = [self._one(b, q_TNH, k, v, meta) for b in range(meta.num_seqs)]
@@ -67,6 +89,32 @@ class ReferenceAttention:
             kb, vb = k[k0:k1], v[k0:k1]
         mask = causal_mask(q1 - q0, kb.shape[0], q_TNH.device) if self.spec.mask == "causal" else None
         return sdpa_TNH(q_TNH[q0:q1], kb, vb, mask, self.scale)
+
+    def _with_lse(self, q_TNH, k, v, meta: VarlenMeta):
+        """``(o_TNH, lse_TN)``; dense masks only over the packed tokens, else per sequence."""
+        if self.spec.mask == "dense":
+            return attention_lse_TNH(q_TNH, k, v, meta.mask_TS, self.scale)
+        outs, lses = [], []
+        for b in range(meta.num_seqs):
+            q0, q1 = meta.cu_seqlens_q_host[b], meta.cu_seqlens_q_host[b + 1]
+            if self.spec.paged:
+                pages, n = meta.block_table_BP[b].tolist(), int(meta.seqused_k_B[b])
+                kb, vb = paged_keys(k, pages, n), paged_keys(v, pages, n)
+            else:
+                k0, k1 = meta.cu_seqlens_k_host[b], meta.cu_seqlens_k_host[b + 1]
+                kb, vb = k[k0:k1], v[k0:k1]
+            mask = causal_mask(q1 - q0, kb.shape[0], q_TNH.device) if self.spec.mask == "causal" else None
+            o, lse = attention_lse_TNH(q_TNH[q0:q1], kb, vb, mask, self.scale)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses)
+
+
+def _zero_unseen(o_TNH: torch.Tensor, mask_TS: torch.Tensor | None) -> torch.Tensor:
+    """A query that may see no key outputs zeros (the contract), not SDPA's NaN."""
+    if mask_TS is None:
+        return o_TNH
+    return o_TNH.masked_fill(~mask_TS.any(-1)[:, None, None], 0.0)
 
 
 class ReferenceLinear:
@@ -125,6 +173,10 @@ class ReferencePlatform:
 
     @hookimpl(trylast=True)
     def omni_attention_impl(self, spec: AttentionSpec, reject):
+        if spec.backend not in ("auto", "sdpa"):
+            return reject(f"reference: is SDPA, not the requested backend {spec.backend!r}")
+        if spec.capturable:
+            return reject("reference: not capturable (reads sequence lengths on the host)")
         return ReferenceAttention(spec)
 
     @hookimpl(trylast=True)

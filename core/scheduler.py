@@ -25,12 +25,15 @@ step that raises is retried one request at a time from a snapshot of each
 state, so the culprit is found and the others lose nothing.
 
 Batch invariance: each admitted request is prefilled on its own by default
-(``pack_prefill=False``). Small-M GEMMs pick different kernels (CPU MKL and
-cuBLAS alike), so packing short prefixes would perturb a request's prefix K/V
-by the company it arrived with; denoising forwards are thousands of tokens
-per request, where the reference GEMMs were measured row-invariant. So the
-same seed gives the same image alone or under load (tests/serving check
-this bitwise on the CPU).
+(``pack_prefill=False``): a prefix forward packed with other prefixes is
+shaped by its company (GEMM kernels are picked by M; CPU threads split the
+packed rows at size-dependent points), and prefill is a small share of the
+work next to the denoising steps. With batch-invariant kernels (the
+reference platform with one intra-op thread) the same seed then gives the
+bitwise same image alone or under load; with several CPU threads, vectorised
+elementwise kernels (SiLU, exp) round the rows at a thread boundary
+differently, so packed latents differ in the last bits (tests/serving checks
+both).
 
 The pipeline protocol: ``pool`` (a KVPool), ``pages_needed(req)``,
 ``admit(req) -> state``, ``prefill(states)``, ``denoise_step(states)``,
@@ -147,6 +150,7 @@ class Scheduler:
         self.max_batch_tokens, self.pack_prefill, self.clock = max_batch_tokens, pack_prefill, clock
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.running: list[Ticket] = []
+        self.admitting: list[Ticket] = []  # taken off the queue, not yet running (admit + prefill)
         self._lock = threading.Lock()
         self.initial_free_pages = self.pool.free_pages
         self.stats = collections.Counter()  # steps, step_tokens, admitted, finished, failed, cancelled, rejected
@@ -204,7 +208,7 @@ class Scheduler:
         return len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.admitting or self.running)
 
     # ------------------------------------------------------------ engine thread
 
@@ -215,6 +219,7 @@ class Scheduler:
         admitted = self._admit(finished)
         if admitted:
             self._prefill(admitted, finished)
+        self.admitting = []
         if self.running:
             self._denoise(finished)
             self._finish_done(finished)
@@ -224,8 +229,8 @@ class Scheduler:
         """Resolve every waiting and running ticket with ``error`` and free their pages."""
         with self._lock:
             tickets, self.waiting = list(self.waiting), collections.deque()
-        tickets += self.running
-        self.running = []
+        tickets += self.admitting + self.running
+        self.admitting, self.running = [], []
         for t in tickets:
             self._release(t)
             _settle(t.future, error=error)
@@ -257,6 +262,7 @@ class Scheduler:
                 if not self.waiting or not self._fits(self.waiting[0], admitted):
                     return admitted
                 t = self.waiting.popleft()
+                self.admitting.append(t)
             if self._try(t, finished, "admit", lambda: setattr(t, "state", self.pipeline.admit(t.request))):
                 t.admitted_at = self.clock()
                 t.state.times.queue = t.admitted_at - t.submitted_at

@@ -55,6 +55,10 @@ class AttentionSpec:
     backend: str = "auto"  # preference from the recipe: auto|sdpa|varlen|fa3|flex|...
     capturable: bool = False  # the callable will be recorded into a device graph
     scale: float | None = None  # None = 1/sqrt(head_dim)
+    # Also return the log-sum-exp of the scaled scores: the callable returns (o_TNH, lse_TN fp32), and
+    # -inf where a query sees no key (its o is 0). Ring attention merges partial results with it. A
+    # platform whose kernel cannot produce it must refuse the spec (the reference implements it).
+    return_lse: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -93,7 +97,11 @@ class VarlenMeta:
 
 
 class AttentionImpl(Protocol):
-    """``(q_TNH, k, v, meta) -> o_TNH``; k/v are ``[S, K, H]`` or pools ``[P, G, K, H]``."""
+    """``(q_TNH, k, v, meta) -> o_TNH``; k/v are ``[S, K, H]`` or pools ``[P, G, K, H]``.
+
+    With ``spec.return_lse`` the result is ``(o_TNH, lse_TN)`` and the object
+    has ``returns_lse = True`` (core checks it before relying on the LSE).
+    """
 
     name: str
 

@@ -31,7 +31,12 @@ class CheckpointError(ValueError):
 class LoadTarget:
     prefix: str  # official-name prefix routed here ("" = everything else)
     module: torch.nn.Module
-    name_map: Callable[[str], tuple[str, int | None]] = lambda n: (n, None)
+    # official name (prefix removed) -> (parameter, index into a stacked dim or None); (None, None) means
+    # "held by another rank": the tensor is skipped unread (expert parallelism)
+    name_map: Callable[[str], tuple[str | None, int | None]] = lambda n: (n, None)
+    # (official name without prefix, lazily sliceable tensor) -> the part this rank holds, read by slicing
+    # so only those bytes leave the file (tensor parallelism); None copies the whole tensor
+    read: Callable[[str, object], torch.Tensor] | None = None
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -63,16 +68,30 @@ class _Loader:
         target = max(routed, key=lambda t: len(t.prefix))
         try:
             name, index = target.name_map(key[len(target.prefix):])
+            if name is None:
+                return target, None, None  # held by another rank
             return target, name, target.module.get_parameter(name)
         except (KeyError, AttributeError):
             return None, None, None
 
-    def load(self, key: str, shape: tuple[int, ...], read: Callable[[], torch.Tensor], origin: str) -> None:
+    def load(self, key: str, shape: tuple[int, ...], read: Callable[[], torch.Tensor], origin: str,
+             part: Callable[[], object] | None = None) -> None:
+        """``part()`` gives a lazily sliceable view of the tensor for targets that read a shard."""
         target, name, param = self._dest(key)
+        if target is not None and name is None:
+            return None
         if param is None:
             return self.problems.append(f"unexpected {key} ({origin})")
         index = target.name_map(key[len(target.prefix):])[1]
         dest = param.data if index is None else param.data[index]
+        if target.read is not None and part is not None:
+            src = target.read(key[len(target.prefix):], part())
+            if tuple(src.shape) != tuple(dest.shape):
+                return self.problems.append(f"{key}: this rank's part {tuple(src.shape)} vs sharded model "
+                                            f"{tuple(dest.shape)} ({origin})")
+            dest.copy_(src.to(dest.dtype))
+            self.filled.setdefault((id(target.module), name), set()).add(index)
+            return None
         if tuple(shape) != tuple(dest.shape):
             return self.problems.append(f"{key}: checkpoint {tuple(shape)} vs model {tuple(dest.shape)} ({origin})")
         dest.copy_(read().to(dest.dtype))
@@ -104,7 +123,8 @@ def load_checkpoint(path: str | Path, targets: list[LoadTarget], *, skip_prefixe
         with safe_open(str(file), framework="pt", device="cpu") as f:
             keys = [k for k in f.keys() if not k.startswith(skip_prefixes)]
             for key in tqdm(keys, desc=f"loading {file.name}", disable=not progress, leave=False):
-                loader.load(key, f.get_slice(key).get_shape(), lambda k=key: f.get_tensor(k), file.name)
+                loader.load(key, f.get_slice(key).get_shape(), lambda k=key: f.get_tensor(k), file.name,
+                            part=lambda k=key: f.get_slice(k))
     loader.finish(f"checkpoint {path}", strict)
 
 
@@ -115,5 +135,5 @@ def load_state_dict(tensors: Mapping[str, torch.Tensor], targets: list[LoadTarge
     loader = _Loader(targets)
     for key, t in tensors.items():
         if not key.startswith(skip_prefixes):
-            loader.load(key, tuple(t.shape), lambda t=t: t, "state dict")
+            loader.load(key, tuple(t.shape), lambda t=t: t, "state dict", part=lambda t=t: t)
     loader.finish("state dict", strict)

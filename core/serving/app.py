@@ -73,6 +73,7 @@ class ModelHelpers:
     @classmethod
     def hunyuan_image3(cls) -> "ModelHelpers":
         from omni.models.hunyuan_image3 import resolution, system_prompts
+        from omni.recipe import parse_size  # "WxH" -> (width, height); RecipeError is a ValueError
 
         modes = {"None", "dynamic", "custom", *system_prompts.SYSTEM_PROMPTS}
 
@@ -81,7 +82,7 @@ class ModelHelpers:
                 return value  # None, or the text itself
             return system_prompts.resolve_system_prompt(value, bot_task="image")
 
-        return cls(resolution.parse_size, lambda h, w: resolution.snap(h, w)[1:], system_prompt)
+        return cls(lambda size: parse_size(size)[::-1], lambda h, w: resolution.snap(h, w)[1:], system_prompt)
 
 
 @dataclass(frozen=True)
@@ -345,6 +346,7 @@ class _Api:
         for w in waits:  # siblings of a failed image are cancelled: their errors are expected
             w.add_done_callback(lambda f: f.cancelled() or f.exception())
         gathered = asyncio.gather(*waits)
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
         watcher = asyncio.create_task(_disconnected(request))
         try:
             done, _ = await asyncio.wait({gathered, watcher}, timeout=self.opt.request_timeout_s,

@@ -8,6 +8,12 @@ the image queries over ``[prefix; timestep; image]`` -- exactly the official
 generalized-causal mask, without materialising it. All rows of all active
 requests (any resolution, step count, guidance) pack into one forward.
 
+Multi-device: ``parallel`` (an ``omni.parallel.runtime.ParallelRuntime``,
+None on one device) says which rows this worker computes (CFG parallel),
+runs each packed forward (sequence parallel) and exchanges the rows'
+predictions after a step; tensor/expert parallelism live inside the model's
+modules. This file never touches torch.distributed itself.
+
 Shape suffixes: T packed tokens, D hidden, C latent channels, h/w token grid,
 H head dim (rope tables).
 """
@@ -48,6 +54,7 @@ class RequestState:
     seed: int
     step: int = 0
     times: StageTimes = field(default_factory=StageTimes)
+    total_rows: int = 0  # rows of the request on all workers (0: as many as ``rows``)
 
     @property
     def done(self) -> bool:
@@ -62,8 +69,9 @@ class HunyuanImage3Pipeline:
     """Owns the model, VAE, tokenizer and KV pool of one worker; no scheduling policy."""
 
     def __init__(self, *, model, vae, tokenizer, config, pool: KVPool, device, paged: bool,
-                 vae_dtype: torch.dtype = torch.float32):
+                 vae_dtype: torch.dtype = torch.float32, parallel=None):
         self.model, self.vae, self.tok, self.cfg = model, vae, tokenizer, config
+        self.parallel = parallel
         self.pool, self.device, self.paged, self.vae_dtype = pool, torch.device(device), paged, vae_dtype
         self.downsample = config.vae_downsample_factor[0] * config.patch_size
         self.latent_channels = vae.cfg.latent_channels
@@ -79,21 +87,27 @@ class HunyuanImage3Pipeline:
             return list(build_t2i_pair(self.tok, req.prompt, cfg=True, **kw))
         return [build_t2i_pair(self.tok, p, cfg=False, **kw)[0] for p in (req.prompt, req.negative_prompt)]
 
+    def rows_here(self, seqs: list[T2ISequence]) -> list[T2ISequence]:
+        """The rows this worker computes: all of them, unless CFG parallel puts rows on other ranks."""
+        return seqs if self.parallel is None else [seqs[i] for i in self.parallel.cfg_rows(len(seqs))]
+
     def pages_needed(self, req: ImageRequest) -> int:
-        return sum(self.pool.pages_for(s.prefix_len + 1 + s.token_h * s.token_w) for s in self.build_rows(req))
+        return sum(self.pool.pages_for(s.prefix_len + 1 + s.token_h * s.token_w)
+                   for s in self.rows_here(self.build_rows(req)))
 
     def admit(self, req: ImageRequest) -> RequestState:
         """Allocate pages for every row (all or nothing) and draw the initial noise."""
         seqs = self.build_rows(req)
         rows: list[Row] = []
         try:
-            for s in seqs:
+            for s in self.rows_here(seqs):
                 rows.append(Row(s, self.pool.allocate(s.prefix_len + 1 + s.token_h * s.token_w)))
         except Exception:
             self.release_rows(rows)
             raise
         seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        return RequestState(req, rows, self._noise(seed, seqs[0]), flow_match_sigmas(req.steps, req.shift), seed)
+        return RequestState(req, rows, self._noise(seed, seqs[0]), flow_match_sigmas(req.steps, req.shift), seed,
+                            total_rows=len(seqs))
 
     def _noise(self, seed: int, seq: T2ISequence) -> torch.Tensor:
         """Noise drawn in bf16 on a CPU generator (as the official code), identical for both rows."""
@@ -127,8 +141,7 @@ class HunyuanImage3Pipeline:
         ids = torch.tensor([i for r in rows for i in r.seq.ids[: r.seq.prefix_len]], device=self.device)
         pos = [p for r in rows for p in r.seq.pos_yx[: r.seq.prefix_len]]
         runs = [Run(tuple(r.pages), 0, r.seq.prefix_len, r.seq.prefix_len) for r in rows]
-        ctx = PoolContext(self.pool, runs, mask="causal", paged=self.paged, device=self.device)
-        self.model.backbone(self.model.embed_tokens(ids), *self._rope(pos), ctx)
+        self._backbone(self.model.embed_tokens(ids), *self._rope(pos), runs, "causal")
         for s in states:
             s.times.prefill += time.perf_counter() - t0
 
@@ -139,12 +152,24 @@ class HunyuanImage3Pipeline:
         x_parts, pos, runs = [], [], []
         for s in states:
             self._pack_request(s, x_parts, pos, runs)
-        ctx = PoolContext(self.pool, runs, mask="none", paged=self.paged, device=self.device)
-        h_TD = self.model.backbone(torch.cat(x_parts), *self._rope(pos), ctx)
-        offset = 0
+        h_TD = self._backbone(torch.cat(x_parts), *self._rope(pos), runs, "none")
+        offset, preds = 0, []
         for s in states:
-            offset = self._advance(s, h_TD, offset)
+            v_BChw, offset = self._velocity(s, h_TD, offset)
+            preds.append(v_BChw)
+        if self.parallel is not None:  # CFG parallel: every rank gets every row's prediction
+            preds = self.parallel.exchange_predictions(preds, [s.total_rows or len(s.rows) for s in states])
+        for s, v_BChw in zip(states, preds):
+            self._update(s, v_BChw)
             s.times.denoise += time.perf_counter() - t0
+
+    def _backbone(self, x_TD, cos_TH, sin_TH, runs: list[Run], mask: str) -> torch.Tensor:
+        """The decoder over one packed forward whose attention reads and writes the KV pool."""
+        if self.parallel is not None:
+            return self.parallel.run_backbone(self.model, x_TD, cos_TH, sin_TH, pool=self.pool, runs=runs,
+                                              mask=mask, paged=self.paged, device=self.device)
+        ctx = PoolContext(self.pool, runs, mask=mask, paged=self.paged, device=self.device)
+        return self.model.backbone(x_TD, cos_TH, sin_TH, ctx)
 
     def _pack_request(self, s: RequestState, x_parts, pos, runs) -> None:
         t_1 = torch.full((1,), s.t, dtype=torch.float32, device=self.device)
@@ -156,18 +181,21 @@ class HunyuanImage3Pipeline:
             pos += r.seq.pos_yx[p: p + n]
             runs += [Run(tuple(r.pages), p, p + 1, p + 1), Run(tuple(r.pages), p + 1, p + n, p + n)]
 
-    def _advance(self, s: RequestState, h_TD: torch.Tensor, offset: int) -> int:
+    def _velocity(self, s: RequestState, h_TD: torch.Tensor, offset: int) -> tuple[torch.Tensor, int]:
+        """The velocity of each of ``s``'s rows here, ``[rows, C, h, w]`` fp32, and the next offset."""
         th, tw = s.rows[0].seq.token_h, s.rows[0].seq.token_w
         hs = []
         for r in s.rows:
             hs.append(h_TD[offset + 1: offset + r.block_len])
             offset += r.block_len
         t_B = torch.full((len(hs),), s.t, dtype=torch.float32, device=self.device)
-        v_BChw = self.model.velocity(torch.stack(hs), t_B, th, tw).float()
-        v = cfg_combine(v_BChw[:1], v_BChw[1:], s.request.guidance) if len(hs) == 2 else v_BChw
+        return self.model.velocity(torch.stack(hs), t_B, th, tw).float(), offset
+
+    def _update(self, s: RequestState, v_BChw: torch.Tensor) -> None:
+        """Guidance (two rows) and one Euler step."""
+        v = cfg_combine(v_BChw[:1], v_BChw[1:], s.request.guidance) if v_BChw.shape[0] == 2 else v_BChw
         s.latents_1Chw = euler_step(s.latents_1Chw, v, s.sigmas[s.step], s.sigmas[s.step + 1])
         s.step += 1
-        return offset
 
     # ---------------------------------------------------------------- output
     @torch.inference_mode()

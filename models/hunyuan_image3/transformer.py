@@ -142,9 +142,12 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant):
         super().__init__()
-        self.num_experts = num_experts
         self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, platform=platform, dtype=dtype, quant=quant)
         self.down_proj = GroupedLinear(num_experts, inner, dim, platform=platform, dtype=dtype, quant=quant)
+
+    @property
+    def num_experts(self) -> int:  # read off the weights: a plan may keep only some experts on a rank
+        return self.gate_and_up_proj.spec.num_experts
 
     def forward(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor) -> torch.Tensor:
         expert_R = experts_Tk.flatten()

@@ -232,17 +232,21 @@ class FlexAttention:
     name = "cuda-flex"
 
     def __init__(self, spec: AttentionSpec):
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention import flex_attention as fa
 
         self.spec, self.scale = spec, _scale(spec)
-        self.create_block_mask = create_block_mask
-        self.flex = torch.compile(flex_attention, dynamic=False)
+        self.create_block_mask = fa.create_block_mask
+        self.flex = torch.compile(fa.flex_attention, dynamic=False)
+        # packed prefill, not decode: keep inductor off the flex-decoding kernel, which it picks for
+        # queries shorter than 128 and which finds no valid config for GQA-packed dense masks (torch 2.11)
+        backend = "BACKEND" in getattr(getattr(fa, "FlexKernelOptions", None), "__annotations__", {})
+        self.kernel_options = {"BACKEND": "TRITON"} if backend else {"FORCE_USE_FLEX_ATTENTION": True}
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
         t, s = q_TNH.shape[0], k.shape[0]
         block_mask = self.create_block_mask(self._mask_mod(meta, q_TNH.device), None, None, t, s, device=q_TNH.device)
-        q, k, v = (x.transpose(0, 1)[None] for x in (q_TNH, k, v))
-        o = self.flex(q, k, v, block_mask=block_mask, scale=self.scale,
+        q, k, v = (x.transpose(0, 1).contiguous()[None] for x in (q_TNH, k, v))
+        o = self.flex(q, k, v, block_mask=block_mask, scale=self.scale, kernel_options=self.kernel_options,
                       enable_gqa=self.spec.num_heads != self.spec.num_kv_heads)
         return o[0].transpose(0, 1)
 

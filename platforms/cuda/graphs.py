@@ -8,6 +8,8 @@ and never concurrently (PyTorch's rule for shared pools).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from omni.specs import CaptureSpec
@@ -16,9 +18,9 @@ from omni.specs import CaptureSpec
 class CudaGraphRunner:
     """Warm ``fn`` up on a side stream, capture it once, replay on the current stream."""
 
-    def __init__(self, spec: CaptureSpec, pool=None, warmup: int = 2):
+    def __init__(self, spec: CaptureSpec, pools: "GraphPools | None" = None, warmup: int = 2):
         self.name = f"cuda-graph[{spec.name}]"
-        self.pool, self.warmup = pool, warmup
+        self.pool_id, self.pools, self.warmup = spec.pool_id, pools, warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: object = None
 
@@ -30,8 +32,11 @@ class CudaGraphRunner:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        pool = self.pools.handle(self.pool_id) if self.pools is not None else None
+        with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = fn()
+        if self.pools is not None:
+            self.pools.add(self.pool_id, self.graph)
         return self.outputs
 
     def replay(self) -> None:
@@ -41,15 +46,24 @@ class CudaGraphRunner:
 
 
 class GraphPools:
-    """One memory-pool handle per ``pool_id``, created on first use."""
+    """One memory pool per ``pool_id``, alive while any graph captured into it is alive.
+
+    The caching allocator frees a graph pool when its last graph dies; a handle
+    kept past that point is stale (capturing into it trips an allocator assert),
+    so a pool whose graphs are all gone is replaced by a fresh handle.
+    """
 
     def __init__(self):
-        self._pools: dict[int, object] = {}
+        self._pools: dict[int, tuple[object, weakref.WeakSet]] = {}
 
-    def get(self, pool_id: int):
-        if pool_id not in self._pools:
-            self._pools[pool_id] = torch.cuda.graph_pool_handle()
-        return self._pools[pool_id]
+    def handle(self, pool_id: int):
+        entry = self._pools.get(pool_id)
+        if entry is None or not entry[1]:
+            entry = self._pools[pool_id] = (torch.cuda.graph_pool_handle(), weakref.WeakSet())
+        return entry[0]
+
+    def add(self, pool_id: int, graph) -> None:
+        self._pools[pool_id][1].add(graph)
 
     def clear(self) -> None:
         self._pools.clear()

@@ -58,7 +58,7 @@ class CudaPlatform:
     def omni_graph_runner_impl(self, spec: CaptureSpec, reject):
         if spec.device_type != "cuda":
             return reject(f"cuda: cannot capture a {spec.device_type!r} region")
-        return CudaGraphRunner(spec, pool=self._pools.get(spec.pool_id))
+        return CudaGraphRunner(spec, self._pools)
 
     @hookimpl
     def omni_platform_shutdown(self, info: PlatformInfo) -> None:

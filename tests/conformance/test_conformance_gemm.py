@@ -27,6 +27,24 @@ def _tol(dtype, quant):
     return TOL[torch.bfloat16] if quant != "none" and dtype != torch.bfloat16 else TOL[dtype]
 
 
+def assert_matches(y, expected, dtype, quant, platform_name):
+    """Within dtype tolerance; fp8 across devices may also flip a few e4m3 roundings.
+
+    The absmax scale ``amax / 448`` is not bitwise portable (CUDA divides by a host
+    scalar through a reciprocal), so a value that sits on an e4m3 rounding boundary
+    can land one fp8 step apart on the device and on the CPU oracle. Such a flip moves
+    one product term by at most 1/8 of its size: allow it on <= 1% of the outputs,
+    bounded by an absolute 0.1 on these O(1) outputs.
+    """
+    y, expected = y.float().cpu(), expected.float()
+    tol = _tol(dtype, quant)
+    if quant == "none" or platform_name == "cpu":
+        return torch.testing.assert_close(y, expected, **tol)
+    off = ~torch.isclose(y, expected, **tol)
+    assert off.float().mean() <= 0.01, f"{int(off.sum())} of {off.numel()} outputs off"
+    torch.testing.assert_close(y, expected, atol=0.1, rtol=0)
+
+
 def _rand(*shape, dtype, device, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
@@ -46,8 +64,7 @@ def test_linear_matches_oracle(platform_name, dtype, quant, shape, bias):
     b = _rand(o, dtype=dt, device=dev, seed=3, scale=0.1) if bias else None
     y = impl(x, impl.prepare_weight(w), b)
     assert y.shape == (2, 5, o) and y.dtype == dt and y.device == x.device
-    expected = oracles(platform_name)[1](spec, x, w, b)
-    torch.testing.assert_close(y.float().cpu(), expected.float(), **_tol(dt, quant))
+    assert_matches(y, oracles(platform_name)[1](spec, x, w, b), dt, quant, platform_name)
 
 
 @pytest.mark.parametrize("dtype,quant,shape,groups", GROUPED_GRID,
@@ -65,5 +82,4 @@ def test_grouped_gemm_matches_oracle(platform_name, dtype, quant, shape, groups)
     offsets = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=dev)
     y = impl(x, impl.prepare_weight(w), offsets)
     assert y.shape == (sum(sizes), o) and y.dtype == dt and y.device == x.device
-    expected = oracles(platform_name)[2](spec, x, w, offsets)
-    torch.testing.assert_close(y.float().cpu(), expected.float(), **_tol(dt, quant))
+    assert_matches(y, oracles(platform_name)[2](spec, x, w, offsets), dt, quant, platform_name)

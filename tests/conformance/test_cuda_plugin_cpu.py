@@ -194,9 +194,20 @@ def test_cuda_sdpa_kernel_on_cpu_tensors(dtype, head_dim, gqa, mask, page, batch
                                **TOL[spec.dtype])
 
 
+def _cpu_rowwise_scaled_mm() -> bool:
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:  # 2.11: "Now _scaled_mm only supports per-tensor scaling for CPU backend"
+        return False
+    return True
+
+
 @pytest.mark.parametrize("quant,dtype", list(itertools.product(("none", "fp8_tensor", "fp8_row"),
                                                                 (torch.bfloat16, torch.float32))))
 def test_cuda_linear_kernels_on_cpu_tensors(quant, dtype):
+    if quant == "fp8_row" and not _cpu_rowwise_scaled_mm():
+        pytest.skip("this torch's CPU _scaled_mm is per-tensor only")
     spec = GemmSpec(in_features=64, out_features=48, dtype=dtype, quant=quant, bias=True)
     impl = gemm.resolve_linear(spec, H100, pytest.fail)
     g = torch.Generator().manual_seed(0)
@@ -226,3 +237,16 @@ def test_group_tensor_scales_match_per_group_absmax():
         if end > start:
             assert torch.all(scales[start:end] == x[start:end].abs().amax() / 448.0)
         start = end
+
+
+@pytest.mark.parametrize("mask,gqa", list(itertools.product(("none", "causal", "dense"), (1, 4))))
+def test_cuda_flex_masks_on_cpu_tensors(mask, gqa):
+    """The document / causal / dense mask_mods, run through eager FlexAttention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    spec = attention_spec("fp32", 64, gqa, mask, 0, backend="flex")
+    impl = attention.FlexAttention(spec)
+    impl.flex = flex_attention  # eager: the CPU box has no business compiling kernels here
+    q, k, v, meta = make_attention_case(spec, "q<k", "cpu", seed=3)
+    torch.testing.assert_close(impl(q, k, v, meta).float(), naive_attention(spec, q, k, v, meta).float(),
+                               **TOL[spec.dtype])

@@ -53,6 +53,6 @@ def served(tiny_recipe):
 def drained(served):
     """After the test: every KV page back in the pool and nothing queued or running."""
     yield served
-    sched = served.scheduler
+    sched, pool = served.scheduler, served.pool
     wait_until(lambda: not sched.has_work(), 120, "requests still queued or running")
-    assert served.pool.free_pages == sched.initial_free_pages
+    assert pool.free_pages == sched.initial_free_pages, f"{sched.initial_free_pages - pool.free_pages} pages leaked"

@@ -10,6 +10,10 @@ admission and packing are the real ones; two things differ:
   latents", a stricter check than pixels after the VAE.
 - a prompt containing ``FAULT_IN_STEP`` (or ``FAULT_IN_DECODE``) raises
   inside the pipeline, to test failure isolation.
+
+``intraop_threads`` (when set) is applied on the engine thread before each
+forward: OpenMP thread counts are per calling thread, so setting them from
+the test thread does not reach a running engine.
 """
 from __future__ import annotations
 
@@ -36,18 +40,29 @@ class TestPipeline:
     def __init__(self, pipeline):
         self.inner = pipeline
         self.real_decode = False
+        self.intraop_threads: int | None = None
         self.step_calls: list[int] = []  # batch size of every denoise_step call
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def _threads(self) -> None:
+        if self.intraop_threads is not None and torch.get_num_threads() != self.intraop_threads:
+            torch.set_num_threads(self.intraop_threads)
+
+    def prefill(self, states):
+        self._threads()
+        return self.inner.prefill(states)
+
     def denoise_step(self, states):
+        self._threads()
         self.step_calls.append(len(states))
         if any(FAULT_IN_STEP in s.request.prompt for s in states):
             raise InjectedFault("injected fault in denoise_step")
         return self.inner.denoise_step(states)
 
     def decode(self, state):
+        self._threads()
         if FAULT_IN_DECODE in state.request.prompt:
             raise InjectedFault("injected fault in decode")
         if self.real_decode:
@@ -105,3 +120,73 @@ def raw_post(port: int, path: str, body: bytes) -> socket.socket:
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     s.sendall(head + body)
     return s
+
+
+class FakeState:
+    def __init__(self, request, pages: list[list[int]], seed: int):
+        from omni.request import StageTimes
+
+        self.request, self.rows, self.seed = request, pages, seed
+        self.step, self.value, self.times = 0, 0.0, StageTimes()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.request.steps
+
+
+class FakePipeline:
+    """The scheduler's pipeline protocol without a model: one token per 16x16 pixels, 8 prompt tokens.
+
+    ``denoise_step`` advances the states in order and raises at the first
+    whose prompt contains ``FAULT_IN_STEP`` (so earlier ones were already
+    advanced: the scheduler must restore them). ``step_delay_s`` slows steps.
+    """
+
+    def __init__(self, num_pages: int = 64, page_size: int = 16, step_delay_s: float = 0.0):
+        from omni.kv_pool import KVPool
+
+        self.pool = KVPool(num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=1, head_dim=1,
+                           dtype=torch.float32, device="cpu")
+        self.step_delay_s = step_delay_s
+        self.batches: list[list[str]] = []  # request ids of every denoise_step call
+        self.prefills: list[list[str]] = []
+
+    def _rows(self, req) -> list[int]:
+        tokens = 8 + 1 + (req.height // 16) * (req.width // 16)
+        return [tokens] * (2 if req.use_cfg else 1)
+
+    def pages_needed(self, req) -> int:
+        return sum(self.pool.pages_for(n) for n in self._rows(req))
+
+    def step_tokens(self, req) -> int:
+        return sum(n - 8 for n in self._rows(req))
+
+    def admit(self, req):
+        if "FAULT_IN_ADMIT" in req.prompt:
+            raise InjectedFault("injected fault in admit")
+        pages = []
+        for n in self._rows(req):
+            pages.append(self.pool.allocate(n))
+        return FakeState(req, pages, req.seed if req.seed is not None else 0)
+
+    def prefill(self, states) -> None:
+        self.prefills.append([s.request.request_id for s in states])
+
+    def denoise_step(self, states) -> None:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        self.batches.append([s.request.request_id for s in states])
+        for s in states:
+            if FAULT_IN_STEP in s.request.prompt:
+                raise InjectedFault("injected fault in denoise_step")
+            s.value, s.step = s.value + 1.0, s.step + 1
+
+    def decode(self, state) -> torch.Tensor:
+        if FAULT_IN_DECODE in state.request.prompt:
+            raise InjectedFault("injected fault in decode")
+        return torch.full((2, 2, 3), int(state.value), dtype=torch.uint8)
+
+    def release(self, state) -> None:
+        for pages in state.rows:
+            self.pool.release(pages)
+        state.rows = []

@@ -1,0 +1,357 @@
+"""One worker process per rank: spawn, initialise, build the mesh, run, tear down.
+
+    launch(fn, Degrees(tp=2), platform="cpu")       # spawns 2 local workers, returns their results
+    python -m omni.parallel.launch --tp 2 pkg.mod:fn  # the same from a shell
+    torchrun --nproc-per-node 2 -m omni.parallel.launch --tp 2 pkg.mod:fn
+
+Every worker: selects the platform, binds its device through
+``Platform.device_services(local_rank)``, initialises torch.distributed with
+``Platform.dist_backend()`` over a TCP store, builds the ``Mesh`` and calls
+``fn(ctx, *args)`` with a ``WorkerContext``. Its return value (picklable)
+comes back to ``launch``.
+
+Teardown: the first rank that fails makes ``launch`` stop every other worker
+(SIGTERM, then SIGKILL) and raise ``WorkerError`` with that rank's
+traceback; a peer blocked in a collective never keeps the job alive. Ctrl-C
+stops all workers. A worker whose launcher dies (even by SIGKILL) exits on
+its own: it watches a pipe whose other end only the launcher holds.
+
+Environment variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT from torchrun) are read in ``main()``
+only, turned into a ``RankInfo`` and passed down explicitly.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+from .mesh import Degrees
+
+TERMINATE_GRACE_S = 5.0
+ROOT_CAUSE_WINDOW_S = 1.0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "RankInfo | None":
+        """The torchrun variables, or None when ``env`` has no RANK (not under torchrun)."""
+        if "RANK" not in env:
+            return None
+        world = int(env["WORLD_SIZE"])
+        return cls(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)), node_rank=int(env.get("GROUP_RANK", 0)),
+                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)))
+
+
+@dataclass
+class WorkerContext:
+    """What ``fn`` receives: rank info, the platform, this rank's device services and the mesh."""
+
+    info: RankInfo
+    degrees: Degrees
+    platform: Any
+    services: Any
+    mesh: Any
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def device(self):
+        return self.services.device
+
+
+class WorkerError(RuntimeError):
+    """A worker failed; ``rank`` and the worker's own traceback are in the message."""
+
+    def __init__(self, rank: int, summary: str, tb: str = ""):
+        self.rank, self.summary, self.worker_traceback = rank, summary, tb
+        super().__init__(f"rank {rank} failed: {summary}" + (f"\n--- rank {rank} traceback ---\n{tb}" if tb else ""))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_target(fn: Callable | str) -> Callable:
+    """A callable, or ``"package.module:function"``."""
+    if callable(fn):
+        return fn
+    module, _, name = fn.partition(":")
+    if not name:
+        raise ValueError(f"target {fn!r} must look like package.module:function")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------- one worker
+
+
+def run_worker(fn: Callable | str, info: RankInfo, degrees: Degrees, *, platform: str = "cpu",
+               args: tuple = (), dist_timeout_s: float = 300.0, threads: int | None = None):
+    """Initialise this rank, build the mesh, run ``fn(ctx, *args)``, tear down; returns fn's result."""
+    import torch
+    import torch.distributed as dist
+
+    from omni.platform_manager import select
+
+    from .mesh import Mesh
+
+    if threads:  # host threads per worker, as torchrun's OMP_NUM_THREADS: workers share the host CPUs
+        torch.set_num_threads(threads)
+    if info.world_size != degrees.world_size:
+        raise ValueError(f"{degrees.label()} needs {degrees.world_size} ranks, the job has {info.world_size}")
+    plat = select(platform)
+    services = plat.device_services(info.local_rank)
+    dist.init_process_group(plat.dist_backend(), init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                            rank=info.rank, world_size=info.world_size,
+                            timeout=datetime.timedelta(seconds=dist_timeout_s))
+    try:
+        mesh = Mesh.build(degrees, platform=plat, device_type=plat.info.device_type)
+        return resolve_target(fn)(WorkerContext(info, degrees, plat, services, mesh), *args)
+    finally:
+        try:
+            dist.destroy_process_group()
+        finally:
+            plat.shutdown()
+
+
+def _watch_parent(conn) -> None:
+    """Exit when the launcher is gone (its end of the pipe closes), so no worker outlives it."""
+    try:
+        conn.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(70)
+
+
+def _child(fn, info: RankInfo, degrees: Degrees, platform: str, args: tuple, dist_timeout_s: float,
+           threads: int, report, lifeline) -> None:
+    threading.Thread(target=_watch_parent, args=(lifeline,), daemon=True, name="omni-lifeline").start()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    try:
+        result = run_worker(fn, info, degrees, platform=platform, args=args, dist_timeout_s=dist_timeout_s,
+                            threads=threads)
+    except KeyboardInterrupt:
+        report.send(("interrupted", info.rank, "interrupted (Ctrl-C)", "", time.time()))
+        os._exit(130)
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher with its traceback, then exit 1
+        report.send(("error", info.rank, f"{type(e).__name__}: {e}", traceback.format_exc(), time.time()))
+        sys.stderr.flush()
+        os._exit(1)
+    try:  # plain pickle: tensors travel as bytes, not as shared memory that dies with this process
+        report.send(("ok", info.rank, pickle.dumps(result), "", time.time()))
+    except Exception as e:  # noqa: BLE001 - an unpicklable result is this rank's error
+        report.send(("error", info.rank, f"result of rank {info.rank} cannot be sent back: {e}", "", time.time()))
+        os._exit(1)
+    report.close()
+
+
+# ---------------------------------------------------------------------- the launcher
+
+
+def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args: tuple = (),
+           nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
+           master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float | None = None,
+           dist_timeout_s: float = 300.0) -> list:
+    """Spawn this node's workers, wait for all, return their results (local rank order).
+
+    ``fn`` must be importable by name (a module-level function or
+    ``"module:function"``): workers are fresh interpreters (spawn), never forks
+    of a process that may hold device contexts or threads.
+    """
+    nproc = nproc_per_node or degrees.world_size // nnodes
+    if nproc * nnodes != degrees.world_size:
+        raise ValueError(f"{degrees.label()} needs {degrees.world_size} ranks; {nnodes} node(s) x {nproc} "
+                         f"process(es) = {nproc * nnodes}")
+    if master_port is None:
+        if nnodes > 1:
+            raise ValueError("a multi-node launch needs an explicit master_port that every node agrees on")
+        master_port = free_port(master_addr)
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    base = RankInfo(rank=0, world_size=degrees.world_size, local_rank=0, local_world_size=nproc,
+                    node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+    ctx = mp.get_context("spawn")
+    procs, reports, lifelines = [], {}, []
+    try:
+        for local in range(nproc):
+            info = replace(base, rank=node_rank * nproc + local, local_rank=local)
+            recv, send = ctx.Pipe(duplex=False)
+            life_r, life_w = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, name=f"omni-rank{info.rank}", daemon=False,
+                            args=(fn, info, degrees, platform, args, dist_timeout_s, threads, send, life_r))
+            p.start()
+            send.close()
+            life_r.close()
+            procs.append(p)
+            reports[recv] = info.rank
+            lifelines.append(life_w)
+        return _supervise(procs, reports, timeout_s)
+    finally:
+        _stop_all(procs)
+        for conn in lifelines:
+            conn.close()
+
+
+def _supervise(procs: list, reports: dict, timeout_s: float | None) -> list:
+    """Collect results; on the first failure (error report or bad exit) stop everyone and raise.
+
+    A failure makes its peers fail too (their collectives lose a member), so
+    the reports arriving within ``ROOT_CAUSE_WINDOW_S`` are compared and the
+    earliest failure wins: the error shown is the root cause, not an echo.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    results: dict[int, Any] = {}
+    failures: list[tuple[float, WorkerError | KeyboardInterrupt]] = []
+    by_sentinel = {p.sentinel: (p, reports[c]) for p, c in zip(procs, reports)}
+    waiting = set(reports) | set(by_sentinel)
+    settle_until = None
+    while len(results) < len(procs):
+        now = time.monotonic()
+        if failures and (settle_until is None or now >= settle_until or not waiting):
+            raise min(failures, key=lambda f: f[0])[1]
+        if deadline is not None and now >= deadline:
+            missing = sorted(set(reports.values()) - set(results))
+            raise TimeoutError(f"workers {missing} did not finish within {timeout_s}s; all workers stopped")
+        limits = [t - now for t in (deadline, settle_until) if t is not None]
+        for obj in mp.connection.wait(list(waiting), timeout=max(0.0, min(limits)) if limits else None):
+            waiting.discard(obj)
+            if obj in reports:
+                failure = _read_report(obj, results)
+            else:
+                proc, rank = by_sentinel[obj]
+                proc.join()
+                _drain(reports, results, waiting, failures)
+                failure = None if rank in results or any(getattr(f[1], "rank", None) == rank for f in failures) \
+                    else (time.time(), WorkerError(rank, _exit_reason(proc.exitcode)))
+            if failure is not None:
+                failures.append(failure)
+                settle_until = settle_until or time.monotonic() + ROOT_CAUSE_WINDOW_S
+    base_rank = min(reports.values())
+    return [results[base_rank + i] for i in range(len(procs))]
+
+
+def _read_report(conn, results: dict):
+    """Store a result, or return ``(time it failed, exception)``; None for a closed pipe."""
+    try:
+        kind, rank, payload, tb, when = conn.recv()
+    except (EOFError, OSError):
+        return None
+    if kind == "ok":
+        results[rank] = pickle.loads(payload)
+        return None
+    if kind == "interrupted":
+        return when, KeyboardInterrupt(f"rank {rank} was interrupted")
+    return when, WorkerError(rank, payload, tb)
+
+
+def _drain(reports: dict, results: dict, waiting: set, failures: list) -> None:
+    """Read reports already sent (a worker may exit before its report is read)."""
+    for conn in [c for c in reports if c in waiting and c.poll()]:
+        waiting.discard(conn)
+        failure = _read_report(conn, results)
+        if failure is not None:
+            failures.append(failure)
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by signal {signal.Signals(-code).name} (for example out of memory)"
+    if code == 70:
+        return "exited because its launcher went away"
+    return f"exited with code {code} without reporting a result"
+
+
+def _stop_all(procs: list) -> None:
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m omni.parallel.launch", description=__doc__.split("\n")[0])
+    ap.add_argument("target", help="package.module:function called as fn(ctx, *args) on every rank")
+    ap.add_argument("args", nargs="*", help="string arguments passed to the target")
+    ap.add_argument("--platform", default="cpu")
+    ap.add_argument("--recipe", help="take the degrees from this recipe's parallel section")
+    for axis in ("dp", "cfg", "ulysses", "ring", "tp", "ep"):
+        ap.add_argument(f"--{axis}", type=int, default=1)
+    ap.add_argument("--nproc-per-node", type=int)
+    ap.add_argument("--nnodes", type=int, default=1)
+    ap.add_argument("--node-rank", type=int, default=0)
+    ap.add_argument("--master-addr", default="127.0.0.1")
+    ap.add_argument("--master-port", type=int)
+    ap.add_argument("--timeout", type=float, help="seconds before the whole job is stopped")
+    return ap.parse_args(argv)
+
+
+def degrees_from_args(ns: argparse.Namespace) -> Degrees:
+    if ns.recipe:
+        from omni.recipe import load_recipe
+
+        return Degrees.from_recipe(load_recipe(ns.recipe).parallel)
+    return Degrees(**{a: getattr(ns, a) for a in ("dp", "cfg", "ulysses", "ring", "tp", "ep")})
+
+
+def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    ns = parse_args(argv)
+    degrees = degrees_from_args(ns)
+    info = RankInfo.from_env(os.environ if env is None else env)
+    try:
+        if info is not None:  # under torchrun: this process is one rank
+            result = run_worker(ns.target, info, degrees, platform=ns.platform, args=tuple(ns.args))
+            results = [result]
+        else:
+            results = launch(ns.target, degrees, platform=ns.platform, args=tuple(ns.args),
+                             nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes, node_rank=ns.node_rank,
+                             master_addr=ns.master_addr, master_port=ns.master_port, timeout_s=ns.timeout)
+    except WorkerError as e:
+        print(f"omni.parallel.launch: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("omni.parallel.launch: interrupted; all workers stopped", file=sys.stderr)
+        return 130
+    for r in results:
+        if r is not None:
+            print(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The per-worker parallel runtime: what the pipeline builder and the pipeline ask of the mesh.
+
+Model code never imports torch.distributed; it receives this object (or
+None on a single device) and calls plain methods:
+
+    build time   shard_model(model, plan, ...)  -> PlanResult (apply the plan, cut the checkpoint)
+                 pool_kv_heads(K)               -> kv heads this rank's KV pool stores
+    run time     cfg_rows(n)                    -> which rows of a request this rank computes
+                 exchange_predictions(...)      -> every row's velocity after a step
+                 run_backbone(...)              -> the backbone over one packed forward
+"""
+from __future__ import annotations
+
+from omni.kv_pool import PoolContext
+
+from .cfg import CfgSplit
+from .sequence import SequenceParallelRunner
+from .tp import PlanResult, apply_plan
+from .ulysses import kv_heads_per_rank
+
+
+class ParallelRuntime:
+    def __init__(self, mesh, platform):
+        self.mesh, self.platform = mesh, platform
+        self.cfg = CfgSplit(mesh.comm("cfg"))
+        self.sp = SequenceParallelRunner(mesh) if mesh.sp_kind != "none" else None
+
+    def __repr__(self) -> str:
+        return f"ParallelRuntime({self.mesh})"
+
+    # ------------------------------------------------------------ build time
+
+    def shard_model(self, model, plan, *, cfg, module_kw: dict, kernel_kw: dict) -> PlanResult:
+        return apply_plan(model, plan, mesh=self.mesh, platform=self.platform, cfg=cfg, module_kw=module_kw,
+                          kernel_kw=kernel_kw)
+
+    def pool_kv_heads(self, num_kv_heads: int, num_heads: int) -> int:
+        tp = self.mesh.size("tp")
+        local = num_kv_heads // tp
+        if self.mesh.sp_kind == "ulysses":
+            return kv_heads_per_rank(num_heads // tp, local, self.mesh.size("ulysses"))
+        return local
+
+    # ------------------------------------------------------------ run time
+
+    def cfg_rows(self, num_rows: int) -> list[int]:
+        return self.cfg.rows(num_rows)
+
+    def exchange_predictions(self, local: list, num_rows: list[int]) -> list:
+        return self.cfg.exchange(local, num_rows)
+
+    def run_backbone(self, model, x_TD, cos_TH, sin_TH, *, pool, runs, mask: str, paged: bool, device):
+        if self.sp is not None:
+            return self.sp(model, x_TD, cos_TH, sin_TH, pool=pool, runs=runs, mask=mask, paged=paged, device=device)
+        ctx = PoolContext(pool, runs, mask=mask, paged=paged, device=device)
+        return model.backbone(x_TD, cos_TH, sin_TH, ctx)
