@@ -68,7 +68,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA attention; RoPE first, then per-head RMSNorm on q and k."""
 
-    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size):
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size,
+                 attn_backend="auto"):
         super().__init__()
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.layer_idx, self.shape_NKH = layer_idx, (N, K, H)
@@ -77,7 +78,8 @@ class Attention(nn.Module):
         self.query_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
         self.key_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
         self.attn = {mask: platform.attention(AttentionSpec(
-            num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, mask=mask, paged=paged_kv, page_size=page_size))
+            num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, mask=mask, paged=paged_kv, page_size=page_size,
+            backend=attn_backend))
             for mask in MASKS}
 
     def split_qkv(self, qkv_TO: torch.Tensor):
@@ -180,11 +182,12 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size):
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size,
+                 attn_backend="auto"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant,
-                                   paged_kv=paged_kv, page_size=page_size)
+                                   paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MoE(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant)
 
@@ -207,12 +210,12 @@ class HunyuanImage3Transformer(nn.Module):
     """Backbone, text head and image I/O heads; inference only (no grads)."""
 
     def __init__(self, cfg: HunyuanImage3Config, platform, dtype: torch.dtype = torch.float32, quant: str = "none",
-                 paged_kv: bool = False, page_size: int = 0):
+                 paged_kv: bool = False, page_size: int = 0, attn_backend: str = "auto"):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         D, C, hidden = cfg.hidden_size, cfg.latent_channels, cfg.patch_embed_hidden_dim
         kw = dict(platform=platform, dtype=dtype)
-        self.model = Decoder(cfg, quant=quant, paged_kv=paged_kv, page_size=page_size, **kw)
+        self.model = Decoder(cfg, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend, **kw)
         self.lm_head = Linear(D, cfg.vocab_size, **kw)  # kept unquantized: logits quality
         self.timestep_emb = TimestepEmbedder(D, **kw)  # replaces the <timestep> token
         self.time_embed = TimestepEmbedder(D, **kw)  # conditions patch_embed
