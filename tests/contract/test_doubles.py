@@ -42,12 +42,14 @@ def _fia(**overrides):
     return TorchNpuDouble().npu_fused_infer_attention_score(q, k, v, **kw), (q, k, v)
 
 
+@pytest.mark.npu
 def test_fia_right_call_passes_and_computes_the_reference():
     (out, _lse), (q, k, v) = _fia()
     expected = reference_attention(q, k, v, CU, CU, causal=True, scale=128 ** -0.5)
     torch.testing.assert_close(out.float(), expected.float())
 
 
+@pytest.mark.npu
 @pytest.mark.parametrize("overrides,rule", [
     ({"actual_seq_lengths": [0, 2, 5, 10]}, "WITHOUT the leading 0"),
     ({"actual_seq_lengths_kv": [0, 2, 5, 10]}, "WITHOUT the leading 0"),
@@ -65,6 +67,7 @@ def test_fia_rejects_cuda_habits(overrides, rule):
         _fia(**overrides)
 
 
+@pytest.mark.npu
 def test_fia_rejects_unsupported_tnd_head_dim():
     q = _tnd(d=96)
     with pytest.raises(ContractViolation, match="head dim 128/192"):
@@ -72,6 +75,7 @@ def test_fia_rejects_unsupported_tnd_head_dim():
                                                          actual_seq_lengths_kv=[2, 5, 10], input_layout="TND")
 
 
+@pytest.mark.npu
 def test_fia_paged_wants_per_sequence_kv_lengths_and_aligned_blocks():
     q = _tnd()
     pool = torch.randn(4, 128, 2 * 128).bfloat16()  # BnBsH: 4 blocks of 128 tokens, K*D = 256
@@ -90,6 +94,7 @@ def test_fia_paged_wants_per_sequence_kv_lengths_and_aligned_blocks():
 # ----------------------------------------------------------------- torch_npu: GEMMs
 
 
+@pytest.mark.npu
 def test_quant_matmul_contract():
     double = TorchNpuDouble()
     x = torch.randn(6, 64).bfloat16()
@@ -107,6 +112,7 @@ def test_quant_matmul_contract():
         double.npu_dynamic_quant(x.float())
 
 
+@pytest.mark.npu
 def test_grouped_matmul_contract():
     double = TorchNpuDouble()
     x, w = torch.randn(10, 16), torch.randn(3, 16, 8)
@@ -129,6 +135,7 @@ def _cu(values, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype)
 
 
+@pytest.mark.rocm
 def test_aiter_contract():
     double = AiterDouble()
     q = _tnd()
@@ -145,6 +152,7 @@ def test_aiter_contract():
         double.flash_attn_varlen_func(q, q, q, _cu(CU), _cu(CU), 4, 5)
 
 
+@pytest.mark.xpu
 def test_ipex_varlen_contract():
     double = IpexDouble()
     q, kv = _tnd(n=4), _tnd(n=2)
@@ -160,6 +168,7 @@ def test_ipex_varlen_contract():
         double.varlen_attention(q, kv4, kv4, out, _cu(CU), _cu(CU), is_causal=True, **kw)
 
 
+@pytest.mark.musa
 def test_musa_flash_contract():
     double = MusaFlashDouble()
     q = _tnd()
@@ -169,6 +178,7 @@ def test_musa_flash_contract():
         double.flash_attn_varlen_func(q, q, q, _cu(CU, torch.int64), _cu(CU), 5, 5)
 
 
+@pytest.mark.rocm
 def test_scaled_mm_contract_per_vendor():
     mi300 = ScaledMmDouble(torch.float8_e4m3fnuz, rowwise_out=(torch.bfloat16,))
     a = torch.randn(8, 32).to(torch.float8_e4m3fnuz)
