@@ -36,6 +36,9 @@ class DeviceServices:
     def stream(self):
         return self._mod.Stream(self.device) if self.device_type != "cpu" else None
 
+    def current_stream(self):
+        return self._mod.current_stream(self.device) if self.device_type != "cpu" else None
+
     def use_stream(self, stream):
         return self._mod.stream(stream) if stream is not None else contextlib.nullcontext()
 

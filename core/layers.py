@@ -14,8 +14,16 @@ import torch.nn as nn
 from .specs import GemmSpec, GroupedGemmSpec, PreparedWeight
 
 
-def _prepared_param(p: PreparedWeight) -> tuple[nn.Parameter, torch.Tensor | None]:
-    return nn.Parameter(p.data, requires_grad=False), p.scale
+def _adopt(module: nn.Module, p: PreparedWeight) -> PreparedWeight:
+    """Make the kernel's prepared weight the module's state: ``weight`` and buffer ``weight_scale``.
+
+    Both stay registered tensors, so ``state_dict``, ``.to()`` and the layer
+    offloader (which swaps ``.data``) see them; the returned ``PreparedWeight``
+    aliases those same tensor objects.
+    """
+    module.weight = nn.Parameter(p.data, requires_grad=False)
+    module.weight_scale = p.scale
+    return PreparedWeight(module.weight, module.weight_scale)
 
 
 class Linear(nn.Module):
@@ -28,13 +36,12 @@ class Linear(nn.Module):
         self.kernel = platform.linear(self.spec)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.register_buffer("weight_scale", None)
         self.prepared: PreparedWeight | None = None
 
     def finalize(self) -> None:
         """Prepare the loaded weight for the kernel (once, after loading)."""
-        prepared = self.kernel.prepare_weight(self.weight.data)
-        self.weight, scale = _prepared_param(prepared)
-        self.prepared = PreparedWeight(self.weight, scale)
+        self.prepared = _adopt(self, self.kernel.prepare_weight(self.weight.data))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.prepared or PreparedWeight(self.weight)
@@ -54,12 +61,11 @@ class GroupedLinear(nn.Module):
                                     out_features=out_features, dtype=dtype, quant=quant)
         self.kernel = platform.grouped_gemm(self.spec)
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype), requires_grad=False)
+        self.register_buffer("weight_scale", None)
         self.prepared: PreparedWeight | None = None
 
     def finalize(self) -> None:
-        prepared = self.kernel.prepare_weight(self.weight.data)
-        self.weight, scale = _prepared_param(prepared)
-        self.prepared = PreparedWeight(self.weight, scale)
+        self.prepared = _adopt(self, self.kernel.prepare_weight(self.weight.data))
 
     def forward(self, x_TI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self.kernel(x_TI, self.prepared or PreparedWeight(self.weight), offsets_E)

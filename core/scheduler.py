@@ -38,7 +38,7 @@ both).
 The pipeline protocol: ``pool`` (a KVPool), ``pages_needed(req)``,
 ``admit(req) -> state``, ``prefill(states)``, ``denoise_step(states)``,
 ``decode(state) -> uint8 [H, W, 3]``, ``release(state)``; optional
-``step_tokens(req)`` (else derived from ``build_rows``). A state has
+``step_tokens(req)`` (else derived from ``build_rows`` / ``rows_here``). A state has
 ``.done``, ``.request``, ``.seed``, ``.times`` (StageTimes), and
 ``denoise_step`` must rebind, not mutate in place, what it advances (the
 snapshot is a shallow copy of the state's attributes).
@@ -125,9 +125,12 @@ def _settle(future: concurrent.futures.Future, *, result=None, error: BaseExcept
 
 
 def _step_tokens(pipeline, req: ImageRequest) -> int:
+    """Packed tokens one denoising step of ``req`` adds on this worker (``<timestep>`` + image per row)."""
     if hasattr(pipeline, "step_tokens"):
         return pipeline.step_tokens(req)
-    return sum(1 + s.token_h * s.token_w for s in pipeline.build_rows(req))
+    rows = pipeline.build_rows(req)
+    rows = pipeline.rows_here(rows) if hasattr(pipeline, "rows_here") else rows  # cfg-parallel: this rank's rows
+    return sum(1 + s.token_h * s.token_w for s in rows)
 
 
 def _snapshot(state) -> dict:
@@ -156,6 +159,20 @@ class Scheduler:
         self.stats = collections.Counter()  # steps, step_tokens, admitted, finished, failed, cancelled, rejected
         self._service_s: float | None = None  # moving average of admitted -> finished seconds
 
+    @classmethod
+    def from_recipe(cls, pipeline, recipe, **overrides) -> "Scheduler":
+        """The scheduler ``recipe.serving`` describes (max_running, max_queue, max_batch_tokens)."""
+        s = recipe.serving
+        kw = dict(max_running=s.max_running, max_queue=s.max_queue, max_batch_tokens=s.max_batch_tokens)
+        sched = cls(pipeline, **(kw | overrides))
+        w, h = recipe.defaults.width_height
+        need = sched.cost(ImageRequest(prompt="x", height=h, width=w, guidance=recipe.defaults.guidance)).step_tokens
+        if sched.max_batch_tokens is not None and need > sched.max_batch_tokens:
+            log.warning("serving.max_batch_tokens=%d is below one default %dx%d request (%d packed tokens per "
+                        "step): such requests run one at a time; raise it to batch them",
+                        sched.max_batch_tokens, w, h, need)
+        return sched
+
     # ------------------------------------------------------------ any thread
 
     def cost(self, req: ImageRequest) -> Cost:
@@ -175,7 +192,8 @@ class Scheduler:
         costs = [self.cost(r) for r in reqs]
         with self._lock:
             if self.max_queue is not None:
-                room = self.max_queue + max(0, self.max_running - len(self.running)) - len(self.waiting)
+                free_slots = max(0, self.max_running - len(self.running) - len(self.admitting))
+                room = self.max_queue + free_slots - len(self.waiting)
                 if len(reqs) > room:
                     self.stats["rejected"] += len(reqs)
                     raise QueueFull(f"server busy: {len(self.waiting)} waiting, {len(self.running)} running "

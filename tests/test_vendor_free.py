@@ -135,6 +135,18 @@ def test_core_and_models_are_vendor_free():
     assert not problems, "vendor code in core/ or models/:\n" + "\n".join(problems)
 
 
+def test_common_platform_code_is_vendor_free():
+    """platforms/common/ serves every device: torch and omni only, no vendor module, attribute or branch."""
+    problems = []
+    for path in sorted((ROOT / "platforms" / "common").glob("*.py")):
+        is_package = path.stem == "__init__"
+        module = "omni.platforms.common" + ("" if is_package else f".{path.stem}")
+        for line, message in check_source(path.read_text(encoding="utf-8"), module, is_package):
+            if "platform package omni.platforms.common" not in message:  # its own modules may import each other
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {message}")
+    assert not problems, "vendor code in platforms/common/:\n" + "\n".join(problems)
+
+
 def test_the_walk_sees_the_tree():
     files = {str(p.relative_to(ROOT)) for p in _checked_files()}
     assert {"core/platform_manager.py", "core/recipe.py", "core/cli.py"} <= files

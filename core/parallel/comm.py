@@ -116,7 +116,8 @@ class Comm:
                 return self.impl.all_gather(t[None], 0)
             flat = t.reshape(-1)
             out = flat.new_empty(self.size * flat.numel())  # concatenated along dim 0 (gloo and NCCL agree)
-            dist.all_gather_into_tensor(out, flat, group=self.group)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.10
+            gather(out, flat, group=self.group)
         return out.view(self.size, *t.shape)
 
     def all_gather_rows(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:

@@ -55,6 +55,9 @@ class RankInfo:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    # "" = a TCP store at master_addr:master_port (rank 0 hosts it). Under torchrun: "env://", so torch joins
+    # the store torchrun's agent already hosts on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE).
+    init_method: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "RankInfo | None":
@@ -64,7 +67,8 @@ class RankInfo:
         world = int(env["WORLD_SIZE"])
         return cls(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)), node_rank=int(env.get("GROUP_RANK", 0)),
-                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)))
+                   master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", 29500)),
+                   init_method="env://")
 
 
 @dataclass
@@ -129,7 +133,8 @@ def run_worker(fn: Callable | str, info: RankInfo, degrees: Degrees, *, platform
         raise ValueError(f"{degrees.label()} needs {degrees.world_size} ranks, the job has {info.world_size}")
     plat = select(platform)
     services = plat.device_services(info.local_rank)
-    dist.init_process_group(plat.dist_backend(), init_method=f"tcp://{info.master_addr}:{info.master_port}",
+    init = info.init_method or f"tcp://{info.master_addr}:{info.master_port}"
+    dist.init_process_group(plat.dist_backend(), init_method=init,
                             rank=info.rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=dist_timeout_s))
     try:

@@ -222,6 +222,15 @@ class Mesh:
     def comm(self, axis: str):
         return self._comms[axis]
 
+    def comms(self) -> list:
+        """Every distinct tensor Comm of this rank (for benchmarks: stats, comm-free variant)."""
+        return list({id(c): c for c in self._comms.values()}.values())
+
+    def instrument(self, stats=None, enabled: bool = True) -> None:
+        """Benchmarks only: time collectives into ``stats``; ``enabled=False`` skips exchanges (wrong results)."""
+        for c in self.comms():
+            c.stats, c.enabled = stats, enabled
+
     def control(self, axis: str = "replica"):
         return self._control[axis]
 

@@ -30,7 +30,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
 
 
 def install_sp_kernels(attention: torch.nn.Module, style, *, mesh, platform, cfg, dtype, paged: bool,
-                       page_size: int) -> None:
+                       page_size: int, backend: str = "auto") -> None:
     """Replace an attention module's kernels (dict mask -> kernel) by their Ulysses or ring wrappers."""
     tp = mesh.size("tp")
     n, k = getattr(cfg, style.heads) // tp, getattr(cfg, style.kv_heads) // tp
@@ -41,10 +41,11 @@ def install_sp_kernels(attention: torch.nn.Module, style, *, mesh, platform, cfg
         kv = kv_heads_per_rank(n, k, u)
         kernels = {m: UlyssesAttention(platform.attention(AttentionSpec(
             num_heads=n // u, num_kv_heads=kv, head_dim=head_dim, dtype=dtype, mask=m, paged=paged,
-            page_size=page_size))) for m in masks}
+            page_size=page_size, backend=backend))) for m in masks}
     else:
         inner = resolve_lse_kernel(platform, AttentionSpec(num_heads=n, num_kv_heads=k, head_dim=head_dim,
-                                                           dtype=dtype, mask="dense", return_lse=True))
+                                                           dtype=dtype, mask="dense", return_lse=True,
+                                                           backend=backend))
         kernels = {m: RingAttention(inner) for m in masks}
     setattr(attention, style.kernels, kernels)
 

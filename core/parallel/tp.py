@@ -97,44 +97,61 @@ def apply_plan(model: nn.Module, plan: dict | list[dict], *, mesh, platform, cfg
     ``plan``: one dict or several (a glob may appear in more than one, e.g.
     ``Heads`` in the TP plan and ``SequenceParallel`` in the SP plan).
     ``module_kw``: the keyword arguments the model's layer modules are built
-    with (``Heads`` rebuilds with them); ``kernel_kw``: ``dtype``, ``paged``
-    and ``page_size`` of the attention kernels (``SequenceParallel``).
+    with (``Heads`` rebuilds with them); ``kernel_kw``: ``dtype``, ``paged``,
+    ``page_size`` and ``backend`` of the attention kernels (``SequenceParallel``).
     """
     entries = _match(model, [plan] if isinstance(plan, dict) else plan)
     sizes = {name: _shape(m) for name, m in model.named_modules() if isinstance(m, (Linear, GroupedLinear))}
     check_plan(entries, cfg, mesh, sizes)
     result = PlanResult(model)
-    tp = mesh.size("tp")
-    for name, style in entries:
-        if isinstance(style, Heads) and tp > 1:
-            local = dataclasses.replace(cfg, **{style.heads: getattr(cfg, style.heads) // tp,
-                                                style.kv_heads: getattr(cfg, style.kv_heads) // tp})
-            old = model.get_submodule(name)
-            _replace(model, name, type(old)(local, old.layer_idx, **module_kw))
-    held = {}
-    for name, style in entries:
-        if isinstance(style, Experts) and mesh.experts.groups > 1:
-            held[name] = (mesh.experts.expert_range(getattr(cfg, style.count)), getattr(cfg, style.count))
+    _rebuild_heads(model, entries, cfg, mesh.size("tp"), module_kw)
+    held = _expert_ranges(entries, cfg, mesh)
     for name, style in entries:
         if isinstance(style, (Colwise, Rowwise)):
             experts = held.get(name.rpartition(".")[0], (None,))[0]
             _shard_linear(model, name, style, sizes[name], experts, cfg, mesh, platform, result)
     for name, (rng, total) in held.items():
         module = model.get_submodule(name)
-        for pname, _ in module.named_parameters():
-            result.experts[f"{name}.{pname}"] = rng
+        result.experts.update({f"{name}.{p}": rng for p, _ in module.named_parameters()})
         ExpertShard(rng, total, mesh.comm("dispatch")).attach(module)
-    for name, style in entries:
-        reduce_axis = style.axis if isinstance(style, ReduceOutput) else \
-            style.axis if isinstance(style, Rowwise) and style.reduce else None
-        if reduce_axis is not None and mesh.size(_comm_axis(reduce_axis)) > 1:
-            model.get_submodule(name).register_forward_hook(AllReduceOutput(mesh.comm(_comm_axis(reduce_axis))))
-        if isinstance(style, SequenceParallel) and mesh.sp_kind != "none":
-            from .sequence import install_sp_kernels
+    _attach_reductions(model, entries, mesh)
+    if mesh.sp_kind != "none":
+        from .sequence import install_sp_kernels
 
-            install_sp_kernels(model.get_submodule(name), style, mesh=mesh, platform=platform, cfg=cfg,
-                               **kernel_kw)
+        for name, style in entries:
+            if isinstance(style, SequenceParallel):
+                install_sp_kernels(model.get_submodule(name), style, mesh=mesh, platform=platform, cfg=cfg,
+                                   **kernel_kw)
     return result
+
+
+def _rebuild_heads(model, entries, cfg, tp: int, module_kw: dict) -> None:
+    """``Heads``: the module built again from a config with tp-local head counts."""
+    if tp == 1:
+        return
+    for name, style in entries:
+        if isinstance(style, Heads):
+            local = dataclasses.replace(cfg, **{style.heads: getattr(cfg, style.heads) // tp,
+                                                style.kv_heads: getattr(cfg, style.kv_heads) // tp})
+            old = model.get_submodule(name)
+            _replace(model, name, type(old)(local, old.layer_idx, **module_kw))
+
+
+def _expert_ranges(entries, cfg, mesh) -> dict[str, tuple[range, int]]:
+    """``Experts`` module -> (global experts this rank holds, total experts), when experts are split."""
+    if mesh.experts.groups == 1:
+        return {}
+    return {name: (mesh.experts.expert_range(getattr(cfg, style.count)), getattr(cfg, style.count))
+            for name, style in entries if isinstance(style, Experts)}
+
+
+def _attach_reductions(model, entries, mesh) -> None:
+    """All-reduce hooks for ``Rowwise(reduce=True)`` and ``ReduceOutput``."""
+    for name, style in entries:
+        reduce = isinstance(style, ReduceOutput) or (isinstance(style, Rowwise) and style.reduce)
+        comm = mesh.comm(_comm_axis(style.axis)) if reduce else None
+        if comm is not None and comm.size > 1:
+            model.get_submodule(name).register_forward_hook(AllReduceOutput(comm))
 
 
 class AllReduceOutput:

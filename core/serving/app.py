@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import hmac
-import io
 import json
 import logging
 import re
@@ -35,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from omni.request import ImageRequest, ImageResult
 from omni.scheduler import EngineLoop, EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
 
+from .encode import encode_image
 from .metrics import Metrics
 from .schemas import BOT_TASKS, ChatCompletionRequest, GenerationParams, ImageGenerationRequest
 
@@ -382,19 +382,6 @@ class _Api:
         self.metrics.images.inc(len(results))
         for r, _ in results:
             self.metrics.observe_stages(r.times.as_dict())
-
-
-def encode_image(image_HW3, fmt: str = "png", quality: int | None = None) -> bytes:
-    """uint8 ``[H, W, 3]`` -> PNG / JPEG / WebP bytes (PNG at a moderate zlib level: speed over size)."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    img = Image.fromarray(image_HW3)
-    if fmt == "png":
-        img.save(buf, format="PNG", compress_level=4)
-    else:
-        img.save(buf, format=fmt.upper(), quality=90 if quality is None else quality)
-    return buf.getvalue()
 
 
 async def _parse(request: Request, model: type[BaseModel]):

@@ -9,6 +9,7 @@ be ready does not linger.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -21,30 +22,24 @@ from .app import ServingOptions, create_app
 log = logging.getLogger("omni.serving")
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, exiting with status 0 after a graceful shutdown on SIGINT / SIGTERM.
+
+    Plain uvicorn re-raises the signal once it has drained, which turns an
+    orderly stop into exit status 130 (or death by SIGTERM).
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            getattr(self, "_captured_signals", []).clear()
+
+
 def model_id_for(recipe, model_path: str | None = None) -> str:
     """The id /v1/models reports: the checkpoint directory's name, else the recipe's flavor."""
     path = model_path or recipe.model.path
     return Path(path).name if path else recipe.model.flavor
-
-
-def scheduler_for(pipeline, recipe) -> Scheduler:
-    s = recipe.serving
-    sched = Scheduler(pipeline, max_running=s.max_running, max_queue=s.max_queue,
-                      max_batch_tokens=s.max_batch_tokens)
-    _warn_if_budget_below_one_request(sched, recipe)
-    return sched
-
-
-def _warn_if_budget_below_one_request(sched: Scheduler, recipe) -> None:
-    from omni.request import ImageRequest
-
-    w, h = recipe.defaults.width_height
-    req = ImageRequest(prompt="x", height=h, width=w, guidance=recipe.defaults.guidance)
-    cost = sched.cost(req)
-    if cost.step_tokens > recipe.serving.max_batch_tokens:
-        log.warning("serving.max_batch_tokens=%d is below one default %dx%d request (%d packed tokens): such "
-                    "requests run one at a time; raise it to batch them", recipe.serving.max_batch_tokens, w, h,
-                    cost.step_tokens)
 
 
 def build_engine(recipe, platform, *, model_path: str | None = None) -> EngineLoop:
@@ -54,7 +49,7 @@ def build_engine(recipe, platform, *, model_path: str | None = None) -> EngineLo
         from omni.models.hunyuan_image3.build import build_pipeline
 
         pipeline = build_pipeline(recipe, platform, model_path=model_path, progress=False)
-        return scheduler_for(pipeline, recipe)
+        return Scheduler.from_recipe(pipeline, recipe)
 
     return EngineLoop(build)
 
@@ -69,8 +64,8 @@ def serve_main(args, recipe) -> int:
     engine = build_engine(recipe, platform, model_path=getattr(args, "model", None))
     options = ServingOptions.from_recipe(recipe, model_id=model_id_for(recipe, getattr(args, "model", None)),
                                          api_key=getattr(args, "api_key", None))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, options), host=host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(create_app(engine, options), host=host, port=port, log_level="info",
+                                    timeout_graceful_shutdown=5))
     engine.start()
 
     def stop_if_dead(*_):

@@ -33,7 +33,8 @@ def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) 
 
 
 def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str = "none", paged_kv: bool = False,
-                      page_size: int = 0, device="cpu", parallel=None) -> tuple[HunyuanImage3Transformer, LoadTarget]:
+                      page_size: int = 0, attn_backend: str = "auto", device="cpu",
+                      parallel=None) -> tuple[HunyuanImage3Transformer, LoadTarget]:
     """The transformer on ``device`` and the load target that fills it.
 
     With ``parallel`` (an ``omni.parallel.runtime.ParallelRuntime``) the model
@@ -41,7 +42,7 @@ def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str =
     ``parallel.py``, then allocated; its load target reads only this rank's
     slices of the checkpoint.
     """
-    kw = dict(dtype=dtype, quant=quant, paged_kv=paged_kv, page_size=page_size)
+    kw = dict(dtype=dtype, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend)
     if parallel is None:
         with torch.device(device):
             model = HunyuanImage3Transformer(cfg, platform, **kw)
@@ -49,7 +50,8 @@ def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str =
     with torch.device("meta"):  # nothing is allocated before every module has its local size
         model = HunyuanImage3Transformer(cfg, platform, **kw)
         plan = parallel.shard_model(model, PLANS, cfg=cfg, module_kw=dict(platform=platform, **kw),
-                                    kernel_kw=dict(dtype=dtype, paged=paged_kv, page_size=page_size))
+                                    kernel_kw=dict(dtype=dtype, paged=paged_kv, page_size=page_size,
+                                                   backend=attn_backend))
     model.to_empty(device=device)
     model.requires_grad_(False)
     return model.eval(), plan.load_target()
@@ -59,7 +61,7 @@ def build_modules(cfg: HunyuanImage3Config, platform, recipe, device, parallel=N
     paged = recipe.kv_cache.mode == "paged"
     model, target = build_transformer(cfg, platform, dtype=DTYPES[recipe.model.dtype], quant=recipe.quant.scheme,
                                       paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0,
-                                      device=device, parallel=parallel)
+                                      attn_backend=recipe.attention.backend, device=device, parallel=parallel)
     with torch.device(device):
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae))
     return model, vae.eval(), target

@@ -1,6 +1,8 @@
 """omni.platforms.cuda: the NVIDIA CUDA platform plugin.
 
-plugin.py holds the hook implementations; attention.py, gemm.py and graphs.py
-the kernels; capabilities.py what the device and this torch can do. Importing
-the package has no side effects (vendor modules load lazily at resolution).
+plugin.py names this package's parts for the shared hook implementations
+(``omni.platforms.common.plugin``) and the graph class (``torch.cuda.CUDAGraph``);
+attention.py and gemm.py the kernels; capabilities.py what the device and this
+torch can do. Importing the package has no side effects (vendor modules load
+lazily at resolution).
 """

@@ -13,7 +13,7 @@ Backends, in ``auto`` order for masks ``none`` / ``causal``:
             sm80+, fp16/bf16, head_dim % 8 == 0 and <= 256, paged when this torch
             takes ``block_table``/``seqused_k`` and page_size % 256 == 0.
     sdpa    ``F.scaled_dot_product_attention`` in BNSD (cuDNN / flash / efficient
-            chosen by torch): any dtype; equal-length batches in one call, else
+            chosen by torch; ``omni.platforms.common.sdpa``): any dtype; equal-length batches in one call, else
             one call per sequence; paged pools gathered on the device with
             a length mask (no host sync).
 
@@ -25,26 +25,17 @@ capturable except flex (its block mask is rebuilt from host lengths).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-from omni.reference import causal_mask
+from omni.platforms.common.attention import first_fit, lengths, softmax_scale
+from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
 from .capabilities import Caps, Fa3, load_fa3
 
 HALF = (torch.float16, torch.bfloat16)
 BACKENDS = ("fa3", "varlen", "sdpa", "flex")
-
-
-def _lengths(cu: tuple[int, ...]) -> list[int]:
-    return [b - a for a, b in zip(cu, cu[1:])]
-
-
-def _scale(spec: AttentionSpec) -> float:
-    return spec.scale or 1.0 / math.sqrt(spec.head_dim)
 
 
 def _cu_from_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
@@ -58,7 +49,7 @@ class Fa3Attention:
     def __init__(self, spec: AttentionSpec, fa3: Fa3):
         self.name = f"cuda-fa3({fa3.name})"
         self.mod, self.paged = fa3.module, spec.paged
-        self.kw = {"softmax_scale": _scale(spec), "causal": spec.mask == "causal"}
+        self.kw = {"softmax_scale": softmax_scale(spec), "causal": spec.mask == "causal"}
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
         if self.paged:
@@ -107,7 +98,7 @@ class VarlenAttention:
         from torch.nn.attention.varlen import varlen_attn
 
         self.fn, self.paged = varlen_attn, spec.paged
-        self.kw: dict = {"scale": _scale(spec)} if "scale" in params else {}
+        self.kw: dict = {"scale": softmax_scale(spec)} if "scale" in params else {}
         if spec.mask == "causal":  # bottom-right aligned, as FlashAttention
             self.kw.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
         if spec.num_heads != spec.num_kv_heads and "enable_gqa" in params:
@@ -146,81 +137,8 @@ def build_varlen(spec: AttentionSpec, caps: Caps, reject):
 # ----------------------------------------------------------------- SDPA
 
 
-class SdpaAttention:
-    """``F.scaled_dot_product_attention`` over packed runs; host lengths only, so capturable."""
-
-    name = "cuda-sdpa"
-
-    def __init__(self, spec: AttentionSpec):
-        self.spec, self.scale = spec, _scale(spec)
-        self.rep = spec.num_heads // spec.num_kv_heads
-
-    def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
-        if self.spec.mask == "dense":
-            return self._sdpa(q_TNH[None], k[None], v[None], meta.mask_TS)[0]
-        if self.spec.paged:
-            return self._paged(q_TNH, k, v, meta)
-        return self._packed(q_TNH, k, v, meta)
-
-    def _sdpa(self, q_BLNH, k_BSKH, v_BSKH, mask=None, is_causal=False) -> torch.Tensor:
-        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BSKH, v_BSKH))
-        gqa = {}
-        if self.rep > 1 and mask is None:
-            gqa = {"enable_gqa": True}
-        elif self.rep > 1:  # the masked (efficient) kernel has no GQA: expand kv heads
-            k, v = k.repeat_interleave(self.rep, 1), v.repeat_interleave(self.rep, 1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scale, **gqa)
-        return o.transpose(1, 2)
-
-    def _causal(self, lq: int, lk: int, device) -> dict:
-        if self.spec.mask != "causal":
-            return {}
-        return {"is_causal": True} if lq == lk else {"mask": causal_mask(lq, lk, device)}
-
-    def _packed(self, q, k, v, meta: VarlenMeta) -> torch.Tensor:
-        cq, ck = meta.cu_seqlens_q_host, meta.cu_seqlens_k_host
-        lq, lk = _lengths(cq), _lengths(ck)
-        if len(set(lq)) == 1 and len(set(lk)) == 1:  # one batched call
-            b = len(lq)
-            qb, kb, vb = (t[: c[-1]].reshape(b, n, *t.shape[1:]) for t, c, n in
-                          ((q, cq, lq[0]), (k, ck, lk[0]), (v, ck, lk[0])))
-            return self._sdpa(qb, kb, vb, **self._causal(lq[0], lk[0], q.device)).reshape(q.shape)
-        out = torch.zeros_like(q)
-        for b in range(len(lq)):
-            qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
-            out[qs] = self._sdpa(q[None, qs], k[None, ks], v[None, ks], **self._causal(lq[b], lk[b], q.device))[0]
-        return out
-
-    def _paged_mask(self, lq: int, s: int, used: torch.Tensor) -> torch.Tensor:
-        """Keep key j < used (and bottom-right causal); ``used`` 0-d or ``[B, 1, 1]`` on the device."""
-        j = torch.arange(s, device=used.device)[None]
-        keep = j < used
-        if self.spec.mask == "causal":
-            i = torch.arange(lq, device=used.device)[:, None]
-            keep = keep & (j <= i + used - lq)
-        return keep
-
-    def _paged(self, q, k_pool, v_pool, meta: VarlenMeta) -> torch.Tensor:
-        table = meta.block_table_BP.long().clamp(0, k_pool.shape[0] - 1)
-        used = meta.seqused_k_B.long()
-        s = table.shape[1] * k_pool.shape[1]
-        cq = meta.cu_seqlens_q_host
-        lq = _lengths(cq)
-        if len(set(lq)) == 1:  # one batched call over gathered pages
-            kb, vb = k_pool[table].flatten(1, 2), v_pool[table].flatten(1, 2)
-            mask = self._paged_mask(lq[0], s, used[:, None, None])[:, None]
-            out = self._sdpa(q[: cq[-1]].reshape(len(lq), lq[0], *q.shape[1:]), kb, vb, mask)
-            return out.reshape(-1, *q.shape[1:])
-        out = torch.zeros_like(q)
-        for b in range(len(lq)):
-            kb, vb = k_pool[table[b]].flatten(0, 1), v_pool[table[b]].flatten(0, 1)
-            qs = slice(cq[b], cq[b + 1])
-            out[qs] = self._sdpa(q[None, qs], kb[None], vb[None], self._paged_mask(lq[b], s, used[b]))[0]
-        return out
-
-
 def build_sdpa(spec: AttentionSpec, caps: Caps, reject):
-    return SdpaAttention(spec)
+    return SdpaAttention(spec, "cuda-sdpa")
 
 
 # ----------------------------------------------------------------- FlexAttention
@@ -234,7 +152,7 @@ class FlexAttention:
     def __init__(self, spec: AttentionSpec):
         from torch.nn.attention import flex_attention as fa
 
-        self.spec, self.scale = spec, _scale(spec)
+        self.spec, self.scale = spec, softmax_scale(spec)
         self.create_block_mask = fa.create_block_mask
         self.flex = torch.compile(fa.flex_attention, dynamic=False)
         # packed prefill, not decode: keep inductor off the flex-decoding kernel, which it picks for
@@ -255,7 +173,7 @@ class FlexAttention:
             mask = meta.mask_TS
             return lambda b, h, i, j: mask[i, j]
         cq, ck = meta.cu_seqlens_q_host, meta.cu_seqlens_k_host
-        lq, lk = _lengths(cq), _lengths(ck)
+        lq, lk = lengths(cq), lengths(ck)
         doc_q = torch.repeat_interleave(torch.arange(len(lq)), torch.tensor(lq))
         doc_k = torch.repeat_interleave(torch.arange(len(lk)), torch.tensor(lk))
         if self.spec.mask != "causal":
@@ -286,18 +204,5 @@ BUILDERS = {"fa3": build_fa3, "varlen": build_varlen, "sdpa": build_sdpa, "flex"
 
 def resolve(spec: AttentionSpec, caps: Caps, reject, builders=BUILDERS):
     """First backend that fits; a named ``spec.backend`` is the only one tried."""
-    if spec.backend == "auto":
-        order = ("sdpa",) if spec.mask == "dense" else ("fa3", "varlen", "sdpa")
-    elif spec.backend in builders:
-        order = (spec.backend,)
-    else:
-        return reject(f"cuda: unknown attention backend {spec.backend!r} (choose auto, {', '.join(builders)})")
-    skipped: list[str] = []
-    for name in order:
-        impl = builders[name](spec, caps, skipped.append)
-        if impl is not None:
-            impl.skipped = tuple(skipped)  # why faster backends were passed over, for the trace
-            return impl
-    for reason in skipped:
-        reject(f"cuda: {reason}")
-    return None
+    auto = ("sdpa",) if spec.mask == "dense" else ("fa3", "varlen", "sdpa")
+    return first_fit("cuda", spec, caps, reject, builders, auto)

@@ -142,3 +142,8 @@ def platform_info(reject) -> PlatformInfo | None:
     return PlatformInfo(name="cuda", device_type="cuda", dist_backend="nccl",
                         device_count=torch.cuda.device_count(), device_name=props.name,
                         memory_bytes=props.total_memory, capabilities=detect_caps(0).names())
+
+
+def recipe_problems(recipe) -> list[str]:
+    """Static reasons this platform refuses ``recipe``: none; every limit is checked per spec at resolution."""
+    return []

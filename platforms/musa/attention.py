@@ -12,16 +12,15 @@ Backends, in ``auto`` order for masks ``none`` / ``causal``:
             fp16/bf16, head_dim % 8 == 0 and <= 128. No paged KV.
     sdpa    torch_musa's ``F.scaled_dot_product_attention`` (its flash mode on
             MUSA arch > 2.1 for fp16/bf16, head_dim <= 128; math otherwise)
-            through the CUDA platform's packed-SDPA object (plain torch): every
-            mask, pages gathered on the device.
+            through the device-generic packed-SDPA object
+            (``omni.platforms.common.sdpa``): every mask, pages gathered on the device.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from omni.platforms.cuda.attention import SdpaAttention
+from omni.platforms.common.attention import first_fit, softmax_scale
+from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
 from .capabilities import FLASH_MIN_CC, FLASH_MODULE, MusaCaps, load_module
@@ -34,7 +33,7 @@ class MusaFlashAttention:
 
     def __init__(self, spec: AttentionSpec, module):
         self.fn = module.flash_attn_varlen_func
-        self.kw = {"softmax_scale": spec.scale or 1.0 / math.sqrt(spec.head_dim), "causal": spec.mask == "causal"}
+        self.kw = {"softmax_scale": softmax_scale(spec), "causal": spec.mask == "causal"}
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
         out = self.fn(q_TNH, k, v, meta.cu_seqlens_q_B1, meta.cu_seqlens_k_B1, meta.max_seqlen_q,
@@ -59,12 +58,8 @@ def build_flash(spec: AttentionSpec, caps: MusaCaps, reject, load=load_module):
     return MusaFlashAttention(spec, module)
 
 
-class MusaSdpa(SdpaAttention):
-    name = "musa-sdpa"
-
-
 def build_sdpa(spec: AttentionSpec, caps: MusaCaps, reject):
-    return MusaSdpa(spec)
+    return SdpaAttention(spec, "musa-sdpa")
 
 
 BUILDERS = {"fa3": build_flash, "sdpa": build_sdpa}
@@ -74,18 +69,5 @@ def resolve(spec: AttentionSpec, caps: MusaCaps, reject, builders=BUILDERS):
     """First backend that fits; a named ``spec.backend`` is the only one tried."""
     if spec.return_lse:  # ring attention merges partial results with it
         return reject("musa: attention with a log-sum-exp output is not wired yet; the reference serves it")
-    if spec.backend == "auto":
-        order = ("sdpa",) if spec.mask == "dense" else ("fa3", "sdpa")
-    elif spec.backend in builders:
-        order = (spec.backend,)
-    else:
-        return reject(f"musa: unknown attention backend {spec.backend!r} (choose auto, {', '.join(builders)})")
-    skipped: list[str] = []
-    for name in order:
-        impl = builders[name](spec, caps, skipped.append)
-        if impl is not None:
-            impl.skipped = tuple(skipped)  # why faster backends were passed over, for the trace
-            return impl
-    for reason in skipped:
-        reject(f"musa: {reason}")
-    return None
+    auto = ("sdpa",) if spec.mask == "dense" else ("fa3", "sdpa")
+    return first_fit("musa", spec, caps, reject, builders, auto)

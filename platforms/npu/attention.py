@@ -25,19 +25,18 @@ Backends, in ``auto`` order for masks ``none`` / ``causal``:
             N <= 256, N/K <= 64; paged page_size a multiple of 128 in 128..512.
     sdpa    ``F.scaled_dot_product_attention`` (routed by torch_npu to
             aclnnFlashAttentionScore, which takes SDPA's True = attend) through
-            the CUDA platform's packed-SDPA object; not for paged KV: gathered
-            pages need a ``[B,1,1,S]`` key-padding mask, which that kernel
-            rejects (error 161001).
+            the device-generic packed-SDPA object (``omni.platforms.common.sdpa``);
+            not for paged KV: gathered pages need a ``[B,1,1,S]`` key-padding
+            mask, which that kernel rejects (error 161001).
 
 ``dense`` masks go to sdpa.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from omni.platforms.cuda.attention import SdpaAttention
+from omni.platforms.common.attention import first_fit, lengths, softmax_scale
+from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
 from .capabilities import NpuCaps, load_torch_npu
@@ -46,10 +45,6 @@ HALF = (torch.float16, torch.bfloat16)
 CAUSAL_MASK_SIDE = 2048  # sparse modes 2/3/4 take this compressed mask
 FULL, RIGHT_DOWN_CAUSAL = 0, 3  # sparse_mode values
 MAX_BATCH = 4096  # TND: at most this many sequences per call
-
-
-def _lengths(cu: tuple[int, ...]) -> list[int]:
-    return [b - a for a, b in zip(cu, cu[1:])]
 
 
 def causal_mask_2048(device) -> torch.Tensor:
@@ -64,7 +59,7 @@ class FiaAttention:
     def __init__(self, spec: AttentionSpec, torch_npu):
         self.op, self.spec = torch_npu.npu_fused_infer_attention_score, spec
         self.kw = {"num_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "input_layout": "TND",
-                   "scale": spec.scale or 1.0 / math.sqrt(spec.head_dim),
+                   "scale": softmax_scale(spec),
                    "sparse_mode": RIGHT_DOWN_CAUSAL if spec.mask == "causal" else FULL}
         if spec.paged:
             self.kw["block_size"] = spec.page_size
@@ -75,7 +70,7 @@ class FiaAttention:
             raise ValueError(f"npu-fia: {meta.num_seqs} sequences in one call; TND takes at most {MAX_BATCH}")
         q_ends = list(meta.cu_seqlens_q_host[1:])  # cumulative ends, no leading 0
         if self.spec.paged:
-            kv = {"actual_seq_lengths_kv": _lengths(meta.cu_seqlens_k_host), "block_table": meta.block_table_BP}
+            kv = {"actual_seq_lengths_kv": lengths(meta.cu_seqlens_k_host), "block_table": meta.block_table_BP}
             k, v = k.flatten(2), v.flatten(2)  # [P, G, K, H] -> BnBsH [P, G, K*H], a free view
         else:
             kv = {"actual_seq_lengths_kv": list(meta.cu_seqlens_k_host[1:])}
@@ -115,15 +110,11 @@ def build_fia(spec: AttentionSpec, caps: NpuCaps, reject, load=load_torch_npu):
     return FiaAttention(spec, torch_npu)
 
 
-class NpuSdpa(SdpaAttention):
-    name = "npu-sdpa"
-
-
 def build_sdpa(spec: AttentionSpec, caps: NpuCaps, reject):
     if spec.paged:
         return reject("sdpa: gathered pages need a [B,1,1,S] key-padding mask, which aclnnFlashAttentionScore "
                       "rejects (error 161001); paged KV runs on fia (page_size a multiple of 128)")
-    return NpuSdpa(spec)
+    return SdpaAttention(spec, "npu-sdpa")
 
 
 BUILDERS = {"fia": build_fia, "sdpa": build_sdpa}
@@ -133,18 +124,5 @@ def resolve(spec: AttentionSpec, caps: NpuCaps, reject, builders=BUILDERS):
     """First backend that fits; a named ``spec.backend`` is the only one tried."""
     if spec.return_lse:  # ring attention merges partial results with it
         return reject("npu: attention with a log-sum-exp output is not wired yet; the reference serves it")
-    if spec.backend == "auto":
-        order = ("sdpa",) if spec.mask == "dense" else ("fia", "sdpa")
-    elif spec.backend in builders:
-        order = (spec.backend,)
-    else:
-        return reject(f"npu: unknown attention backend {spec.backend!r} (choose auto, {', '.join(builders)})")
-    skipped: list[str] = []
-    for name in order:
-        impl = builders[name](spec, caps, skipped.append)
-        if impl is not None:
-            impl.skipped = tuple(skipped)  # why faster backends were passed over, for the trace
-            return impl
-    for reason in skipped:
-        reject(f"npu: {reason}")
-    return None
+    auto = ("sdpa",) if spec.mask == "dense" else ("fia", "sdpa")
+    return first_fit("npu", spec, caps, reject, builders, auto)

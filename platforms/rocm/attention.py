@@ -14,29 +14,25 @@ Backends, in ``auto`` order for masks ``none`` / ``causal``:
             Paged KV is not wired: the CK kernels' page-size limits for
             ``block_table`` are unverified here.
     sdpa    ``F.scaled_dot_product_attention`` (AOTriton flash / efficient on
-            ROCm) through the CUDA platform's packed-SDPA object, which is plain
-            torch: equal-length batches in one call, pages gathered on the device.
+            ROCm) through the device-generic packed-SDPA object
+            (``omni.platforms.common.sdpa``): equal-length batches in one call,
+            pages gathered on the device.
 
 ``dense`` masks go to sdpa. A named backend that cannot serve a spec is
 refused with its reason; the chain is only walked for ``auto``.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from omni.platforms.cuda.attention import SdpaAttention
+from omni.platforms.common.attention import first_fit, lengths, softmax_scale
+from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
 from .capabilities import AITER_ARCHS, RocmCaps, load_aiter
 
 HALF = (torch.float16, torch.bfloat16)
 NO_WINDOW = (-1, -1, 0)  # aiter: (left, right, sink tokens); -1 = unbounded
-
-
-def _lengths(cu: tuple[int, ...]) -> list[int]:
-    return [b - a for a, b in zip(cu, cu[1:])]
 
 
 def _first(out):
@@ -48,11 +44,10 @@ class AiterAttention:
 
     def __init__(self, spec: AttentionSpec, aiter):
         self.aiter = aiter
-        scale = spec.scale or 1.0 / math.sqrt(spec.head_dim)
-        self.kw = {"softmax_scale": scale, "causal": spec.mask == "causal", "window_size": NO_WINDOW}
+        self.kw = {"softmax_scale": softmax_scale(spec), "causal": spec.mask == "causal", "window_size": NO_WINDOW}
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
-        lq, lk = _lengths(meta.cu_seqlens_q_host), _lengths(meta.cu_seqlens_k_host)
+        lq, lk = lengths(meta.cu_seqlens_q_host), lengths(meta.cu_seqlens_k_host)
         if len(set(lq)) == 1 and len(set(lk)) == 1 and sum(lq) == q_TNH.shape[0]:
             return self._batched(q_TNH, k, v, len(lq), lq[0], lk[0])
         return _first(self.aiter.flash_attn_varlen_func(
@@ -83,12 +78,8 @@ def build_aiter(spec: AttentionSpec, caps: RocmCaps, reject, load=load_aiter):
     return AiterAttention(spec, aiter)
 
 
-class RocmSdpa(SdpaAttention):
-    name = "rocm-sdpa"
-
-
 def build_sdpa(spec: AttentionSpec, caps: RocmCaps, reject):
-    return RocmSdpa(spec)
+    return SdpaAttention(spec, "rocm-sdpa")
 
 
 BUILDERS = {"aiter": build_aiter, "sdpa": build_sdpa}
@@ -98,18 +89,5 @@ def resolve(spec: AttentionSpec, caps: RocmCaps, reject, builders=BUILDERS):
     """First backend that fits; a named ``spec.backend`` is the only one tried."""
     if spec.return_lse:  # ring attention merges partial results with it
         return reject("rocm: attention with a log-sum-exp output is not wired yet; the reference serves it")
-    if spec.backend == "auto":
-        order = ("sdpa",) if spec.mask == "dense" else ("aiter", "sdpa")
-    elif spec.backend in builders:
-        order = (spec.backend,)
-    else:
-        return reject(f"rocm: unknown attention backend {spec.backend!r} (choose auto, {', '.join(builders)})")
-    skipped: list[str] = []
-    for name in order:
-        impl = builders[name](spec, caps, skipped.append)
-        if impl is not None:
-            impl.skipped = tuple(skipped)  # why faster backends were passed over, for the trace
-            return impl
-    for reason in skipped:
-        reject(f"rocm: {reason}")
-    return None
+    auto = ("sdpa",) if spec.mask == "dense" else ("aiter", "sdpa")
+    return first_fit("rocm", spec, caps, reject, builders, auto)

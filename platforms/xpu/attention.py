@@ -13,16 +13,15 @@ Backends, in ``auto`` order:
             left to sdpa: how IPEX aligns ``is_causal`` when query and key runs
             differ in length is not documented.
     sdpa    ``F.scaled_dot_product_attention`` (oneDNN / flash kernels on XPU)
-            through the CUDA platform's packed-SDPA object (plain torch):
-            every mask, pages gathered on the device.
+            through the device-generic packed-SDPA object
+            (``omni.platforms.common.sdpa``): every mask, pages gathered on the device.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from omni.platforms.cuda.attention import SdpaAttention
+from omni.platforms.common.attention import first_fit, softmax_scale
+from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
 from .capabilities import XpuCaps, load_ipex
@@ -36,7 +35,7 @@ class IpexVarlenAttention:
     def __init__(self, spec: AttentionSpec, ipex):
         self.fn = ipex.llm.functional.varlen_attention
         self.rep = spec.num_heads // spec.num_kv_heads
-        self.scale = spec.scale or 1.0 / math.sqrt(spec.head_dim)
+        self.scale = softmax_scale(spec)
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
         if self.rep > 1:  # IPEX varlen takes as many kv heads as query heads
@@ -63,12 +62,8 @@ def build_varlen(spec: AttentionSpec, caps: XpuCaps, reject, load=load_ipex):
     return IpexVarlenAttention(spec, ipex)
 
 
-class XpuSdpa(SdpaAttention):
-    name = "xpu-sdpa"
-
-
 def build_sdpa(spec: AttentionSpec, caps: XpuCaps, reject):
-    return XpuSdpa(spec)
+    return SdpaAttention(spec, "xpu-sdpa")
 
 
 BUILDERS = {"varlen": build_varlen, "sdpa": build_sdpa}
@@ -78,18 +73,5 @@ def resolve(spec: AttentionSpec, caps: XpuCaps, reject, builders=BUILDERS):
     """First backend that fits; a named ``spec.backend`` is the only one tried."""
     if spec.return_lse:  # ring attention merges partial results with it
         return reject("xpu: attention with a log-sum-exp output is not wired yet; the reference serves it")
-    if spec.backend == "auto":
-        order = ("varlen", "sdpa")
-    elif spec.backend in builders:
-        order = (spec.backend,)
-    else:
-        return reject(f"xpu: unknown attention backend {spec.backend!r} (choose auto, {', '.join(builders)})")
-    skipped: list[str] = []
-    for name in order:
-        impl = builders[name](spec, caps, skipped.append)
-        if impl is not None:
-            impl.skipped = tuple(skipped)  # why faster backends were passed over, for the trace
-            return impl
-    for reason in skipped:
-        reject(f"xpu: {reason}")
-    return None
+    auto = ("varlen", "sdpa")  # every mask: varlen refuses all but full attention
+    return first_fit("xpu", spec, caps, reject, builders, auto)

@@ -19,6 +19,7 @@ import functools
 import itertools
 import math
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
@@ -42,8 +43,37 @@ BATCHES = {
 }
 GQA = {1: (4, 4), 4: (8, 2)}  # ratio -> (num_heads, num_kv_heads)
 
-@functools.lru_cache(maxsize=None)
+# a ROCm torch answers torch.cuda too, but the rocm platform serves it: cuda-only cases skip there
+ROCM_BUILD = torch.version.hip is not None
+NOT_CUDA_ON_ROCM = f"cuda: this torch is a ROCm build (torch.version.hip={torch.version.hip}); the rocm platform serves it"
+
+# platform name -> zero-argument callable returning a ``Platform``, registered by other suites
+PROVIDERS: dict[str, Callable[[], platform_manager.Platform]] = {}
+
+
+def register_platform_provider(name: str, provider: Callable[[], platform_manager.Platform]) -> None:
+    """Let another suite supply platform ``name``, e.g. one backed by doubles (tests/contract).
+
+    ``get_platform(name)`` then asks ``provider`` on every call and caches
+    nothing: the provider owns the platform's lifetime (a double-backed one
+    lives as long as its ``monkeypatch``). ``unregister_platform_provider``
+    when the supplying fixture ends.
+    """
+    PROVIDERS[name] = provider
+
+
+def unregister_platform_provider(name: str) -> None:
+    PROVIDERS.pop(name, None)
+
+
 def get_platform(name: str):
+    """The platform under test: a registered provider's, else one selected per name for the session."""
+    provider = PROVIDERS.get(name)
+    return provider() if provider is not None else _selected_platform(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _selected_platform(name: str):
     """One selected ``Platform`` per name for the whole session, bound to device 0."""
     platform = platform_manager.select(name)
     platform.device_services(0)

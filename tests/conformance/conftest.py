@@ -2,7 +2,7 @@
 
 Every test that takes ``platform_name`` runs once per platform under test:
 ``cpu`` always, ``cuda`` marked ``gpu`` and skipped with a reason where no
-CUDA device is present. ``--platforms cpu,cuda`` narrows or widens the list
+CUDA device is present or torch is a ROCm build. ``--platforms cpu,cuda`` narrows or widens the list
 (a third-party platform installed under ``omni.platforms`` can be named too).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance_cases import RESOLVED
+from conformance_cases import NOT_CUDA_ON_ROCM, RESOLVED, ROCM_BUILD
 
 DEFAULT_PLATFORMS = "cpu,cuda"
 
@@ -24,7 +24,9 @@ def _param(name: str):
     if name == "cpu":
         return pytest.param(name, id=name)
     marks = [pytest.mark.gpu] if name == "cuda" else []
-    if name == "cuda" and not torch.cuda.is_available():
+    if name == "cuda" and ROCM_BUILD:
+        marks.append(pytest.mark.skip(reason=NOT_CUDA_ON_ROCM))
+    elif name == "cuda" and not torch.cuda.is_available():
         marks.append(pytest.mark.skip(reason="cuda: no CUDA device here (torch.cuda.is_available() is False)"))
     return pytest.param(name, id=name, marks=marks)
 

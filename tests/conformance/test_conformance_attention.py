@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conformance_cases import (RESOLVED, TOL, attention_grid, attention_spec, device_of, get_platform,
-                               make_attention_case, oracles)
+from conformance_cases import (NOT_CUDA_ON_ROCM, RESOLVED, ROCM_BUILD, TOL, attention_grid, attention_spec, device_of,
+                               get_platform, make_attention_case, oracles)
 
 GRID = list(attention_grid())
 
@@ -48,6 +48,7 @@ BACKEND_GRID = [
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(ROCM_BUILD, reason=NOT_CUDA_ON_ROCM)
 @pytest.mark.parametrize("backend,dtype,head_dim,gqa,mask,page,batch", BACKEND_GRID,
                          ids=["-".join(map(str, c)) for c in BACKEND_GRID])
 def test_cuda_named_backend(backend, dtype, head_dim, gqa, mask, page, batch):

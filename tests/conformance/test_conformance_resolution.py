@@ -6,7 +6,8 @@ import logging
 import pytest
 import torch
 
-from conformance_cases import attention_spec, get_platform
+from conformance_cases import (PROVIDERS, attention_spec, device_of, get_platform, register_platform_provider,
+                               unregister_platform_provider)
 from omni.hookspecs import hookimpl
 from omni.platform_manager import NoImplementationError, Platform
 from omni.specs import GemmSpec, GroupedGemmSpec, PlatformInfo
@@ -86,3 +87,20 @@ def test_platform_info(platform_name):
     if platform_name == "cuda":
         assert (info.device_type, info.dist_backend, info.accelerator) == ("cuda", "nccl", True)
         assert "graphs" in info.capabilities and info.device_count >= 1 and info.memory_bytes > 0
+
+
+def test_a_registered_provider_supplies_the_platform_uncached():
+    """Another suite (tests/contract) can put its own, e.g. double-backed, platform under these tests."""
+    built: list[Platform] = []
+
+    def provider() -> Platform:
+        built.append(shy_platform())
+        return built[-1]
+
+    register_platform_provider("shy", provider)
+    try:
+        assert get_platform("shy") is built[0] and get_platform("shy") is built[1], "asked every time, never cached"
+        assert device_of("shy") == "cpu"
+    finally:
+        unregister_platform_provider("shy")
+    assert "shy" not in PROVIDERS

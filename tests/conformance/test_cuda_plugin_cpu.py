@@ -20,6 +20,7 @@ import torch
 
 from conformance_cases import (TOL, attention_grid, attention_spec, make_attention_case, naive_attention,
                                naive_grouped, naive_linear)
+from omni.platforms.common.sdpa import SdpaAttention
 from omni.platforms.cuda import attention, gemm
 from omni.platforms.cuda.capabilities import Caps, Fa3
 from omni.specs import GemmSpec, GroupedGemmSpec
@@ -188,7 +189,7 @@ SDPA_GRID = [c for c in attention_grid() if c[0] in ("fp32", "bf16") and c[1] ==
                          ids=[f"{d}-h{h}-gqa{g}-{m}-page{p}-{b}" for d, h, g, m, p, b in SDPA_GRID])
 def test_cuda_sdpa_kernel_on_cpu_tensors(dtype, head_dim, gqa, mask, page, batch):
     spec = attention_spec(dtype, head_dim, gqa, mask, page, capturable=True)
-    impl = attention.SdpaAttention(spec)
+    impl = SdpaAttention(spec, "cuda-sdpa")
     q, k, v, meta = make_attention_case(spec, batch, "cpu", seed=7)
     torch.testing.assert_close(impl(q, k, v, meta).float(), naive_attention(spec, q, k, v, meta).float(),
                                **TOL[spec.dtype])

@@ -16,6 +16,7 @@ import torch
 from omni.specs import AttentionSpec, CaptureSpec, GemmSpec, VarlenMeta
 
 pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.version.hip is not None, reason="cuda: this torch is a ROCm build"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")]
 
 N, K, H = 8, 2, 128

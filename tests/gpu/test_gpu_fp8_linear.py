@@ -15,6 +15,7 @@ from omni import quant
 from omni.specs import GemmSpec
 
 pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.version.hip is not None, reason="cuda: this torch is a ROCm build"),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")]
 
 M, I, O = 512, 2048, 1024

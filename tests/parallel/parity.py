@@ -105,10 +105,11 @@ def layout_worker(ctx, layouts: list[tuple[str, bool]]) -> dict:
     from omni.parallel.runtime import ParallelRuntime
 
     latents = golden_latents_A()
-    results = {}
+    results, meshes = {}, {ctx.degrees: ctx.mesh}
     for label, paged in layouts:
         degrees = Degrees.parse(label)
-        mesh = ctx.mesh if degrees == ctx.degrees else Mesh.build(degrees, platform=ctx.platform)
-        pipe = build(ctx.platform, ParallelRuntime(mesh, ctx.platform), paged=paged)
-        results[label] = run_scenario(pipe, latents)
+        if degrees not in meshes:
+            meshes[degrees] = Mesh.build(degrees, platform=ctx.platform)
+        pipe = build(ctx.platform, ParallelRuntime(meshes[degrees], ctx.platform), paged=paged)
+        results[(label, paged)] = run_scenario(pipe, latents)
     return results

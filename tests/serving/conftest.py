@@ -8,9 +8,8 @@ import pytest
 
 from omni.platform_manager import select
 from omni.recipe import load_recipe
-from omni.scheduler import EngineLoop
+from omni.scheduler import EngineLoop, Scheduler
 from omni.serving.app import ServingOptions, create_app
-from omni.serving.server import scheduler_for
 
 from serving_harness import ServerThread, TestPipeline, wait_until
 
@@ -33,7 +32,7 @@ def make_pipeline(recipe) -> TestPipeline:
 
 def serve(recipe, pipeline, **options):
     """(server thread, engine) for ``pipeline``; the caller enters and stops them."""
-    engine = EngineLoop.around(scheduler_for(pipeline, recipe)).start()
+    engine = EngineLoop.around(Scheduler.from_recipe(pipeline, recipe)).start()
     assert engine.wait_ready(30)
     app = create_app(engine, ServingOptions.from_recipe(recipe, model_id=MODEL_ID, **options))
     return ServerThread(app), engine

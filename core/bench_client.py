@@ -1,0 +1,312 @@
+"""``omni-run bench``: a concurrency sweep over a prompt and size corpus, against a server or in-process.
+
+    omni-run bench --url http://127.0.0.1:8091 --concurrency 1,2,4,8 --requests 16
+    omni-run bench --recipe cpu_tiny --steps 2 --concurrency 1,4           # in-process (builds the pipeline)
+
+Each level runs a closed loop: ``c`` clients, each sending its next request
+as soon as the previous one is answered, over the corpus (prompts cycled,
+sizes mixed, seeds distinct). Reported per level: p50/p90/p99 latency,
+images/hour, mean seconds per stage (queue, prefill, denoise, vae, encode)
+and, in-process, the peak device memory. Printed as a table, written as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPTS = (
+    "a red fox standing in fresh snow, soft morning light",
+    "an isometric illustration of a tiny city block at night with neon signs",
+    "a bowl of ramen on a wooden table, steam rising, shallow depth of field",
+    "a lighthouse on a rocky cliff during a storm, dramatic waves",
+    "a watercolor map of an imaginary archipelago with compass rose",
+    "a macro photograph of a hummingbird feeding from a red flower",
+    "a friendly robot reading a book in an old library",
+    "a calm mountain lake at dawn with mist over the water",
+    "a vintage travel poster for a city on Mars",
+    "a still life of lemons and a glass jug, oil painting",
+    "a snowy street in Kyoto at dusk with lanterns",
+    "a blueprint-style drawing of a steam locomotive",
+)
+SIZES = "1024x1024,1280x768,768x1280,1152x896,896x1152"
+STAGES = ("queue", "prefill", "denoise", "vae", "encode")
+
+
+@dataclass
+class Sample:
+    ok: bool
+    latency_s: float
+    status: str = "ok"
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in 0..100) of ``values``; None when empty."""
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def corpus(args) -> list[dict]:
+    """The request bodies of one level: prompts cycled, sizes mixed, distinct seeds."""
+    prompts = PROMPTS
+    if args.prompts:
+        prompts = tuple(p for p in Path(args.prompts).read_text().splitlines() if p.strip())
+    sizes = args.sizes.split(",")
+    bodies = []
+    for i in range(args.requests):
+        b = {"prompt": prompts[i % len(prompts)], "size": sizes[i % len(sizes)], "seed": args.seed + i}
+        if args.steps is not None:
+            b["num_inference_steps"] = args.steps
+        if args.guidance is not None:
+            b["guidance_scale"] = args.guidance
+        bodies.append(b)
+    return bodies
+
+
+# ------------------------------------------------------------------ targets
+
+
+class HttpTarget:
+    """A running server's /v1/images/generations."""
+
+    def __init__(self, url: str, api_key: str | None, timeout_s: float):
+        import httpx
+
+        self.url, self.name = url.rstrip("/"), url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._local = threading.local()
+        self._client = lambda: httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def check(self) -> None:
+        client = self._client()
+        r = client.get("/health")
+        if r.status_code != 200:
+            raise SystemExit(f"{self.url}/health answered {r.status_code}: {r.text[:200]}")
+
+    def send(self, body: dict) -> Sample:
+        client = getattr(self._local, "client", None) or self._client()
+        self._local.client = client
+        t0 = time.perf_counter()
+        try:
+            r = client.post("/v1/images/generations", json={**body, "return_timings": True})
+        except Exception as e:  # a refused or dropped connection is a failed sample, not a crash
+            return Sample(False, time.perf_counter() - t0, type(e).__name__)
+        dt = time.perf_counter() - t0
+        if r.status_code != 200:
+            return Sample(False, dt, str(r.status_code))
+        return Sample(True, dt, stages=r.json()["data"][0].get("timings", {}))
+
+    def peak_memory(self) -> None:
+        return None
+
+    def reset_peak_memory(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessTarget:
+    """The pipeline built here, behind the same scheduler and engine thread the server uses."""
+
+    def __init__(self, args):
+        from omni.platform_manager import select
+        from omni.recipe import load_recipe
+        from omni.scheduler import EngineLoop, Scheduler
+
+        recipe = load_recipe(args.recipe)
+        if args.set:
+            import yaml
+
+            pairs = [kv.partition("=") for kv in args.set]
+            recipe = recipe.replace_paths({k.strip(): yaml.safe_load(v) for k, _, v in pairs})
+        if args.model:
+            recipe = recipe.replace_paths({"model.path": str(Path(args.model).resolve())})
+        self.platform = select(args.platform or recipe.platform)
+        self.services = self.platform.device_services(0)
+        self.recipe, self.name = recipe, f"in-process {recipe.name} on {self.platform.name}"
+        max_running = args.max_running or max(recipe.serving.max_running, max(args.levels))
+        sched = Scheduler.from_recipe(self._build(args), recipe, max_running=max_running, max_queue=None)
+        self.engine = EngineLoop.around(sched).start()
+        self.engine.wait_ready()
+        self.defaults = recipe.defaults
+
+    def _build(self, args):
+        if args.full_size_layers:
+            import sys
+
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+            from random_model import build_random_pipeline  # noqa: the bench/ helpers of a source checkout
+
+            return build_random_pipeline(self.recipe, self.platform, num_layers=args.full_size_layers)
+        from omni.models.hunyuan_image3.build import build_pipeline
+
+        return build_pipeline(self.recipe, self.platform, model_path=args.model, progress=False)
+
+    def check(self) -> None:
+        if not self.engine.ready:
+            raise SystemExit(f"the engine did not start: {self.engine.unavailable_reason()}")
+
+    def send(self, body: dict) -> Sample:
+        from omni.recipe import parse_size
+        from omni.request import ImageRequest
+        from omni.serving.encode import encode_image
+
+        w, h = parse_size(body["size"])
+        d = self.defaults
+        req = ImageRequest(prompt=body["prompt"], height=h, width=w, seed=body["seed"],
+                           steps=body.get("num_inference_steps", d.steps),
+                           guidance=body.get("guidance_scale", d.guidance), shift=d.shift, template=d.template,
+                           system_prompt=d.system_prompt)
+        t0 = time.perf_counter()
+        try:
+            [ticket] = self.engine.submit_many([req])
+            result = ticket.result()
+            t1 = time.perf_counter()
+            encode_image(result.image_HW3)
+            result.times.encode = time.perf_counter() - t1
+        except Exception as e:
+            return Sample(False, time.perf_counter() - t0, type(e).__name__)
+        return Sample(True, time.perf_counter() - t0, stages=result.times.as_dict())
+
+    def peak_memory(self) -> int:
+        return self.services.max_memory_allocated()
+
+    def reset_peak_memory(self) -> None:
+        self.services.reset_peak_memory()
+
+    def close(self) -> None:
+        self.engine.stop()
+
+
+# ------------------------------------------------------------------ the sweep
+
+
+def run_level(target, bodies: list[dict], concurrency: int) -> dict:
+    """Closed loop: ``concurrency`` clients drain ``bodies`` one request at a time each."""
+    pending = iter(bodies)
+    lock = threading.Lock()
+    samples: list[Sample] = []
+
+    def client():
+        while True:
+            with lock:
+                body = next(pending, None)
+            if body is None:
+                return
+            s = target.send(body)
+            with lock:
+                samples.append(s)
+
+    target.reset_peak_memory()
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        for f in [pool.submit(client) for _ in range(concurrency)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    return summarize(samples, concurrency, wall, target.peak_memory())
+
+
+def summarize(samples: list[Sample], concurrency: int, wall: float, peak: int | None) -> dict:
+    ok = [s for s in samples if s.ok]
+    lat = [s.latency_s for s in ok]
+    errors: dict[str, int] = {}
+    for s in samples:
+        if not s.ok:
+            errors[s.status] = errors.get(s.status, 0) + 1
+    stages = {k: round(sum(s.stages.get(k, 0.0) for s in ok) / len(ok), 4) if ok else None for k in STAGES}
+    return {"concurrency": concurrency, "requests": len(samples), "ok": len(ok), "errors": errors,
+            "wall_s": round(wall, 3), "images_per_hour": round(len(ok) / wall * 3600, 1) if wall else None,
+            "latency_s": {k: _round(percentile(lat, q)) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))}
+            | {"mean": _round(sum(lat) / len(lat)) if lat else None},
+            "stage_mean_s": stages, "peak_device_memory_bytes": peak}
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def table(levels: list[dict]) -> str:
+    head = ("conc", "ok/req", "p50 s", "p90 s", "p99 s", "img/h", "queue", "prefill", "denoise", "vae", "encode",
+            "peak GiB")
+    rows = [head]
+    for lv in levels:
+        lat, st = lv["latency_s"], lv["stage_mean_s"]
+        peak = lv["peak_device_memory_bytes"]
+        rows.append((str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}",
+                     *(_fmt(lat[k]) for k in ("p50", "p90", "p99")), _fmt(lv["images_per_hour"], 1),
+                     *(_fmt(st[k], 3) for k in STAGES), "-" if peak is None else f"{peak / 2**30:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def _fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-run bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    where = p.add_argument_group("target (a server URL, else in-process)")
+    where.add_argument("--url", help="base URL of a running omni-run server, e.g. http://127.0.0.1:8091")
+    where.add_argument("--api-key", help="bearer key for --url")
+    where.add_argument("--recipe", default="cpu_tiny", help="in-process: recipe (default cpu_tiny)")
+    where.add_argument("--platform", default=None, help="in-process: platform (default: the recipe's)")
+    where.add_argument("--model", default=None, help="in-process: checkpoint directory")
+    where.add_argument("--full-size-layers", type=int, default=0, metavar="N",
+                       help="in-process: released shapes, N layers, random weights (source checkout: bench/)")
+    where.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="in-process: recipe override, e.g. --set serving.max_batch_tokens=65536 (repeatable)")
+    where.add_argument("--max-running", type=int, default=0, help="in-process: scheduler max_running "
+                                                                   "(default: max of recipe and concurrency)")
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", default="1,2,4", help="comma list of concurrent clients (default 1,2,4)")
+    load.add_argument("--requests", type=int, default=8, help="requests per level (default 8)")
+    load.add_argument("--sizes", default=SIZES, help=f"WxH list, mixed across requests (default {SIZES})")
+    load.add_argument("--prompts", help="file with one prompt per line (default: a built-in corpus)")
+    load.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the server's)")
+    load.add_argument("--guidance", type=float, default=None, help="guidance_scale (default: the server's)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the first request (then +1 each)")
+    load.add_argument("--warmup", type=int, default=1, help="unmeasured requests per size first (default 1)")
+    load.add_argument("--timeout-s", type=float, default=1800.0, help="HTTP timeout per request")
+    p.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
+    return p
+
+
+def bench_main(argv_or_args=None) -> int:
+    """Entry point of ``omni-run bench``: ``argv`` list (or a Namespace carrying ``bench_args``)."""
+    argv = getattr(argv_or_args, "bench_args", argv_or_args)
+    args = parser().parse_args(argv)
+    args.levels = [int(c) for c in args.concurrency.split(",")]
+    target = HttpTarget(args.url, args.api_key, args.timeout_s) if args.url else InProcessTarget(args)
+    try:
+        target.check()
+        sizes = args.sizes.split(",")
+        for i in range(args.warmup * len(sizes)):
+            target.send({**corpus(args)[0], "size": sizes[i % len(sizes)]})
+        levels = []
+        for c in args.levels:
+            levels.append(run_level(target, corpus(args), c))
+            print(f"concurrency {c}: {levels[-1]['ok']}/{levels[-1]['requests']} ok, "
+                  f"p50 {_fmt(levels[-1]['latency_s']['p50'])} s", flush=True)
+    finally:
+        target.close()
+    print(table(levels))
+    out = {"benchmark": "omni-run bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "target": target.name, "args": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
+           "levels": levels}
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.json}")
+    return 0 if all(lv["ok"] == lv["requests"] for lv in levels) else 1

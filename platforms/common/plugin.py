@@ -1,0 +1,97 @@
+"""The hook implementations every device platform writes the same way, written once.
+
+May assume: ``torch`` only; importing this module does nothing else (no device
+query, no vendor import, no torch flag). A vendor's plugin class derives from
+``DevicePlatform`` and names its parts; everything vendor-specific stays in
+the vendor's package, in modules of one shape:
+
+    capabilities  ``platform_info(reject)``: cheap detection (no device context);
+                  ``detect_caps(index)``: the capability snapshot, read on a
+                  worker whose device is set; ``recipe_problems(recipe)``: the
+                  static refusals of a recipe, as reasons.
+    attention     ``resolve(spec, caps, reject)``.
+    gemm          ``resolve_linear(spec, caps, reject)``, ``resolve_grouped(spec, caps, reject)``.
+
+``torch.<device_type>`` is read inside hooks only (``set_device``,
+``current_device``, graphs). ``omni_platform_configure`` is the one hook with
+a process-wide effect. A subclass that overrides a hook marks it
+``@hookimpl`` again; ``graphs_missing`` is the place for a build without
+the device's graph class.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from omni.hookspecs import hookimpl
+from omni.specs import AttentionSpec, CaptureSpec, GemmSpec, GroupedGemmSpec, PlatformInfo
+
+from .graphs import DeviceGraphRunner, GraphApi, GraphPools
+
+
+class DevicePlatform:
+    """Hook implementations shared by the device platforms; a subclass sets the class attributes."""
+
+    name: str  # the platform's name and the prefix of its refusal reasons
+    graphs: GraphApi  # its device module (``torch.<graphs.device_type>``) and graph class
+    capabilities: ModuleType
+    attention: ModuleType
+    gemm: ModuleType
+
+    def __init__(self, caps=None):
+        self._caps = caps  # read lazily from the current device; tests may pass a made-up one
+        self._pools = GraphPools(self.graphs)
+
+    def device_module(self):  # torch.<device_type>, looked up when a hook runs
+        return self.graphs.module()
+
+    def device_caps(self):  # a method, not a property: pluggy getattr()s every attribute
+        if self._caps is None:
+            self._caps = self.capabilities.detect_caps(self.device_module().current_device())
+        return self._caps
+
+    def capture_refusal(self, spec: CaptureSpec) -> str | None:
+        """Why the region of ``spec`` cannot be captured here; None when it can."""
+        if spec.device_type != self.graphs.device_type:
+            return f"{self.name}: cannot capture a {spec.device_type!r} region"
+        return self.graphs_missing()
+
+    def graphs_missing(self) -> str | None:
+        """Why this device cannot capture at all (no graph class in this build); None when it can."""
+        return None
+
+    @hookimpl
+    def omni_platform_detect(self, reject) -> PlatformInfo | None:
+        return self.capabilities.platform_info(reject)
+
+    @hookimpl
+    def omni_check_recipe(self, recipe, info: PlatformInfo, reject) -> None:
+        for problem in self.capabilities.recipe_problems(recipe):
+            reject(problem)
+
+    @hookimpl
+    def omni_platform_configure(self, info: PlatformInfo, local_rank: int) -> bool:
+        self.device_module().set_device(local_rank)
+        return True
+
+    @hookimpl
+    def omni_attention_impl(self, spec: AttentionSpec, reject):
+        return self.attention.resolve(spec, self.device_caps(), reject)
+
+    @hookimpl
+    def omni_linear_impl(self, spec: GemmSpec, reject):
+        return self.gemm.resolve_linear(spec, self.device_caps(), reject)
+
+    @hookimpl
+    def omni_grouped_gemm_impl(self, spec: GroupedGemmSpec, reject):
+        return self.gemm.resolve_grouped(spec, self.device_caps(), reject)
+
+    @hookimpl
+    def omni_graph_runner_impl(self, spec: CaptureSpec, reject):
+        refusal = self.capture_refusal(spec)
+        if refusal is not None:
+            return reject(refusal)
+        return DeviceGraphRunner(spec, self.graphs, self._pools)
+
+    @hookimpl
+    def omni_platform_shutdown(self, info: PlatformInfo) -> None:
+        self._pools.clear()

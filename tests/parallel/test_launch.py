@@ -1,0 +1,137 @@
+"""The launcher: results back, a failing rank ends the job with its error, no orphans, multi-host on loopback."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from omni.parallel.launch import RankInfo, WorkerError, free_port, launch
+from omni.parallel.mesh import Degrees
+
+HERE = Path(__file__).resolve().parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+FAST_S = 40  # well under the gloo timeout: a hang would show as a timeout here
+pytestmark = pytest.mark.timeout(120)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def read_pids(d: Path, n: int, timeout: float = 30.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(d.glob("rank*.pid"))
+        if len(files) == n and all(f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.1)
+    raise TimeoutError(f"workers did not start: {list(d.iterdir())}")
+
+
+def test_results_come_back_in_rank_order():
+    import workers
+
+    out = launch(workers.hosts_check, Degrees(tp=2), timeout_s=FAST_S)
+    assert out == ["rank=0 node=0 world=2 sum=3", "rank=1 node=0 world=2 sum=3"]
+
+
+def test_failing_rank_ends_the_job_with_its_error():
+    import workers
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        launch(workers.fail_on_rank_one, Degrees(cfg=2), timeout_s=FAST_S)
+    assert err.value.rank == 1 and "ValueError: boom on rank one" in str(err.value)
+    assert "fail_on_rank_one" in err.value.worker_traceback  # the worker's own traceback
+    assert time.monotonic() - t0 < FAST_S
+
+
+def test_rank_dying_without_exception_is_reported():
+    import workers
+
+    with pytest.raises(WorkerError) as err:
+        launch(workers.die_on_rank_one, Degrees(tp=2), timeout_s=FAST_S)
+    assert err.value.rank == 1 and "exited with code 3" in str(err.value)
+
+
+def _start_sleepers(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    cmd = [sys.executable, "-m", "omni.parallel.launch", "--cfg", "2", "workers:sleeper", str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, read_pids(tmp_path, 2)
+
+
+def test_ctrl_c_stops_every_worker(tmp_path):
+    proc, pids = _start_sleepers(tmp_path)
+    proc.send_signal(signal.SIGINT)  # the launcher only: it must stop the workers itself
+    _, err = proc.communicate(timeout=FAST_S)
+    assert proc.returncode == 130 and "interrupted; all workers stopped" in err
+    assert wait_gone(pids) == []
+
+
+def test_workers_exit_when_the_launcher_is_killed(tmp_path):
+    proc, pids = _start_sleepers(tmp_path)
+    proc.kill()  # SIGKILL: no cleanup code runs in the launcher
+    proc.wait(timeout=FAST_S)
+    assert wait_gone(pids) == [], "orphaned workers survived their launcher"
+
+
+def _two_hosts(make_cmd) -> list[str]:
+    port = free_port()
+    procs = [subprocess.Popen(make_cmd(node, port), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for node in (0, 1)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=90)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(out)
+    return outs
+
+
+def test_two_hosts_on_loopback_with_our_launcher():
+    outs = _two_hosts(lambda node, port: [
+        sys.executable, "-m", "omni.parallel.launch", "--nnodes", "2", "--node-rank", str(node),
+        "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--tp", "2",
+        "workers:hosts_check"])
+    assert "rank=0 node=0 world=2 sum=3" in outs[0] and "rank=1 node=1 world=2 sum=3" in outs[1]
+
+
+def test_two_hosts_on_loopback_under_torchrun():
+    outs = _two_hosts(lambda node, port: [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+        "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        "-m", "omni.parallel.launch", "--tp", "2", "workers:hosts_check"])
+    assert "rank=0 node=0 world=2 sum=3" in outs[0] and "rank=1 node=1 world=2 sum=3" in outs[1]
+
+
+def test_rank_info_from_torchrun_environment():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29501"}
+    assert RankInfo.from_env(env) == RankInfo(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1,
+                                              master_addr="10.0.0.1", master_port=29501, init_method="env://")
+    assert RankInfo.from_env({}) is None
+
+
+def test_world_size_mismatch_is_refused_before_spawning():
+    with pytest.raises(ValueError, match="needs 4 ranks; 1 node.s. x 3"):
+        launch("workers:hosts_check", Degrees(cfg=2, tp=2), nproc_per_node=3)
+    with pytest.raises(ValueError, match="explicit master_port"):
+        launch("workers:hosts_check", Degrees(tp=2), nnodes=2, nproc_per_node=1)

@@ -1,0 +1,145 @@
+"""Serving on several ranks: a multi-rank replica in lock-step under the scheduler, and dp replicas behind a router."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import workers
+from omni.parallel.dp import ReplicaRouter, start_replicas
+from omni.parallel.launch import launch
+from omni.parallel.mesh import Degrees
+from omni.request import ImageRequest
+from omni.scheduler import EngineUnavailable, QueueFull
+
+PROMPTS = ["a red fox", "a blue boat on a lake", "snow", "a green door"]
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """The golden tiny weights as an HF-format directory (4x4 tokens, tiny VAE: fast on the CPU)."""
+    import json
+    from importlib import resources
+
+    import parity
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    if not parity.golden_available():
+        pytest.skip(f"golden data not found in {parity.GOLDEN_DIR}")
+    root = tmp_path_factory.mktemp("golden_ckpt")
+    meta = json.loads((parity.GOLDEN_DIR / "hunyuan_image3_tiny.json").read_text())
+    (root / "config.json").write_text(json.dumps(meta["tiny_config"]))
+    with safe_open(str(parity.GOLDEN_TENSORS), framework="pt") as f:
+        save_file({k: f.get_tensor(k) for k in f.keys() if not k.startswith("golden.")}, str(root / "model.safetensors"))
+    tok = resources.files("omni.models.hunyuan_image3.assets").joinpath("tiny_tokenizer.json")
+    (root / "tokenizer.json").write_text(tok.read_text())
+    return str(root)
+
+
+def same_image(a, b, where: str) -> None:
+    """Equal up to one intensity level (thread counts and batch packing move the last float bits)."""
+    diff = np.abs(a.astype(int) - b.astype(int)).max()
+    assert a.shape == b.shape and diff <= 1, f"{where}: images differ by {diff} intensity levels"
+
+
+def requests(n: int):
+    return [ImageRequest(prompt=p, steps=3, seed=7 + i, request_id=f"r{i}") for i, p in enumerate(PROMPTS[:n])]
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint):
+    """Images of the same requests on one process."""
+    from omni.engine import Engine
+    from omni.platform_manager import select
+    from omni.recipe import load_recipe
+    from omni.models.hunyuan_image3.build import build_pipeline
+
+    pipe = build_pipeline(load_recipe("cpu_tiny"), select("cpu"), model_path=checkpoint, progress=False)
+    return {r.request_id: r.image_HW3 for r in Engine(pipe).run(requests(4))}
+
+
+def test_cfg2_replica_serves_in_lock_step(checkpoint, single):
+    """Rank 0 runs the Engine over a DriverPipeline; rank 1 replays every call; images match one process."""
+    out = launch(workers.driver_job, Degrees(cfg=2), args=(checkpoint, PROMPTS[:2]), timeout_s=120)
+    images, follower = out
+    assert follower["followed"] > 0
+    assert set(images) == {"r0", "r1", "unseeded"}
+    for rid in ("r0", "r1"):
+        same_image(images[rid][0], single[rid], rid)
+    # no seed: the driver drew one and sent it to both ranks, so both rows saw the same noise
+    img, seed = images["unseeded"]
+    same_image(img, single_run(checkpoint, ImageRequest(prompt="no seed given", steps=3, seed=seed)), "unseeded")
+
+
+def single_run(checkpoint, req):
+    from omni.engine import Engine
+    from omni.platform_manager import select
+    from omni.recipe import load_recipe
+    from omni.models.hunyuan_image3.build import build_pipeline
+
+    pipe = build_pipeline(load_recipe("cpu_tiny"), select("cpu"), model_path=checkpoint, progress=False)
+    return Engine(pipe).run([req])[0].image_HW3
+
+
+def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, tmp_path):
+    """start_replicas launches a dp=2 recipe; the router gives each replica two of four requests."""
+    from omni.recipe import load_recipe
+
+    text = (resources_recipe("cpu_tiny").replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}",
+                                                  "parallel: {dp: 2}")
+            .replace("count: 1", "count: 2").replace("name: cpu_tiny", "name: cpux2_dp2"))
+    recipe = tmp_path / "cpux2_dp2.yaml"
+    recipe.write_text(text)
+    assert load_recipe(recipe).parallel.dp == 2
+    router = start_replicas(str(recipe), platform="cpu", model_path=checkpoint, connect_timeout_s=120)
+    try:
+        router.start()
+        assert router.wait_ready(120) and router.status == "ready"
+        tickets = [router.submit_many([r])[0] for r in requests(4)]
+        owners = [router._owner[id(t)] for t in tickets]
+        assert owners.count(router.replicas[0]) == owners.count(router.replicas[1]) == 2  # least-loaded
+        for t in tickets:
+            same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)
+    finally:
+        router.stop(60)
+    assert not router.job.is_alive() and all(r.status == "stopped" for r in router.replicas)
+
+
+def resources_recipe(name: str) -> str:
+    from importlib import resources
+
+    return resources.files("omni.recipes").joinpath(f"{name}.yaml").read_text()
+
+
+class FakeReplica:
+    def __init__(self, load=0, ready=True, full=False):
+        self._load, self.ready, self.full, self.got = load, ready, full, []
+        self.status, self.error = ("ready" if ready else "starting"), None
+
+    def load(self):
+        return self._load
+
+    def unavailable_reason(self):
+        return "loading"
+
+    def submit_many(self, reqs):
+        if self.full:
+            raise QueueFull("busy", 3)
+        self.got += reqs
+        import concurrent.futures
+
+        class T:
+            future = concurrent.futures.Future()
+        return [T() for _ in reqs]
+
+
+def test_router_prefers_least_loaded_and_skips_full_or_unready():
+    a, b, c = FakeReplica(load=5), FakeReplica(load=1, full=True), FakeReplica(load=2)
+    router = ReplicaRouter([a, b, c, FakeReplica(ready=False)])
+    router.submit_many(requests(2))  # b is least loaded but full: c takes both images together
+    assert len(c.got) == 2 and not a.got and not b.got
+    with pytest.raises(QueueFull):
+        ReplicaRouter([FakeReplica(full=True)]).submit_many(requests(1))
+    with pytest.raises(EngineUnavailable, match="replica 0: loading"):
+        ReplicaRouter([FakeReplica(ready=False)]).submit_many(requests(1))

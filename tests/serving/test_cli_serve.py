@@ -1,0 +1,74 @@
+"""``omni-run serve`` and ``omni-run bench`` as a user runs them: a real process, the real tiny model."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from omni.bench_client import bench_main, percentile
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_process():
+    port = free_port()
+    cmd = [sys.executable, "-m", "omni.cli", "serve", "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not become healthy"
+        time.sleep(0.25)
+    yield url, proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+
+
+def test_serve_binds_localhost_and_bench_measures_it(server_process, tmp_path):
+    url, proc = server_process
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--url", url, "--concurrency", "2", "--requests", "2", "--steps", "1", "--guidance", "1",
+                     "--warmup", "0", "--sizes", "1024x1024,1280x768", "--json", str(out)])
+    assert rc == 0
+    [level] = json.loads(out.read_text())["levels"]
+    assert level["ok"] == 2 and level["latency_s"]["p50"] > 0 and level["images_per_hour"] > 0
+    assert level["stage_mean_s"]["vae"] > 0 and level["stage_mean_s"]["denoise"] > 0
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+    log = proc.stdout.read()
+    assert f"http://127.0.0.1:" in log
+
+
+def test_bench_in_process(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--recipe", "cpu_tiny", "--concurrency", "1", "--requests", "1", "--steps", "1",
+                     "--guidance", "1", "--warmup", "0", "--json", str(out)])
+    assert rc == 0
+    [level] = json.loads(out.read_text())["levels"]
+    assert level["ok"] == 1 and level["peak_device_memory_bytes"] > 0
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
