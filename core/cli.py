@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     _deployment(p, top=False)
     g = p.add_argument_group("image")
     g.add_argument("--prompt", required=True, help="what to draw")
-    g.add_argument("--negative-prompt", default="", help="what to steer away from (default: none)")
+    g.add_argument("--negative-prompt", default=None, help="text of the unconditional CFG row (default: the official <cfg>-token row)")
     g.add_argument("--size", metavar="WxH", help="image size (default: the recipe's defaults.size)")
     g.add_argument("--steps", type=int, help="denoising steps (default: defaults.steps)")
     g.add_argument("--guidance", type=float, help="guidance scale (default: defaults.guidance)")

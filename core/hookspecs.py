@@ -16,7 +16,8 @@ Call sequence of one deployment::
     omni_dist_backend             (once per worker, before init_process_group)
     omni_attention_impl /
     omni_linear_impl /
-    omni_grouped_gemm_impl        (once per distinct spec while the model is built)
+    omni_grouped_gemm_impl /
+    omni_moe_impl                 (once per distinct spec while the model is built)
     omni_communicator_impl        (once per mesh axis)
     omni_graph_runner_impl        (once per captured region)
     ... requests run: no hook is called per op or per step ...
@@ -44,6 +45,8 @@ from .specs import (
     GroupedGemmImpl,
     GroupedGemmSpec,
     LinearImpl,
+    MoEImpl,
+    MoESpec,
     GemmSpec,
     PlanPatch,
     PlatformInfo,
@@ -244,6 +247,41 @@ def omni_grouped_gemm_impl(spec: GroupedGemmSpec, reject: Reject) -> GroupedGemm
     in a captured region (the reference does, so it is never captured).
     Default implementation: a loop over experts with ``F.linear``.
     Versions: 0.1.
+    """
+
+
+@hookspec(firstresult=True)
+def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
+    """Return the routed experts of a MoE layer as one fused operation.
+
+    When called: once per distinct ``spec`` at model build (again at finalize
+    when a parallel plan changed the local expert count or width).
+
+    Result: first non-None wins; an object with
+    ``prepare_weights(w13_EOI, w2_EOI) -> PreparedMoE`` (called once at load,
+    may quantize; ``w13`` is ``[E, 2I, D]``, ``w2`` is ``[E, D, I]``; fp8
+    schemes keep the grouped-GEMM scale layouts: ``fp8_row`` ``[E, O, 1]``,
+    ``fp8_tensor`` ``[E, 1, 1]`` or broadcast to rows) and
+    ``__call__(x_TD, topk_weights_Tk, topk_ids_Tk, prepared) -> y_TD`` in
+    ``spec.dtype``: ``y[t] = sum_j w[t, j] * (a @ w2[e].T)`` with
+    ``e = ids[t, j]``, ``[x1, x2] = x[t] @ w13[e].T`` split in halves and
+    ``a = x1 * silu(x2)`` (SiLU on the SECOND half). Activations are quantized
+    dynamically as ``omni_grouped_gemm_impl`` says (per token for ``fp8_row``,
+    per expert group for ``fp8_tensor``). ``topk_ids_Tk`` are int64 local
+    expert ids in ``[0, E)``; ``k`` may be smaller than ``spec.topk`` (expert
+    parallelism passes single routed rows). Routing weights are applied as
+    given (``spec.renormalize`` only records what the router did); the
+    weighted sum is accumulated in fp32.
+
+    Capture safety: ``__call__`` must not read routing on the host (no
+    ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends
+    on values) on a platform that advertises ``graphs``.
+    Refusing: ``reject("reason")`` and None (unsupported dtype or scheme).
+    Default implementation: sort routed rows by expert, loop over experts with
+    ``omni.quant``'s reference products, combine in fp32 (the oracle; reads
+    counts on the host, so never captured). Device platforms without a fused
+    kernel get ``omni.moe.ComposedMoE`` over their grouped GEMM.
+    Versions: 0.2.
     """
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .specs import GemmSpec, GroupedGemmSpec, PreparedWeight
+from . import quant as quant_math
+from .specs import GemmSpec, GroupedGemmSpec, PreparedMoE, PreparedWeight
+
+FP8_SCHEMES = ("fp8_row", "fp8_tensor")
 
 
 def _adopt(module: nn.Module, p: PreparedWeight) -> PreparedWeight:
@@ -24,6 +27,26 @@ def _adopt(module: nn.Module, p: PreparedWeight) -> PreparedWeight:
     module.weight = nn.Parameter(p.data, requires_grad=False)
     module.weight_scale = p.scale
     return PreparedWeight(module.weight, module.weight_scale)
+
+
+def _loaded_quantized(module: nn.Module) -> PreparedWeight | None:
+    """The checkpoint's own e4m3 weight and scale, when ``declare_prequantized`` asked for them and they came.
+
+    The weight parameter keeps ``model.dtype`` while loading (every e4m3 value
+    is exact in bf16/fp32); it is cast back to e4m3 here. A scale still NaN
+    was not in the checkpoint: that layer is quantized online instead.
+    """
+    scale = getattr(module, "weight_scale", None)
+    if scale is None or module.prepared is not None or bool(torch.isnan(scale).any()):
+        return None
+    return PreparedWeight(module.weight.data.to(torch.float8_e4m3fn), scale.float())
+
+
+def _prepare(module: nn.Module, kernel) -> PreparedWeight:
+    pre = _loaded_quantized(module)
+    if pre is None:
+        return kernel.prepare_weight(module.weight.data)
+    return getattr(kernel, "prepare_quantized", lambda w: w)(pre)
 
 
 class Linear(nn.Module):
@@ -40,8 +63,8 @@ class Linear(nn.Module):
         self.prepared: PreparedWeight | None = None
 
     def finalize(self) -> None:
-        """Prepare the loaded weight for the kernel (once, after loading)."""
-        self.prepared = _adopt(self, self.kernel.prepare_weight(self.weight.data))
+        """Prepare the loaded weight for the kernel (once, after loading); pre-quantized weights are adopted."""
+        self.prepared = _adopt(self, _prepare(self, self.kernel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.prepared or PreparedWeight(self.weight)
@@ -65,14 +88,67 @@ class GroupedLinear(nn.Module):
         self.prepared: PreparedWeight | None = None
 
     def finalize(self) -> None:
-        self.prepared = _adopt(self, self.kernel.prepare_weight(self.weight.data))
+        self.prepared = _adopt(self, _prepare(self, self.kernel))
 
     def forward(self, x_TI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         return self.kernel(x_TI, self.prepared or PreparedWeight(self.weight), offsets_E)
 
 
+class KernelOwner(nn.Module):
+    """A module whose kernel prepares its child ``GroupedLinear`` weights itself (the MoE experts)."""
+
+    def finalize(self) -> None:
+        raise NotImplementedError
+
+
+def finalize_experts(moe, gate_and_up: GroupedLinear, down: GroupedLinear) -> None:
+    """Prepare both expert weights with the MoE kernel ``moe`` and make them the modules' state.
+
+    Pre-quantized experts (``declare_prequantized``) are adopted through the
+    kernel's ``prepare_quantized_weights`` when it has one, else dequantized
+    and prepared again (exact for the reference layouts).
+    """
+    pre13, pre2 = _loaded_quantized(gate_and_up), _loaded_quantized(down)
+    if pre13 is not None and pre2 is not None and hasattr(moe, "prepare_quantized_weights"):
+        p = moe.prepare_quantized_weights(pre13, pre2)
+    else:
+        w13 = gate_and_up.weight.data if pre13 is None else quant_math.dequantize(pre13).to(gate_and_up.spec.dtype)
+        w2 = down.weight.data if pre2 is None else quant_math.dequantize(pre2).to(down.spec.dtype)
+        p = moe.prepare_weights(w13, w2)
+    gate_and_up.prepared, down.prepared = _adopt(gate_and_up, p.w13), _adopt(down, p.w2)
+
+
+def declare_prequantized(model: nn.Module) -> int:
+    """Ask for a checkpoint's FP8 scales (ModelOpt names): ``weight_scale`` / ``input_scale`` buffers.
+
+    Every fp8 ``Linear`` / ``GroupedLinear`` gets a NaN ``weight_scale``
+    (``[O, 1]`` for fp8_row, ``[]`` for fp8_tensor; ``[E, O, 1]`` / ``[E, 1, 1]``
+    stacked) and ``input_scale`` (``[]`` / ``[E]``) that the loader fills
+    (``omni.weights``: scales match by element count, and a single value
+    broadcasts, so per-tensor checkpoint scales serve fp8_row). ``finalize``
+    then adopts the e4m3 weights as they are. ``input_scale`` (ModelOpt's
+    static activation scale) is kept for the record; the kernels quantize
+    activations dynamically. Returns the number of layers declared.
+    """
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, (Linear, GroupedLinear)) or m.spec.quant not in FP8_SCHEMES or m.prepared is not None:
+            continue
+        w = m.weight
+        lead = tuple(w.shape[:1]) if isinstance(m, GroupedLinear) else ()
+        rows = w.shape[-2] if m.spec.quant == "fp8_row" else 1
+        shape = lead + ((rows, 1) if (lead or m.spec.quant == "fp8_row") else ())
+        m.register_buffer("weight_scale", torch.full(shape, float("nan"), dtype=torch.float32, device=w.device))
+        m.register_buffer("input_scale", torch.full(lead, float("nan"), dtype=torch.float32, device=w.device))
+        n += 1
+    return n
+
+
 def finalize_all(model: nn.Module) -> None:
-    """Call ``finalize()`` on every kernel-backed module after weights are loaded."""
+    """Call ``finalize()`` on every kernel-backed module after weights are loaded (MoE owners first)."""
+    for m in model.modules():
+        if isinstance(m, KernelOwner):
+            m.finalize()
     for m in model.modules():
         if isinstance(m, (Linear, GroupedLinear)) and m.prepared is None:
             m.finalize()

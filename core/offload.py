@@ -123,9 +123,12 @@ class LayerOffloader:
         return sum(t.numel() * t.element_size() for h in self.host.values() for t in h.values())
 
 
-def place_resident(model: nn.Module, device, offloader: "LayerOffloader | None") -> None:
-    """Move every tensor the offloader does not own to ``device`` (build on the host, then place)."""
-    owned = set() if offloader is None else {id(t) for h in offloader.host.values() for t in h.values()}
+def host_tensor_ids(offloaders: list["LayerOffloader"]) -> set[int]:
+    return {id(t) for off in offloaders for h in off.host.values() for t in h.values()}
+
+
+def place_resident(model: nn.Module, device, keep_on_host: set[int] = frozenset()) -> None:
+    """Move every tensor of ``model`` to ``device`` except those whose ``.data`` ids are in ``keep_on_host``."""
     for t in list(model.parameters()) + [b for b in model.buffers() if b is not None]:
-        if id(t.data) not in owned and t.device != torch.device(device):
+        if id(t.data) not in keep_on_host and t.device != torch.device(device):
             t.data = t.data.to(device)

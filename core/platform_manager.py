@@ -16,7 +16,7 @@ import pluggy
 
 from . import hookspecs
 from .reference import plugin as reference_plugin
-from .specs import AttentionSpec, CaptureSpec, CollectiveSpec, GemmSpec, GroupedGemmSpec, PlatformInfo
+from .specs import AttentionSpec, CaptureSpec, CollectiveSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo
 
 log = logging.getLogger("omni.platforms")
 ENTRY_POINT_GROUP = "omni.platforms"
@@ -117,6 +117,9 @@ class Platform:
 
     def grouped_gemm(self, spec: GroupedGemmSpec):
         return self._resolve("omni_grouped_gemm_impl", spec)
+
+    def moe(self, spec: MoESpec):
+        return self._resolve("omni_moe_impl", spec)
 
     def graph_runner(self, spec: CaptureSpec):
         """A fresh runner per region (runners hold their captured graph, so no caching)."""

@@ -62,3 +62,52 @@ def quantized_linear(x_TI: torch.Tensor, w: PreparedWeight, scheme: str) -> torc
         xq, xs = quantize_fp8(x_TI, per_row=scheme == "fp8_row")
     y = torch.nn.functional.linear(xq.float() * xs, dequantize(w))
     return y.to(x_TI.dtype)
+
+
+# ----------------------------------------------------------------- pre-quantized checkpoints
+
+# ModelOpt ``hf_quant_config.json`` / ``config.json: quantization_config`` algorithm names -> quant.scheme
+CHECKPOINT_ALGOS = {"fp8": "fp8_tensor", "fp8_per_channel_per_token": "fp8_row", "fp8_pc_pt": "fp8_row",
+                    "nvfp4": "nvfp4", "mxfp8": "mxfp8"}
+
+
+def checkpoint_scheme(root) -> str | None:
+    """The quantization a checkpoint directory was saved with (ModelOpt-style metadata), or None.
+
+    Reads ``hf_quant_config.json`` (``{"quantization": {"quant_algo": "FP8"}}``) or
+    ``config.json``'s ``quantization_config`` (``quant_algo`` or ``quant_method``).
+    """
+    import json
+    from pathlib import Path
+
+    root = Path(root)
+    algo = None
+    if (root / "hf_quant_config.json").is_file():
+        algo = json.loads((root / "hf_quant_config.json").read_text()).get("quantization", {}).get("quant_algo")
+    elif (root / "config.json").is_file():
+        qc = json.loads((root / "config.json").read_text()).get("quantization_config") or {}
+        algo = qc.get("quant_algo") or qc.get("quant_method")
+    if not algo:
+        return None
+    scheme = CHECKPOINT_ALGOS.get(str(algo).lower())
+    if scheme is None:
+        raise ValueError(f"{root}: checkpoint quantization {algo!r} is not supported "
+                         f"(known: {', '.join(sorted(CHECKPOINT_ALGOS))})")
+    return scheme
+
+
+def checkpoint_refusal(ckpt_scheme: str | None, recipe_scheme: str) -> str | None:
+    """Why a checkpoint saved as ``ckpt_scheme`` cannot load under ``quant.scheme=recipe_scheme``; None if it can."""
+    if ckpt_scheme is None:
+        return None
+    if ckpt_scheme in ("nvfp4", "mxfp8"):
+        if recipe_scheme != ckpt_scheme:
+            return (f"the checkpoint is {ckpt_scheme} (block-scaled); it loads only with quant.scheme={ckpt_scheme}, "
+                    f"which the platform accepts or refuses at startup (CUDA needs compute capability 10.0)")
+        return (f"quant.scheme={ckpt_scheme}: loading {ckpt_scheme} checkpoints is not implemented yet "
+                f"(block scales would need the sm100 kernels); requantize from bf16 with quant.scheme=fp8_row")
+    if recipe_scheme not in ("fp8_row", "fp8_tensor"):
+        return f"the checkpoint is pre-quantized FP8 ({ckpt_scheme}); set quant.scheme=fp8_row or fp8_tensor"
+    if ckpt_scheme == "fp8_row" and recipe_scheme == "fp8_tensor":
+        return "the checkpoint has per-row FP8 scales; quant.scheme=fp8_tensor cannot hold them: use fp8_row"
+    return None

@@ -505,6 +505,10 @@ class Recipe(_Validated):
                               "they must be equal (one process per device)", "device.count")
         if self.quant.experts_only and self.quant.scheme == "none":
             raise RecipeError("true needs a quant.scheme other than none", "quant.experts_only")
+        if self.offload.mode in ("layers", "experts", "vae") and self.graph.mode == "capture":
+            raise RecipeError(f"offload.mode={self.offload.mode} conflicts with graph.mode=capture: streamed "
+                              "weights move between device slots, which a captured graph cannot follow; "
+                              "use graph.mode=eager or offload.mode=none|text", "offload.mode")
 
     def get_path(self, path: str) -> object:
         """The value at a dotted path such as ``"parallel.tp"``."""

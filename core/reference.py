@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from . import quant
 from .device import DeviceServices
 from .hookspecs import hookimpl
-from .specs import AttentionSpec, GemmSpec, GroupedGemmSpec, PlatformInfo, PreparedWeight, VarlenMeta
+from .specs import (AttentionSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo, PreparedMoE, PreparedWeight,
+                    VarlenMeta)
 
 REFERENCE_QUANT = ("none", "fp8_tensor", "fp8_row", "w8a8")
 
@@ -149,6 +150,32 @@ class ReferenceGroupedGemm:
         return y
 
 
+class ReferenceMoE:
+    """Routed experts: sort rows by expert, one SwiGLU per expert, weighted fp32 sum (reads counts on the host)."""
+
+    def __init__(self, spec: MoESpec):
+        self.spec = spec
+        self.name = f"reference-moe[{spec.quant}]"
+        from .moe import expert_gemm_specs
+
+        self.gemm13, self.gemm2 = (ReferenceGroupedGemm(g) for g in expert_gemm_specs(spec))
+
+    def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
+        return PreparedMoE(self.gemm13.prepare_weight(w13_EOI), self.gemm2.prepare_weight(w2_EOI))
+
+    def prepare_quantized_weights(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
+        """A checkpoint's e4m3 experts are already in the reference layout."""
+        return PreparedMoE(w13, w2)
+
+    def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE) -> torch.Tensor:
+        from .moe import combine, sort_by_expert, swiglu
+
+        routing = sort_by_expert(topk_ids_Tk, prepared.w13.data.shape[0])
+        h = self.gemm13(x_TD[routing.token_R].to(self.spec.dtype), prepared.w13, routing.offsets_E)
+        y = self.gemm2(swiglu(h), prepared.w2, routing.offsets_E)
+        return combine(y, routing, topk_weights_Tk, x_TD.dtype)
+
+
 class ReferencePlatform:
     """Hook implementations of the reference (``cpu``) platform."""
 
@@ -190,6 +217,20 @@ class ReferencePlatform:
         if spec.quant not in REFERENCE_QUANT:
             return reject(f"reference: quant {spec.quant!r} has no reference semantics yet")
         return ReferenceGroupedGemm(spec)
+
+    @hookimpl(trylast=True)
+    def omni_moe_impl(self, spec: MoESpec, reject):
+        if spec.quant not in REFERENCE_QUANT:
+            return reject(f"reference: quant.scheme={spec.quant!r} has no reference semantics yet "
+                          f"(reference schemes: {', '.join(REFERENCE_QUANT)})")
+        return ReferenceMoE(spec)
+
+    @hookimpl(trylast=True)
+    def omni_check_recipe(self, recipe, info, reject) -> None:
+        scheme = getattr(getattr(recipe, "quant", None), "scheme", "none")
+        if info.name == "cpu" and scheme not in REFERENCE_QUANT:
+            reject(f"quant.scheme={scheme}: the reference (cpu) platform has no {scheme} semantics "
+                   f"(block-scaled formats need a device with native support, e.g. CUDA sm100)")
 
     @hookimpl(trylast=True)
     def omni_graph_runner_impl(self, spec, reject):

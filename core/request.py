@@ -20,6 +20,7 @@ class ImageRequest:
     template: str = "pretrain"  # pretrain | instruct
     system_prompt: str | None = None
     cot_text: str | None = None
+    step_cache: float | None = None  # TeaCache threshold; None = the recipe's, 0 = off
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
@@ -36,6 +37,7 @@ class StageTimes:
     denoise: float = 0.0
     vae: float = 0.0
     encode: float = 0.0
+    steps_skipped: int = 0  # denoising steps served by the step cache
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 6) for k, v in self.__dict__.items()}

@@ -172,6 +172,54 @@ class GroupedGemmImpl(Protocol):
     def __call__(self, x_TI: torch.Tensor, w: PreparedWeight, offsets_E: torch.Tensor) -> torch.Tensor: ...
 
 
+# ----------------------------------------------------------------- fused MoE
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoESpec:
+    """The routed experts of one MoE layer: ``y[t] = sum_j w[t,j] * down_e(x1 * silu(x2))``, ``e = ids[t,j]``.
+
+    ``[x1, x2] = x[t] @ w13[e].T`` splits the ``2 * inner`` outputs in halves; SiLU gates with the
+    SECOND half (HunyuanImage-3 order). Router and shared expert stay in the model.
+    ``renormalize`` records whether the router renormalised the top-k weights (the impl applies
+    the weights as given). ``topk`` is the router's k; an impl must also accept fewer columns
+    (expert parallelism hands each rank single routed rows, k = 1).
+    """
+
+    num_experts: int
+    topk: int
+    hidden: int  # D: the layer's width (x and y)
+    inner: int  # I: each expert's SwiGLU width (w13 is [E, 2I, D], w2 is [E, D, I])
+    dtype: torch.dtype  # activation / output dtype
+    quant: str = "none"  # one of QUANT_SCHEMES, for both expert GEMMs
+    renormalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANT_SCHEMES:
+            raise ValueError(f"MoESpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
+        if not 0 < self.topk <= self.num_experts:
+            raise ValueError(f"MoESpec.topk must be in 1..{self.num_experts}, got {self.topk}")
+
+
+@dataclass(slots=True)
+class PreparedMoE:
+    """Both expert weights in the layout the MoE kernel wants (``PreparedWeight`` each)."""
+
+    w13: PreparedWeight  # [E, 2I, D] (+ scales)
+    w2: PreparedWeight  # [E, D, I] (+ scales)
+
+
+class MoEImpl(Protocol):
+    """``prepare_weights(w13_EOI, w2_EOI) -> PreparedMoE``; ``(x_TD, topk_weights_Tk, topk_ids_Tk, prepared) -> y_TD``."""
+
+    name: str
+
+    def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE: ...
+
+    def __call__(self, x_TD: torch.Tensor, topk_weights_Tk: torch.Tensor, topk_ids_Tk: torch.Tensor,
+                 prepared: PreparedMoE) -> torch.Tensor: ...
+
+
 # ----------------------------------------------------------------- collectives and graphs
 
 

@@ -6,6 +6,10 @@ routed to a ``LoadTarget`` by prefix; the target's ``name_map`` turns the
 official name into (parameter name, index into a stacked dim or None).
 Problems are collected over the whole checkpoint and raised once, naming
 every missing, unexpected and mis-shaped key (with both shapes).
+Pre-quantized FP8 checkpoints (ModelOpt names: ``weight`` in e4m3 beside
+``weight_scale`` and ``input_scale``) load their scales into the buffers that
+``omni.layers.declare_prequantized`` registers; a scale matches its buffer by
+element count, or broadcasts when it is a single value.
 Only safetensors are read: no pickle, no remote code.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 INDEX = "model.safetensors.index.json"
+SCALE_SUFFIXES = ("weight_scale", "input_scale")  # ModelOpt FP8 names, loaded into buffers
 SINGLE = "model.safetensors"
 
 
@@ -53,6 +58,30 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return found
 
 
+def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """A parameter, or a registered buffer (checkpoint scales: ``weight_scale``, ``input_scale``)."""
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        buf = module.get_buffer(name)
+        if buf is None:
+            raise
+        return buf
+
+
+def _is_scale(name: str) -> bool:
+    return name.endswith(SCALE_SUFFIXES)
+
+
+def _fit_scale(src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor | None:
+    """A checkpoint scale reshaped to its buffer: same element count, or one value broadcast; else None."""
+    if src.numel() == dest.numel():
+        return src.reshape(dest.shape)
+    if src.numel() == 1:
+        return src.reshape(()).expand(dest.shape)
+    return None
+
+
 class _Loader:
     """Routes keys to parameters, copies them and records what was filled or wrong."""
 
@@ -70,7 +99,7 @@ class _Loader:
             name, index = target.name_map(key[len(target.prefix):])
             if name is None:
                 return target, None, None  # held by another rank
-            return target, name, target.module.get_parameter(name)
+            return target, name, _tensor(target.module, name)
         except (KeyError, AttributeError):
             return None, None, None
 
@@ -89,6 +118,14 @@ class _Loader:
             if tuple(src.shape) != tuple(dest.shape):
                 return self.problems.append(f"{key}: this rank's part {tuple(src.shape)} vs sharded model "
                                             f"{tuple(dest.shape)} ({origin})")
+            dest.copy_(src.to(dest.dtype))
+            self.filled.setdefault((id(target.module), name), set()).add(index)
+            return None
+        if _is_scale(name):
+            src = _fit_scale(read(), dest)
+            if src is None:
+                return self.problems.append(f"{key}: checkpoint scale {tuple(shape)} vs model {tuple(dest.shape)} "
+                                            f"(per-row scales need quant.scheme=fp8_row) ({origin})")
             dest.copy_(src.to(dest.dtype))
             self.filled.setdefault((id(target.module), name), set()).add(index)
             return None

@@ -194,7 +194,7 @@ def test_generate_hands_over_resolved_args_and_final_recipe(handover, capsys):
     assert recipe == load_recipe("cpu_tiny")
     assert (args.prompt, args.seed, args.platform, args.trace, args.output) == ("a red fox", 7, "cpu", True, "out.png")
     assert (args.size, args.width, args.height, args.steps, args.guidance) == ("1024x1024", 1024, 1024, 20, 5.0)
-    assert args.negative_prompt == ""
+    assert args.negative_prompt is None  # None: the official <cfg>-token unconditional row
 
 
 def test_generate_flags_win_over_recipe_defaults(handover, tmp_path):

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig
-from omni.models.hunyuan_image3.vae_tiling import tile_grid, tiled_decode
+from omni.vae_tiling import tile_grid, tiled_decode
 
 CFG = VAEConfig(block_out_channels=(32, 32, 64), latent_channels=4, layers_per_block=1,
                 ffactor_spatial=4, ffactor_temporal=2)

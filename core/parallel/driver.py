@@ -7,7 +7,8 @@ broadcasts the call over the replica's host-side control group (gloo), and
 ``follow`` on every other rank of the replica replays it on its own
 pipeline, so all ranks enter the same forwards with the same requests in
 the same order. Pure queries (``pages_needed``, ``build_rows``) stay local;
-``decode`` (VAE) runs on the driver only.
+``decode`` (VAE) runs on the driver only, unless VAE tiling spreads the
+tiles over the replica, in which case every rank decodes its tiles.
 
 A request without a seed gets one on the driver before the broadcast, so
 every rank draws the same noise.
@@ -61,6 +62,8 @@ class DriverPipeline:
         self.pipeline.release(state)
 
     def decode(self, state):
+        if self.pipeline.vae_tiles is not None:  # tiles are spread over every rank of the replica
+            self._send("decode", state.request.request_id)
         return self.pipeline.decode(state)
 
     def close(self) -> None:
@@ -81,5 +84,7 @@ def follow(pipeline, control) -> int:
             states[payload.request_id] = pipeline.admit(payload)
         elif op == "release":
             pipeline.release(states.pop(payload))
+        elif op == "decode":
+            pipeline.decode(states[payload])
         else:
             getattr(pipeline, op)([states[rid] for rid in payload])

@@ -8,10 +8,12 @@ None on a single device) and calls plain methods:
     run time     cfg_rows(n)                    -> which rows of a request this rank computes
                  exchange_predictions(...)      -> every row's velocity after a step
                  run_backbone(...)              -> the backbone over one packed forward
+                 tiled_decode(...)              -> VAE tiles spread over the replica's ranks
 """
 from __future__ import annotations
 
 from omni.kv_pool import PoolContext
+from omni.vae_tiling import tiled_decode
 
 from .cfg import CfgSplit
 from .sequence import SequenceParallelRunner
@@ -54,3 +56,9 @@ class ParallelRuntime:
             return self.sp(model, x_TD, cos_TH, sin_TH, pool=pool, runs=runs, mask=mask, paged=paged, device=device)
         ctx = PoolContext(pool, runs, mask=mask, paged=paged, device=device)
         return model.backbone(x_TD, cos_TH, sin_TH, ctx)
+
+    def tiled_decode(self, decode, z_BChw, *, tile: int, overlap: int, factor: int):
+        """Each rank of the replica decodes its share of the tiles; one all-reduce assembles them."""
+        comm = self.mesh.comm("replica")
+        return tiled_decode(decode, z_BChw, tile=tile, overlap=overlap, factor=factor,
+                            rank=comm.rank, world=comm.size, all_reduce=comm.all_reduce)

@@ -302,7 +302,8 @@ class _Api:
         guidance = d.guidance if p.guidance_scale is None else p.guidance_scale
         return [ImageRequest(prompt=prompt, negative_prompt=p.negative_prompt, height=h, width=w, steps=steps,
                              guidance=guidance, seed=None if p.seed is None else p.seed + i, shift=d.shift,
-                             template=d.template, system_prompt=system, request_id=f"{rid}-{i}")
+                             template=d.template, system_prompt=system, step_cache=p.step_cache,
+                             request_id=f"{rid}-{i}")
                 for i in range(n)]
 
     def _check_text(self, text: str | None, field: str, required: bool = False) -> None:

@@ -35,6 +35,8 @@ class GenerationParams(BaseModel):
     output_format: Literal["png", "jpeg", "webp"] = "png"
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality")
     return_timings: bool = Field(False, description="add per-stage seconds to the response")
+    step_cache: float | None = Field(None, ge=0.0, le=10.0,
+                                     description="TeaCache threshold for this request (0 = off; default: recipe)")
 
 
 class ImageGenerationRequest(GenerationParams):

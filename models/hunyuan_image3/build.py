@@ -6,7 +6,10 @@ from pathlib import Path
 
 import torch
 
+from omni import quant
 from omni.kv_pool import KVPool
+from omni.step_graphs import StepGraphs
+from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, host_tensor_ids, place_resident
 from omni.weights import LoadTarget, load_checkpoint
 
 from .config import HunyuanImage3Config
@@ -34,7 +37,7 @@ def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) 
 
 def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str = "none", paged_kv: bool = False,
                       page_size: int = 0, attn_backend: str = "auto", device="cpu",
-                      parallel=None) -> tuple[HunyuanImage3Transformer, LoadTarget]:
+                      parallel=None, capturable: bool = False) -> tuple[HunyuanImage3Transformer, LoadTarget]:
     """The transformer on ``device`` and the load target that fills it.
 
     With ``parallel`` (an ``omni.parallel.runtime.ParallelRuntime``) the model
@@ -43,6 +46,11 @@ def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str =
     slices of the checkpoint.
     """
     kw = dict(dtype=dtype, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend)
+    if capturable:  # graph.mode: capture -- the denoising step's attention must be recordable
+        if parallel is not None:
+            raise ValueError("graph.mode=capture with parallel degrees > 1 is not supported yet "
+                             "(collectives inside captured graphs are not validated); use graph.mode=eager")
+        kw["capturable"] = True
     if parallel is None:
         with torch.device(device):
             model = HunyuanImage3Transformer(cfg, platform, **kw)
@@ -61,10 +69,41 @@ def build_modules(cfg: HunyuanImage3Config, platform, recipe, device, parallel=N
     paged = recipe.kv_cache.mode == "paged"
     model, target = build_transformer(cfg, platform, dtype=DTYPES[recipe.model.dtype], quant=recipe.quant.scheme,
                                       paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0,
-                                      attn_backend=recipe.attention.backend, device=device, parallel=parallel)
+                                      device=device, parallel=parallel, attn_backend=recipe.attention.backend,
+                                      capturable=recipe.graph.mode == "capture")
     with torch.device(device):
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae))
     return model, vae.eval(), target
+
+
+def prequantized(root: Path, recipe, model) -> str | None:
+    """A pre-quantized checkpoint's scheme (its scale buffers declared on ``model``); refuses a mismatch."""
+    scheme = quant.checkpoint_scheme(root)
+    refusal = quant.checkpoint_refusal(scheme, recipe.quant.scheme)
+    if refusal is not None:
+        raise ValueError(f"{root}: {refusal}")
+    if scheme is not None:
+        log.info("pre-quantized %s checkpoint: %d layers take its scales", scheme, model.prepare_prequantized())
+    return scheme
+
+
+STREAMED = {"layers": ALL, "experts": EXPERTS_ONLY}
+
+
+def apply_offload(recipe, model, vae, services) -> list[LayerOffloader]:
+    """Stream or park weights on the host as ``offload.mode`` says; everything else goes to the device."""
+    o, offloaders, host = recipe.offload, [], set()
+    if o.mode in STREAMED:
+        offloaders.append(LayerOffloader(list(model.model.layers), services, resident=o.resident_layers,
+                                         window=o.prefetch_window, keep=STREAMED[o.mode]))
+    elif o.mode == "vae":  # the decoder streams in once per decode; the encoder is unused by T2I
+        offloaders.append(LayerOffloader([vae.decoder], services, window=1))
+    elif o.mode == "text":  # embedding rows gathered on the host; lm_head runs there (text path only)
+        host = {id(model.model.wte.weight.data), id(model.lm_head.weight.data)}
+    keep = host | host_tensor_ids(offloaders)
+    place_resident(model, services.device, keep)
+    place_resident(vae, services.device, keep)
+    return offloaders
 
 
 def build_pipeline(recipe, platform, *, model_path: str | None = None, local_rank: int = 0,
@@ -77,16 +116,24 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     services = platform.device_services(local_rank)
     root = checkpoint_dir(recipe, model_path, cache_dir)
     cfg = HunyuanImage3Config.from_file(root / "config.json")
-    model, vae, target = build_modules(cfg, platform, recipe, services.device, parallel)
+    offload = recipe.offload.mode != "none"  # build and load on the host, then place
+    model, vae, target = build_modules(cfg, platform, recipe, "cpu" if offload else services.device, parallel)
+    prequantized(root, recipe, model)
     load_checkpoint(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED, progress=progress)
     model.finalize()
+    offloaders = apply_offload(recipe, model, vae, services) if offload else []
     kv_heads = cfg.num_key_value_heads if parallel is None else \
         parallel.pool_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads)
     pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
                               page_size=recipe.kv_cache.page_tokens, num_kv_heads=kv_heads,
                               head_dim=cfg.head_dim, dtype=DTYPES[recipe.model.dtype], device=services.device)
     log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages, pool.page_size)
-    return HunyuanImage3Pipeline(model=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"),
-                                 config=cfg, pool=pool, device=services.device,
-                                 paged=recipe.kv_cache.mode == "paged", vae_dtype=DTYPES[recipe.model.vae_dtype],
-                                 parallel=parallel)
+    pipe = HunyuanImage3Pipeline(model=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"),
+                                config=cfg, pool=pool, device=services.device,
+                                paged=recipe.kv_cache.mode == "paged", vae_dtype=DTYPES[recipe.model.vae_dtype],
+                                parallel=parallel, step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
+                                vae_tiles=(recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None,
+                                offloaders=offloaders)
+    if recipe.graph.mode == "capture":  # refused here, with the platform's reasons, where it cannot capture
+        pipe.step_graphs = StepGraphs(platform, services.device.type)
+    return pipe

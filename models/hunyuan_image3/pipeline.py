@@ -26,10 +26,13 @@ import torch
 
 from omni.kv_pool import KVPool, PoolContext, Run
 from omni.request import ImageRequest, StageTimes
+from omni.step_cache import StepCache, after_step, plan_skips
+from omni.step_graphs import step_key
 
 from .rope import rope_cos_sin
 from .sampler import cfg_combine, euler_step, flow_match_sigmas
 from .sequence import T2ISequence, build_t2i_pair
+from omni.vae_tiling import tiled_decode
 from .resolution import snap
 
 
@@ -54,6 +57,7 @@ class RequestState:
     seed: int
     step: int = 0
     times: StageTimes = field(default_factory=StageTimes)
+    cache: StepCache = field(default_factory=lambda: StepCache(0.0))
     total_rows: int = 0  # rows of the request on all workers (0: as many as ``rows``)
 
     @property
@@ -68,10 +72,14 @@ class RequestState:
 class HunyuanImage3Pipeline:
     """Owns the model, VAE, tokenizer and KV pool of one worker; no scheduling policy."""
 
+    step_graphs = None  # an omni.step_graphs.StepGraphs under graph.mode: capture (set by build_pipeline)
+
     def __init__(self, *, model, vae, tokenizer, config, pool: KVPool, device, paged: bool,
-                 vae_dtype: torch.dtype = torch.float32, parallel=None):
+                 vae_dtype: torch.dtype = torch.float32, parallel=None, step_cache: float = 0.0,
+                 vae_tiles: tuple[int, int] | None = None, offloaders=()):
         self.model, self.vae, self.tok, self.cfg = model, vae, tokenizer, config
-        self.parallel = parallel
+        self.parallel, self.step_cache, self.vae_tiles = parallel, step_cache, vae_tiles
+        self.offloaders = list(offloaders)  # omni.offload.LayerOffloader objects (their hooks do the work)
         self.pool, self.device, self.paged, self.vae_dtype = pool, torch.device(device), paged, vae_dtype
         self.downsample = config.vae_downsample_factor[0] * config.patch_size
         self.latent_channels = vae.cfg.latent_channels
@@ -106,8 +114,9 @@ class HunyuanImage3Pipeline:
             self.release_rows(rows)
             raise
         seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        cache = StepCache(self.step_cache if req.step_cache is None else req.step_cache)
         return RequestState(req, rows, self._noise(seed, seqs[0]), flow_match_sigmas(req.steps, req.shift), seed,
-                            total_rows=len(seqs))
+                            total_rows=len(seqs), cache=cache)
 
     def _noise(self, seed: int, seq: T2ISequence) -> torch.Tensor:
         """Noise drawn in bf16 on a CPU generator (as the official code), identical for both rows."""
@@ -147,21 +156,34 @@ class HunyuanImage3Pipeline:
 
     @torch.inference_mode()
     def denoise_step(self, states: list[RequestState]) -> None:
-        """One Euler step for every state, all rows packed into one forward."""
+        """One Euler step for every state; the rows of all computed requests share one forward."""
         t0 = time.perf_counter()
-        x_parts, pos, runs = [], [], []
-        for s in states:
-            self._pack_request(s, x_parts, pos, runs)
-        h_TD = self._backbone(torch.cat(x_parts), *self._rope(pos), runs, "none")
+        blocks = [self._block(s) for s in states]
+        edge = [s.step == 0 or s.step == len(s.sigmas) - 2 for s in states]
+        skip = plan_skips([s.cache for s in states], [b[0] for b in blocks], edge)
+        h_all = self._forward_blocks([b for b, k in zip(blocks, skip) if not k],
+                                     step_key([s for s, k in zip(states, skip) if not k]))
         offset, preds = 0, []
-        for s in states:
-            v_BChw, offset = self._velocity(s, h_TD, offset)
-            preds.append(v_BChw)
+        for s, (x_TD, _, _), k in zip(states, blocks, skip):
+            h_TD = None if k else h_all[offset: offset + x_TD.shape[0]]
+            offset += 0 if k else x_TD.shape[0]
+            preds.append(self._velocity(s, after_step(s.cache, x_TD, h_TD)))
         if self.parallel is not None:  # CFG parallel: every rank gets every row's prediction
             preds = self.parallel.exchange_predictions(preds, [s.total_rows or len(s.rows) for s in states])
         for s, v_BChw in zip(states, preds):
             self._update(s, v_BChw)
             s.times.denoise += time.perf_counter() - t0
+            s.times.steps_skipped = s.cache.skipped
+
+    def _forward_blocks(self, blocks: list, key: tuple = ()) -> torch.Tensor | None:
+        if not blocks:
+            return None
+        x_TD = torch.cat([b[0] for b in blocks])
+        pos, runs = [p for b in blocks for p in b[1]], [r for b in blocks for r in b[2]]
+        if self.step_graphs is not None:  # graph.mode: capture: replay the graph of this batch signature
+            return self.step_graphs.run(key, x_TD, self.model.backbone, lambda: (*self._rope(pos), PoolContext(
+                self.pool, runs, mask="none", paged=self.paged, device=self.device)))
+        return self._backbone(x_TD, *self._rope(pos), runs, "none")
 
     def _backbone(self, x_TD, cos_TH, sin_TH, runs: list[Run], mask: str) -> torch.Tensor:
         """The decoder over one packed forward whose attention reads and writes the KV pool."""
@@ -171,25 +193,25 @@ class HunyuanImage3Pipeline:
         ctx = PoolContext(self.pool, runs, mask=mask, paged=self.paged, device=self.device)
         return self.model.backbone(x_TD, cos_TH, sin_TH, ctx)
 
-    def _pack_request(self, s: RequestState, x_parts, pos, runs) -> None:
+    def _block(self, s: RequestState):
+        """This request's packed step input: (x_TD over its rows, rope positions, runs)."""
         t_1 = torch.full((1,), s.t, dtype=torch.float32, device=self.device)
         img_1LD = self.model.image_tokens(s.latents_1Chw.to(self.model_dtype), t_1)
-        ts_1D = self.model.timestep_token(t_1)
+        ts_1D = self.model.timestep_token(t_1).to(self.model_dtype)
+        x_parts, pos, runs = [], [], []
         for r in s.rows:
             p, n = r.seq.prefix_len, r.block_len
-            x_parts += [ts_1D.to(self.model_dtype), img_1LD[0]]
+            x_parts += [ts_1D, img_1LD[0]]
             pos += r.seq.pos_yx[p: p + n]
             runs += [Run(tuple(r.pages), p, p + 1, p + 1), Run(tuple(r.pages), p + 1, p + n, p + n)]
+        return torch.cat(x_parts), pos, runs
 
-    def _velocity(self, s: RequestState, h_TD: torch.Tensor, offset: int) -> tuple[torch.Tensor, int]:
-        """The velocity of each of ``s``'s rows here, ``[rows, C, h, w]`` fp32, and the next offset."""
+    def _velocity(self, s: RequestState, h_TD: torch.Tensor) -> torch.Tensor:
+        """The velocity of each of ``s``'s rows here, ``[rows, C, h, w]`` fp32."""
         th, tw = s.rows[0].seq.token_h, s.rows[0].seq.token_w
-        hs = []
-        for r in s.rows:
-            hs.append(h_TD[offset + 1: offset + r.block_len])
-            offset += r.block_len
-        t_B = torch.full((len(hs),), s.t, dtype=torch.float32, device=self.device)
-        return self.model.velocity(torch.stack(hs), t_B, th, tw).float(), offset
+        h_RnD = h_TD.view(len(s.rows), -1, h_TD.shape[-1])[:, 1:]  # rows share one block length
+        t_B = torch.full((len(s.rows),), s.t, dtype=torch.float32, device=self.device)
+        return self.model.velocity(h_RnD, t_B, th, tw).float()
 
     def _update(self, s: RequestState, v_BChw: torch.Tensor) -> None:
         """Guidance (two rows) and one Euler step."""
@@ -202,8 +224,18 @@ class HunyuanImage3Pipeline:
     def decode(self, s: RequestState) -> torch.Tensor:
         """Latents -> uint8 ``[H, W, 3]`` on the host (converted on the device first)."""
         t0 = time.perf_counter()
-        x_13HW = self.vae.decode_image(s.latents_1Chw, dtype=self.vae_dtype)
+        x_13HW = self._decode_latents(s.latents_1Chw)
         img = ((x_13HW[0] / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         out = img.permute(1, 2, 0).contiguous().cpu()
         s.times.vae += time.perf_counter() - t0
         return out
+
+    def _decode_latents(self, z_1Chw: torch.Tensor) -> torch.Tensor:
+        decode = lambda z: self.vae.decode_image(z, dtype=self.vae_dtype)  # noqa: E731
+        if self.vae_tiles is None:
+            return decode(z_1Chw)
+        tile, overlap = self.vae_tiles
+        factor = self.vae.cfg.ffactor_spatial
+        if self.parallel is None:
+            return tiled_decode(decode, z_1Chw, tile=tile, overlap=overlap, factor=factor)
+        return self.parallel.tiled_decode(decode, z_1Chw, tile=tile, overlap=overlap, factor=factor)

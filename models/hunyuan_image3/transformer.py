@@ -18,7 +18,10 @@ attention run through kernels the platform resolved at build time.
 Parameter names equal the official checkpoint names, except that the routed
 experts are stacked: ``mlp.experts.{e}.gate_and_up_proj.weight`` [2I, D] is
 row ``e`` of ``mlp.experts.gate_and_up_proj.weight`` [E, 2I, D] (same for
-``down_proj``); ``param_name_for`` maps one to the other.
+``down_proj``); ``param_name_for`` maps one to the other. Pre-quantized FP8
+checkpoints (ModelOpt) add ``*.weight_scale`` / ``*.input_scale`` beside each
+quantized weight (per expert too); ``prepare_prequantized()`` declares the
+buffers they load into, and ``finalize()`` adopts the e4m3 weights as they are.
 
 Shape suffixes: T packed tokens, S keys visible to them, D model width,
 N query heads, K kv heads, H head dim, E experts, k experts per token,
@@ -35,8 +38,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from omni.weights import LoadTarget, load_state_dict
-from omni.layers import GroupedLinear, Linear, finalize_all
-from omni.specs import AttentionSpec
+from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
+                         finalize_experts)
+from omni.specs import AttentionSpec, MoESpec, PreparedMoE, PreparedWeight
 
 from .config import HunyuanImage3Config
 from .image_io import TimestepEmbedder, UNetDown, UNetUp
@@ -45,7 +49,8 @@ from .rope import apply_rope
 MASKS = ("none", "causal", "dense")
 FOREIGN_PREFIXES = ("vae.", "vision_model.", "vision_aligner.")  # checkpoint parts other modules own
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_and_up_proj|down_proj)\.weight")
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_and_up_proj|down_proj)\.weight")
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_and_up_proj|down_proj)\."
+                         r"(weight|weight_scale|input_scale)")
 
 
 class RMSNorm(nn.Module):
@@ -57,8 +62,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm: one fused kernel for pow/mean/rsqrt/mul (same fp32 math as the official code)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 
@@ -69,7 +74,7 @@ class Attention(nn.Module):
     """GQA attention; RoPE first, then per-head RMSNorm on q and k."""
 
     def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size,
-                 attn_backend="auto"):
+                 attn_backend="auto", capturable=False):
         super().__init__()
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.layer_idx, self.shape_NKH = layer_idx, (N, K, H)
@@ -79,7 +84,7 @@ class Attention(nn.Module):
         self.key_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
         self.attn = {mask: platform.attention(AttentionSpec(
             num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, mask=mask, paged=paged_kv, page_size=page_size,
-            backend=attn_backend))
+            backend=attn_backend, capturable=capturable and mask == "none"))
             for mask in MASKS}
 
     def split_qkv(self, qkv_TO: torch.Tensor):
@@ -139,27 +144,47 @@ def expert_offsets(expert_R: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts_E.cumsum(0).to(torch.int32)
 
 
-class RoutedExperts(nn.Module):
-    """All experts' SwiGLUs as two grouped GEMMs over expert-sorted rows."""
+class RoutedExperts(KernelOwner):
+    """All experts' SwiGLUs through the platform's fused MoE (``omni_moe_impl``).
 
-    def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant):
+    The weights stay two ``GroupedLinear`` modules (checkpoint names, TP/EP
+    plans and the offloader see them as before); ``finalize()`` prepares both
+    with the MoE kernel and the forward hands them to it.
+    """
+
+    def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, topk: int = 1):
         super().__init__()
         self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, platform=platform, dtype=dtype, quant=quant)
         self.down_proj = GroupedLinear(num_experts, inner, dim, platform=platform, dtype=dtype, quant=quant)
+        self.platform, self.topk = platform, topk
+        self.moe = platform.moe(self._spec())
+
+    def _spec(self) -> MoESpec:
+        """From the weights' current sizes: a parallel plan may keep fewer experts or a slice of ``inner``."""
+        g13 = self.gate_and_up_proj.spec
+        return MoESpec(num_experts=g13.num_experts, topk=min(self.topk, g13.num_experts), hidden=g13.in_features,
+                       inner=self.down_proj.spec.in_features, dtype=g13.dtype, quant=g13.quant)
 
     @property
     def num_experts(self) -> int:  # read off the weights: a plan may keep only some experts on a rank
         return self.gate_and_up_proj.spec.num_experts
 
+    def finalize(self) -> None:
+        """Prepare both expert weights for the MoE kernel (once, after loading); pre-quantized ones are adopted."""
+        if self.gate_and_up_proj.prepared is not None and self.down_proj.prepared is not None:
+            return
+        if self._spec() != self.moe_spec:
+            self.moe = self.platform.moe(self._spec())
+        finalize_experts(self.moe, self.gate_and_up_proj, self.down_proj)
+
+    @property
+    def moe_spec(self) -> MoESpec:
+        return self.moe.spec
+
     def forward(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor) -> torch.Tensor:
-        expert_R = experts_Tk.flatten()
-        order_R = expert_R.argsort(stable=True)
-        token_R = order_R // experts_Tk.shape[1]
-        offsets_E = expert_offsets(expert_R, self.num_experts)
-        y_RD = self.down_proj(swiglu(self.gate_and_up_proj(x_TD[token_R], offsets_E)), offsets_E)
-        y_RD = y_RD.float() * weights_Tk.flatten()[order_R, None]
-        out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
-        return out_TD.index_add_(0, token_R, y_RD).to(x_TD.dtype)
+        g13, g2 = self.gate_and_up_proj, self.down_proj
+        prepared = PreparedMoE(g13.prepared or PreparedWeight(g13.weight), g2.prepared or PreparedWeight(g2.weight))
+        return self.moe(x_TD, weights_Tk, experts_Tk, prepared)
 
 
 class MoE(nn.Module):
@@ -171,7 +196,8 @@ class MoE(nn.Module):
         self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform)
         self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, dtype=dtype,
                                  quant=quant)
-        self.experts = RoutedExperts(E, D, inner, platform=platform, dtype=dtype, quant=quant)
+        self.experts = RoutedExperts(E, D, inner, platform=platform, dtype=dtype, quant=quant,
+                                     topk=cfg.moe_topk[layer_idx])
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         weights_Tk, experts_Tk = self.gate(x_TD)
@@ -183,11 +209,12 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size,
-                 attn_backend="auto"):
+                 attn_backend="auto", capturable=False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant,
-                                   paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend)
+                                   paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend,
+                                   capturable=capturable)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MoE(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant)
 
@@ -210,12 +237,13 @@ class HunyuanImage3Transformer(nn.Module):
     """Backbone, text head and image I/O heads; inference only (no grads)."""
 
     def __init__(self, cfg: HunyuanImage3Config, platform, dtype: torch.dtype = torch.float32, quant: str = "none",
-                 paged_kv: bool = False, page_size: int = 0, attn_backend: str = "auto"):
+                 paged_kv: bool = False, page_size: int = 0, attn_backend: str = "auto", capturable: bool = False):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         D, C, hidden = cfg.hidden_size, cfg.latent_channels, cfg.patch_embed_hidden_dim
         kw = dict(platform=platform, dtype=dtype)
-        self.model = Decoder(cfg, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend, **kw)
+        self.model = Decoder(cfg, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend,
+                             capturable=capturable, **kw)
         self.lm_head = Linear(D, cfg.vocab_size, **kw)  # kept unquantized: logits quality
         self.timestep_emb = TimestepEmbedder(D, **kw)  # replaces the <timestep> token
         self.time_embed = TimestepEmbedder(D, **kw)  # conditions patch_embed
@@ -231,7 +259,9 @@ class HunyuanImage3Transformer(nn.Module):
     # ------------------------------------------------------------ token stream
 
     def embed_tokens(self, ids_T: torch.Tensor) -> torch.Tensor:
-        return self.model.wte(ids_T)
+        """Rows of ``wte``, gathered where the table lives (it may be offloaded to the host)."""
+        table = self.model.wte.weight
+        return self.model.wte(ids_T.to(table.device)).to(ids_T.device)
 
     def timestep_token(self, t_B: torch.Tensor) -> torch.Tensor:
         """Embedding of the ``<timestep>`` token for t on the 0..1000 scale, ``[B, D]``."""
@@ -259,7 +289,8 @@ class HunyuanImage3Transformer(nn.Module):
 
     def text_logits(self, h_TD: torch.Tensor) -> torch.Tensor:
         """``lm_head(ln_f(h))`` in fp32, ``[T, V]``."""
-        return self.lm_head(self.model.ln_f(h_TD)).float()
+        h_TD = self.model.ln_f(h_TD)
+        return self.lm_head(h_TD.to(self.lm_head.weight.device)).float().to(h_TD.device)
 
     def velocity(self, h_BhwD: torch.Tensor, t_B: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """``final_layer`` on the image tokens' last hidden states, conditioned on ``time_embed_2(t)``; fp32."""
@@ -280,10 +311,14 @@ class HunyuanImage3Transformer(nn.Module):
         """(this module's parameter, index into its stacked expert dim or None) for a checkpoint name."""
         per_expert = _PER_EXPERT.fullmatch(official_name)
         if per_expert is not None:
-            return f"{per_expert[1]}.{per_expert[3]}.weight", int(per_expert[2])
+            return f"{per_expert[1]}.{per_expert[3]}.{per_expert[4]}", int(per_expert[2])
         if official_name.startswith(FOREIGN_PREFIXES) or not _has_param(self, official_name):
             raise KeyError(f"{official_name!r} is not a parameter of HunyuanImage3Transformer")
         return official_name, None
+
+    def prepare_prequantized(self) -> int:
+        """Before loading a pre-quantized FP8 checkpoint: declare its scale buffers (``omni.layers``)."""
+        return declare_prequantized(self)
 
     def finalize(self) -> None:
         """Prepare every kernel-backed weight (quantize, re-layout) once, after loading."""
@@ -291,11 +326,15 @@ class HunyuanImage3Transformer(nn.Module):
 
 
 def _has_param(module: nn.Module, name: str) -> bool:
+    """A parameter, or a declared checkpoint scale buffer (``weight_scale`` / ``input_scale``)."""
     owner, _, leaf = name.rpartition(".")
     try:
-        return leaf in dict(module.get_submodule(owner).named_parameters(recurse=False))
+        sub = module.get_submodule(owner)
     except AttributeError:
         return False
+    if leaf in dict(sub.named_parameters(recurse=False)):
+        return True
+    return leaf in ("weight_scale", "input_scale") and getattr(sub, leaf, None) is not None
 
 
 def load_state(model: HunyuanImage3Transformer, tensors: Mapping[str, torch.Tensor]) -> None:

@@ -11,6 +11,8 @@ the vendor's package, in modules of one shape:
                   static refusals of a recipe, as reasons.
     attention     ``resolve(spec, caps, reject)``.
     gemm          ``resolve_linear(spec, caps, reject)``, ``resolve_grouped(spec, caps, reject)``.
+    moe           optional: ``resolve_moe(spec, caps, reject)``, a fused MoE; without it
+                  ``omni_moe_impl`` composes the platform's grouped GEMMs (``omni.moe.ComposedMoE``).
 
 ``torch.<device_type>`` is read inside hooks only (``set_device``,
 ``current_device``, graphs). ``omni_platform_configure`` is the one hook with
@@ -23,7 +25,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from omni.hookspecs import hookimpl
-from omni.specs import AttentionSpec, CaptureSpec, GemmSpec, GroupedGemmSpec, PlatformInfo
+from omni.moe import composed_moe
+from omni.specs import AttentionSpec, CaptureSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo
 
 from .graphs import DeviceGraphRunner, GraphApi, GraphPools
 
@@ -36,6 +39,7 @@ class DevicePlatform:
     capabilities: ModuleType
     attention: ModuleType
     gemm: ModuleType
+    moe: ModuleType | None = None
 
     def __init__(self, caps=None):
         self._caps = caps  # read lazily from the current device; tests may pass a made-up one
@@ -84,6 +88,12 @@ class DevicePlatform:
     @hookimpl
     def omni_grouped_gemm_impl(self, spec: GroupedGemmSpec, reject):
         return self.gemm.resolve_grouped(spec, self.device_caps(), reject)
+
+    @hookimpl
+    def omni_moe_impl(self, spec: MoESpec, reject):
+        if self.moe is not None:
+            return self.moe.resolve_moe(spec, self.device_caps(), reject)
+        return composed_moe(spec, lambda g, r: self.gemm.resolve_grouped(g, self.device_caps(), r), reject)
 
     @hookimpl
     def omni_graph_runner_impl(self, spec: CaptureSpec, reject):

@@ -145,5 +145,15 @@ def platform_info(reject) -> PlatformInfo | None:
 
 
 def recipe_problems(recipe) -> list[str]:
-    """Static reasons this platform refuses ``recipe``: none; every limit is checked per spec at resolution."""
-    return []
+    """Static reasons this platform refuses ``recipe``: block-scaled ``quant.scheme`` below sm100.
+
+    Reads device 0's compute capability (a property query, as detection does);
+    every other limit is checked per spec at resolution.
+    """
+    from .gemm import block_scaled_refusal
+
+    scheme = getattr(getattr(recipe, "quant", None), "scheme", "none")
+    if scheme == "none" or not torch.cuda.is_available():
+        return []
+    reason = block_scaled_refusal(scheme, torch.cuda.get_device_capability(0))
+    return [reason] if reason else []

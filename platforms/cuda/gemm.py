@@ -28,6 +28,21 @@ LATER = {
     "nvfp4": "nvfp4 needs sm100 fp4 kernels; lands later",
     "w8a8": "w8a8 int8 kernels land later",
 }
+BLOCK_SCALED = ("mxfp8", "nvfp4")  # need compute capability 10.0 (Blackwell block-scaled tensor cores)
+
+
+def block_scaled_refusal(scheme: str, sm: tuple[int, int]) -> str | None:
+    """Why ``quant.scheme=scheme`` cannot run on a device of compute capability ``sm``; None when it can."""
+    if scheme not in BLOCK_SCALED:
+        return None
+    if sm < (10, 0):
+        return (f"quant.scheme={scheme} needs compute capability 10.0 (sm100 block-scaled tensor cores); "
+                f"this device is sm{sm[0]}{sm[1]}: use quant.scheme=fp8_row")
+    return f"quant.scheme={scheme}: {LATER[scheme]}"
+
+
+def _later(scheme: str, caps: Caps) -> str:
+    return "cuda: " + (block_scaled_refusal(scheme, caps.sm) or f"quant.scheme={scheme}: {LATER[scheme]}")
 
 
 def _dims(spec) -> str:
@@ -39,6 +54,18 @@ def _unwrap(y):
 
 
 # ----------------------------------------------------------------- dense
+
+
+def _triton_row_quant():
+    """The fused per-row e4m3 quantization of ``moe_triton`` when Triton is here (None: torch ops)."""
+    import importlib.util
+    import os
+
+    if os.environ.get("OMNI_MOE_TRITON", "1") == "0" or importlib.util.find_spec("triton") is None:
+        return None
+    from .moe_triton import TritonKernels
+
+    return TritonKernels().quant_rows
 
 
 class CudaLinear:
@@ -64,13 +91,17 @@ class Fp8Linear:
         any_out = not self.per_row or (caps.sm[0] == 9 and caps.cuda_version >= (12, 9))
         self.out_dtype = spec.dtype if any_out else torch.bfloat16
         self.fuse_bias = self.out_dtype in (torch.bfloat16, torch.float16)
+        self.row_quant = _triton_row_quant() if self.per_row else None
 
     def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
         return quant.prepare_weight(w_OI.contiguous(), self.spec.quant)
 
     def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
         lead, x = x_TI.shape[:-1], x_TI.reshape(-1, self.spec.in_features).to(self.spec.dtype)
-        xq, x_scale = quant.quantize_fp8(x, per_row=self.per_row)
+        if self.row_quant is not None and x.is_cuda:  # one Triton pass instead of five torch ones
+            xq, x_scale = self.row_quant(x)
+        else:
+            xq, x_scale = quant.quantize_fp8(x, per_row=self.per_row)
         w_scale = w.scale.view(1, -1) if self.per_row else w.scale
         bias = bias_O.to(self.out_dtype) if bias_O is not None and self.fuse_bias else None
         y = _unwrap(torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale, bias=bias,
@@ -84,7 +115,7 @@ def resolve_linear(spec: GemmSpec, caps: Caps, reject):
     if spec.quant == "none":
         return CudaLinear(spec)
     if spec.quant in LATER:
-        return reject(f"cuda: quant {spec.quant!r}: {LATER[spec.quant]}")
+        return reject(_later(spec.quant, caps))
     if not caps.has_scaled_mm:
         return reject("cuda: torch._scaled_mm is not in this torch")
     if caps.sm < (8, 9):
@@ -134,6 +165,11 @@ class ScaledGroupedMM:
         e, o, _ = w_EOI.shape
         return PreparedWeight(p.data, p.scale.expand(e, o, 1).contiguous())
 
+    def prepare_quantized(self, w: PreparedWeight) -> PreparedWeight:
+        """A checkpoint's e4m3 experts with ``[E, 1, 1]`` or ``[E, O, 1]`` scales -> row scales ``[E, O, 1]``."""
+        e, o, _ = w.data.shape
+        return PreparedWeight(w.data.contiguous(), w.scale.float().reshape(e, -1, 1).expand(e, o, 1).contiguous())
+
     def __call__(self, x_TI, w: PreparedWeight, offsets_E) -> torch.Tensor:
         x, offs = x_TI.to(self.spec.dtype), offsets_E.to(torch.int32)
         if self.per_row:
@@ -148,7 +184,7 @@ class ScaledGroupedMM:
 
 def resolve_grouped(spec: GroupedGemmSpec, caps: Caps, reject):
     if spec.quant in LATER:
-        return reject(f"cuda: quant {spec.quant!r}: {LATER[spec.quant]}")
+        return reject(_later(spec.quant, caps))
     if spec.dtype != torch.bfloat16:
         return reject(f"cuda: grouped GEMM kernels write bf16 only, spec.dtype is {spec.dtype}")
     if spec.quant == "none":

@@ -13,7 +13,7 @@ from __future__ import annotations
 from omni.platforms.common.graphs import GraphApi
 from omni.platforms.common.plugin import DevicePlatform
 
-from . import attention, capabilities, gemm
+from . import attention, capabilities, gemm, moe
 
 
 class CudaPlatform(DevicePlatform):
@@ -21,7 +21,7 @@ class CudaPlatform(DevicePlatform):
 
     name = "cuda"
     graphs = GraphApi(device_type="cuda", graph_class="CUDAGraph", label="cuda-graph")
-    capabilities, attention, gemm = capabilities, attention, gemm  # what the shared hooks call
+    capabilities, attention, gemm, moe = capabilities, attention, gemm, moe  # what the shared hooks call
 
 
 plugin = CudaPlatform()

@@ -124,8 +124,8 @@ BF16, FP16 = torch.bfloat16, torch.float16
 @pytest.mark.parametrize("factory,spec,caps,reason", [
     ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="fp8_row"), A100, ">= 8.9"),
     ("linear", GemmSpec(in_features=40, out_features=64, dtype=BF16, quant="fp8_tensor"), H100, "divisible by 16"),
-    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="nvfp4"), H100, "lands later"),
-    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="mxfp8"), H100, "lands later"),
+    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="nvfp4"), H100, "quant.scheme=nvfp4 needs compute capability 10.0"),
+    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="mxfp8"), H100, "quant.scheme=mxfp8 needs compute capability 10.0"),
     ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="w8a8"), H100, "land later"),
     ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=FP16), H100, "bf16 only"),
     ("grouped", GroupedGemmSpec(num_experts=4, in_features=36, out_features=64, dtype=BF16), H100, "16-byte aligned"),

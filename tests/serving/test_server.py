@@ -60,7 +60,7 @@ def test_images_png_with_timings_and_seeds(served, drained):
     assert image_bytes(r, 0) != image_bytes(r, 1)
     assert png_array(image_bytes(r)).shape == (1024, 1024, 3)
     timings = body["data"][0]["timings"]
-    assert set(timings) == {"queue", "prefill", "denoise", "vae", "encode"}
+    assert set(timings) >= {"queue", "prefill", "denoise", "vae", "encode"}
     assert timings["denoise"] > 0 and timings["encode"] > 0 and body["timings"]["total"] > 0
     again = generate(served.client, n=1, size="1024x1024", guidance_scale=3.0)
     assert image_bytes(again) == image_bytes(r, 0)  # same seed, same image

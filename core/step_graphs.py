@@ -1,0 +1,141 @@
+"""Graph capture of the denoising step's backbone (recipe ``graph.mode: capture``).
+
+A denoising step of a fixed active set does the same work on new numbers:
+the packed image-block embeddings change, while the rope tables, the varlen
+metadata and the KV slots depend only on the rows. So the backbone is
+captured once per *batch signature* (the tuple of the active rows'
+``(prefix_len, token_h, token_w)``) through the platform's graph hook
+(``Platform.graph_runner``), into a static input buffer, and replayed while
+the signature holds:
+
+    key = step_key(states)               # (signature, binding)
+    h_TD = graphs.run(key, x_TD, model.backbone, lambda: (cos, sin, ctx))
+
+``make_args()`` builds the constant arguments (device tables, the attention
+context) outside the capture. When the same signature comes back with other
+KV pages (another request set of the same shapes: the *binding* changed),
+the new slot tables are copied into the captured ones in place (same shapes
+by construction) and the graph is replayed, not re-captured. Graphs are kept
+LRU (``max_graphs``), each in its own memory pool.
+
+Rules the captured region obeys (checked by the GPU test, capture == eager):
+no host sync, no allocation by value; every kernel the model resolved must be
+capturable (attention specs are built with ``capturable=True`` under this
+recipe, which the reference platform refuses). A platform without graphs
+refuses at construction: ``strict`` raises with the platform's reasons (the
+recipe path: startup fails), otherwise the object runs eagerly and keeps the
+reason in ``refusal`` (logged once).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .platform_manager import NoImplementationError, PlatformError
+from .specs import CaptureSpec
+
+log = logging.getLogger("omni.step_graphs")
+
+
+def batch_signature(states) -> tuple:
+    """The active rows' ``(prefix_len, token_h, token_w)``, in packing order."""
+    return tuple((r.seq.prefix_len, r.seq.token_h, r.seq.token_w) for s in states for r in s.rows)
+
+
+def step_key(states) -> tuple:
+    """(signature, binding): the binding (each row's KV pages) says which slots the tables hold."""
+    return batch_signature(states), tuple(tuple(r.pages) for s in states for r in s.rows)
+
+
+def static_tensors(obj) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj`` (tuples, lists, dataclasses, plain objects), in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in static_tensors(item)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in static_tensors(getattr(obj, f.name))]
+    if hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module) and type(obj).__module__.startswith("omni"):
+        return [t for _, v in sorted(vars(obj).items()) for t in static_tensors(v)]
+    return []
+
+
+@dataclass
+class _Entry:
+    runner: object
+    x: torch.Tensor  # static input
+    args: tuple  # static constant arguments (tables, context)
+    out: object  # static outputs
+    binding: tuple
+
+
+class StepGraphs:
+    """Captured step backbones per batch signature (see the module docstring)."""
+
+    def __init__(self, platform, device_type: str, *, max_graphs: int = 4, strict: bool = True, name: str = "denoise_step"):
+        self.platform, self.device_type, self.max_graphs, self.name = platform, device_type, max_graphs, name
+        self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._next_pool = 1
+        self.refusal: str | None = None
+        self.captures = self.replays = self.rebinds = 0
+        try:  # ask once, up front: a platform that cannot capture says why now, not at the first step
+            platform.graph_runner(CaptureSpec(device_type=device_type, name=f"{name}[probe]"))
+        except NoImplementationError as err:
+            if strict:
+                raise PlatformError(f"graph.mode=capture: {err}") from err
+            self.refusal = str(err)
+            log.warning("graph.mode=capture refused, running eagerly: %s", err)
+
+    @property
+    def enabled(self) -> bool:
+        return self.refusal is None
+
+    def run(self, key: tuple, x_TD: torch.Tensor, forward: Callable, make_args: Callable[[], tuple]):
+        """``forward(x_TD, *make_args())``, replayed from the graph of ``key``'s signature."""
+        if not self.enabled:
+            return forward(x_TD, *make_args())
+        signature, binding = key
+        entry = self._graphs.get(signature)
+        if entry is None or tuple(entry.x.shape) != tuple(x_TD.shape) or entry.x.dtype != x_TD.dtype:
+            entry = self._capture(signature, binding, x_TD, forward, make_args)
+        else:
+            self._graphs.move_to_end(signature)
+            if entry.binding != binding:
+                self._rebind(entry, make_args(), binding)
+        entry.x.copy_(x_TD)
+        entry.runner.replay()
+        self.replays += 1
+        return entry.out
+
+    def _capture(self, signature, binding, x_TD, forward, make_args) -> _Entry:
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)  # the graph and its pool go with the entry
+        spec = CaptureSpec(device_type=self.device_type, name=f"{self.name}[{len(signature)} rows, {x_TD.shape[0]} tok]",
+                           pool_id=self._next_pool)
+        self._next_pool += 1
+        runner = self.platform.graph_runner(spec)
+        x, args = x_TD.clone(), make_args()
+        out = runner.capture(lambda: forward(x, *args))
+        entry = self._graphs[signature] = _Entry(runner, x, args, out, binding)
+        self.captures += 1
+        log.info("captured %s", getattr(runner, "name", spec.name))
+        return entry
+
+    def _rebind(self, entry: _Entry, args: tuple, binding: tuple) -> None:
+        """Copy another row set's tables (same signature, same shapes) into the captured ones."""
+        old, new = static_tensors(entry.args), static_tensors(args)
+        if len(old) != len(new) or any(o.shape != n.shape or o.dtype != n.dtype for o, n in zip(old, new)):
+            raise RuntimeError(f"{self.name}: the tables of signature changed shape; capture again")
+        for o, n in zip(old, new):
+            if o.data_ptr() != n.data_ptr():  # shared state (the KV pool itself) is the same tensor
+                o.copy_(n)
+        entry.binding = binding
+        self.rebinds += 1
+
+    def clear(self) -> None:
+        self._graphs.clear()

@@ -1,0 +1,149 @@
+"""The fused MoE of the CUDA platform (``omni_moe_impl``): routed experts in five launches plus the sort.
+
+May assume: tensors live on the worker's CUDA device (the torch kernels also
+run on CPU tensors, which the CPU tests use). Nothing here reads routing on
+the host, so the whole layer is capturable.
+
+    sort        stable sort of the T*k expert ids; group ends by searchsorted (no bincount, no sync)
+    gather      bf16: x[token_R];  fp8: gather + per-row e4m3 quantization in one pass (Triton)
+    GEMM 1      torch._grouped_mm / torch._scaled_grouped_mm over the expert groups -> h [R, 2I] bf16
+    SwiGLU      x1 * silu(x2) (SiLU on the SECOND half), fused with the per-row e4m3 quantization (Triton)
+    GEMM 2      as GEMM 1 -> y [R, D] bf16
+    combine     out[t] = sum_j w[t, j] * y[row of (t, j)], fp32 accumulate, one pass (Triton)
+
+The three memory-bound steps run as Triton kernels when ``triton`` imports
+(``moe_triton.py``), else as torch ops computing the same function
+(``TorchKernels``); ``OMNI_MOE_TRITON=0`` forces the latter. Weights keep
+the grouped-GEMM layouts of ``gemm.py`` (``[E, O, I]`` e4m3 with ``[E, O, 1]``
+fp32 row scales), so a checkpoint's prepared experts are the same either way.
+``fp8_tensor`` (one activation scale per expert group) quantizes after the
+gather with the group scales of ``gemm.group_tensor_scales``; ``fp8_row`` is
+the fast path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from omni import quant
+from omni.moe import combine as torch_combine, sort_by_expert, swiglu as torch_swiglu
+from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight
+
+from .capabilities import Caps
+from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, group_tensor_scales
+
+FP8 = ("fp8_row", "fp8_tensor")
+
+
+class TorchKernels:
+    """The memory-bound steps as plain torch ops (the Triton kernels' definition)."""
+
+    name = "torch"
+
+    def quant_gather(self, x_TD, token_R):
+        xq, s = quant.quantize_fp8(x_TD, per_row=True)  # per-token scales commute with the gather
+        return xq[token_R], s[token_R]
+
+    def swiglu(self, h_R2I, quantize: bool):
+        a = torch_swiglu(h_R2I)
+        return quant.quantize_fp8(a, per_row=True) if quantize else (a, None)
+
+    def combine(self, y_RD, inverse_R, w_Tk, dtype):
+        T, k = w_Tk.shape
+        y_TkD = y_RD[inverse_R].view(T, k, -1).float()
+        return torch.einsum("tkd,tk->td", y_TkD, w_Tk.float()).to(dtype)
+
+
+def memory_kernels(device_type: str = "cuda"):
+    """Triton kernels when usable here, else the torch ones."""
+    if device_type == "cuda" and os.environ.get("OMNI_MOE_TRITON", "1") != "0" \
+            and importlib.util.find_spec("triton") is not None:
+        from .moe_triton import TritonKernels
+
+        return TritonKernels()
+    return TorchKernels()
+
+
+class CudaMoE:
+    """Routed experts over ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` (see the module docstring)."""
+
+    def __init__(self, spec: MoESpec, kernels=None):
+        self.spec, self.kernels = spec, kernels or memory_kernels()
+        kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant)
+        g13 = GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw)
+        g2 = GroupedGemmSpec(in_features=spec.inner, out_features=spec.hidden, **kw)
+        grouped = ScaledGroupedMM if spec.quant in FP8 else GroupedMM
+        self.gemm13, self.gemm2 = grouped(g13), grouped(g2)
+        self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}]"
+
+    def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
+        return PreparedMoE(self.gemm13.prepare_weight(w13_EOI), self.gemm2.prepare_weight(w2_EOI))
+
+    def prepare_quantized_weights(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
+        """Pre-quantized e4m3 experts (reference scale layouts) -> this kernel's row-scale layout."""
+        return PreparedMoE(_row_scales(w13), _row_scales(w2))
+
+    def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE) -> torch.Tensor:
+        E = prepared.w13.data.shape[0]
+        routing = sort_by_expert(topk_ids_Tk, E)
+        offs = routing.offsets_E
+        x = x_TD.to(self.spec.dtype)
+        if self.spec.quant == "fp8_row":
+            xq, xs = self.kernels.quant_gather(x, routing.token_R)
+            h = self._scaled(xq, xs, prepared.w13, offs)
+            aq, as_ = self.kernels.swiglu(h, quantize=True)
+            y = self._scaled(aq, as_, prepared.w2, offs)
+        elif self.spec.quant == "fp8_tensor":
+            h = self._group_quantized(x[routing.token_R], prepared.w13, offs)
+            y = self._group_quantized(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
+        else:
+            h = self._bf16(x[routing.token_R], prepared.w13, offs)
+            y = self._bf16(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
+        inverse_R = torch.empty_like(routing.order_R)
+        inverse_R[routing.order_R] = torch.arange(routing.order_R.numel(), device=x.device)
+        return self.kernels.combine(y, inverse_R, topk_weights_Tk, x_TD.dtype)
+
+    # -- the two GEMMs
+    @staticmethod
+    def _bf16(x_RI, w: PreparedWeight, offs):
+        return torch._grouped_mm(x_RI.contiguous(), w.data.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
+
+    @staticmethod
+    def _scaled(xq_RI, xs_R1, w: PreparedWeight, offs):
+        e, o = w.data.shape[:2]
+        return torch._scaled_grouped_mm(xq_RI, w.data.transpose(-2, -1), xs_R1.reshape(-1), w.scale.view(e, o),
+                                        offs=offs, out_dtype=torch.bfloat16)
+
+    def _group_quantized(self, x_RI, w: PreparedWeight, offs):
+        scale = group_tensor_scales(x_RI, offs, w.data.shape[0])
+        xq = (x_RI.float() / scale).clamp(-quant.FP8_MAX, quant.FP8_MAX).to(torch.float8_e4m3fn)
+        return self._scaled(xq, scale, w, offs)
+
+
+def _row_scales(w: PreparedWeight) -> PreparedWeight:
+    e, o = w.data.shape[:2]
+    return PreparedWeight(w.data.contiguous(), w.scale.float().reshape(e, -1, 1).expand(e, o, 1).contiguous())
+
+
+def resolve_moe(spec: MoESpec, caps: Caps, reject):
+    """The fused MoE when both grouped GEMMs of ``spec`` resolve here; each refusal says why."""
+    if spec.quant in LATER:
+        return reject(_later(spec.quant, caps))
+    if spec.dtype != torch.bfloat16:
+        return reject(f"cuda-moe: the grouped GEMM kernels write bf16 only, spec.dtype is {spec.dtype}")
+    if spec.quant in FP8:
+        if not caps.has_scaled_grouped_mm:
+            return reject("cuda-moe: torch._scaled_grouped_mm is not in this torch")
+        if caps.sm not in ((9, 0), (10, 0)):
+            return reject(f"cuda-moe: torch._scaled_grouped_mm runs on sm90/sm100 only, not {caps.sm_name}")
+        if spec.hidden % 16 or spec.inner % 16:
+            return reject(f"cuda-moe: fp8 grouped GEMMs need hidden and inner divisible by 16, "
+                          f"got {spec.hidden}/{spec.inner}")
+    else:
+        if not caps.has_grouped_mm or caps.sm < (8, 0):
+            return reject(f"cuda-moe: torch._grouped_mm needs a torch that has it and sm80+ ({caps.sm_name})")
+        if spec.hidden % 8 or spec.inner % 8:
+            return reject(f"cuda-moe: torch._grouped_mm needs 16-byte aligned rows, got {spec.hidden}/{spec.inner}")
+    return CudaMoE(spec)

@@ -1,0 +1,118 @@
+"""Triton kernels of the CUDA MoE: the memory-bound steps between the two grouped GEMMs, fused.
+
+May assume: ``triton`` imports (``moe.py`` imports this module only then) and
+every tensor is a contiguous CUDA tensor. One program per row; no host reads.
+
+    quant_gather   x[token_R[r]] -> e4m3 row r and its per-row fp32 scale (gather + dynamic quantization);
+                   ``quant_rows`` is the same without the gather (the dense fp8_row linears' activations)
+    swiglu         h[r] = [x1 | x2] -> x1 * silu(x2), as bf16 or as e4m3 + per-row scale
+    combine        out[t] = sum_j w[t, j] * y[inverse[t*k + j]] (fp32 accumulate)
+
+The quantization is ``omni.quant``'s (absmax / 448, clamp, round to nearest
+e4m3) computed in fp32 from the bf16 inputs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _quant_gather_kernel(x_ptr, token_ptr, q_ptr, s_ptr, D, BLOCK: tl.constexpr, QMAX: tl.constexpr,
+                         GATHER: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    if GATHER:
+        t = tl.load(token_ptr + r).to(tl.int64)
+    else:
+        t = r
+    cols = tl.arange(0, BLOCK)
+    m = cols < D
+    x = tl.load(x_ptr + t * D + cols, mask=m, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-12)
+    q = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
+    tl.store(q_ptr + r * D + cols, q.to(tl.float8e4nv), mask=m)
+    tl.store(s_ptr + r, s)
+
+
+@triton.jit
+def _swiglu_kernel(h_ptr, out_ptr, s_ptr, I, BLOCK: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < I
+    x1 = tl.load(h_ptr + r * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(h_ptr + r * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
+    a = x1 * (x2 * tl.sigmoid(x2))
+    if QUANT:
+        s = tl.maximum(tl.max(tl.abs(a), axis=0) / QMAX, 1e-12)
+        q = tl.minimum(tl.maximum(a / s, -QMAX), QMAX)
+        tl.store(out_ptr + r * I + cols, q.to(tl.float8e4nv), mask=m)
+        tl.store(s_ptr + r, s)
+    else:
+        tl.store(out_ptr + r * I + cols, a.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = d < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        r = tl.load(inv_ptr + t * K + j).to(tl.int64)
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) * w
+    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
+class TritonKernels:
+    name = "triton"
+
+    def quant_gather(self, x_TD: torch.Tensor, token_R: torch.Tensor):
+        x = x_TD.contiguous()
+        R, D = token_R.numel(), x.shape[1]
+        q = torch.empty(R, D, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(R, dtype=torch.float32, device=x.device)
+        if R:
+            block = triton.next_power_of_2(D)
+            _quant_gather_kernel[(R,)](x, token_R, q, s, D, BLOCK=block, QMAX=FP8_MAX, GATHER=True,
+                                       num_warps=_warps(block))
+        return q, s[:, None]
+
+    def quant_rows(self, x_TD: torch.Tensor):
+        """Per-row e4m3 quantization of a 2-D tensor in one pass: ``(q [T, D], scale [T, 1] fp32)``."""
+        x = x_TD.contiguous()
+        T, D = x.shape
+        q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(T, dtype=torch.float32, device=x.device)
+        if T:
+            block = triton.next_power_of_2(D)
+            _quant_gather_kernel[(T,)](x, x, q, s, D, BLOCK=block, QMAX=FP8_MAX, GATHER=False,
+                                       num_warps=_warps(block))
+        return q, s[:, None]
+
+    def swiglu(self, h_R2I: torch.Tensor, quantize: bool):
+        h = h_R2I.contiguous()
+        R, I = h.shape[0], h.shape[1] // 2
+        out = torch.empty(R, I, dtype=torch.float8_e4m3fn if quantize else h.dtype, device=h.device)
+        s = torch.empty(R, dtype=torch.float32, device=h.device)
+        if R:
+            block = triton.next_power_of_2(I)
+            _swiglu_kernel[(R,)](h, out, s, I, BLOCK=block, QUANT=quantize, QMAX=FP8_MAX, num_warps=_warps(block))
+        return (out, s[:, None]) if quantize else (out, None)
+
+    def combine(self, y_RD: torch.Tensor, inverse_R: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype):
+        T, k = w_Tk.shape
+        D = y_RD.shape[1]
+        out = torch.empty(T, D, dtype=dtype, device=y_RD.device)
+        if T:
+            block = 1024
+            _combine_kernel[(T, triton.cdiv(D, block))](y_RD.contiguous(), inverse_R, w_Tk.float().contiguous(), out,
+                                                        D, K=k, BLOCK_D=block, num_warps=4)
+        return out

@@ -1,0 +1,144 @@
+"""The fused CUDA MoE (Triton and torch memory kernels) and the captured denoising step, on a CUDA device.
+
+- ``CudaMoE`` with its Triton kernels == with its torch kernels == the reference MoE, bf16 and fp8_row,
+  at a shape with empty and busy experts; and the layer captures into a CUDA graph (no host sync).
+- A small HunyuanImage-3 transformer (released structure, narrow widths) on the prefix-KV step:
+  ``StepGraphs`` replay == the eager backbone, for a new input, and again after rebinding to other
+  KV pages of the same signature.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from omni.specs import MoESpec
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.version.hip is not None, reason="cuda: this torch is a ROCm build"),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")]
+
+
+@pytest.fixture(scope="module")
+def platform():
+    from omni import platform_manager
+
+    p = platform_manager.select("cuda")
+    p.device_services(0)
+    return p
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8_row", "fp8_tensor"])
+def test_fused_moe_triton_torch_reference_agree(platform, quant, capsys):
+    from omni.platform_manager import select
+    from omni.platforms.cuda.moe import CudaMoE, TorchKernels, memory_kernels
+
+    E, k, D, inner, T = 16, 4, 512, 256, 777
+    spec = MoESpec(num_experts=E, topk=k, hidden=D, inner=inner, dtype=torch.bfloat16, quant=quant)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, D, generator=g).bfloat16().cuda()
+    logits = torch.randn(T, E, generator=g)
+    logits[:, 3] += 4.0  # a busy expert
+    logits[:, 7:9] -= 100.0  # two empty ones
+    w, ids = torch.softmax(logits, -1).topk(k, -1)
+    w, ids = (w / w.sum(-1, keepdim=True)).cuda(), ids.cuda()
+    w13 = (torch.randn(E, 2 * inner, D, generator=g) / math.sqrt(D)).bfloat16().cuda()
+    w2 = (torch.randn(E, D, inner, generator=g) / math.sqrt(inner)).bfloat16().cuda()
+
+    fused = platform.moe(spec)
+    assert fused.name.startswith("cuda-fused-moe"), fused.name
+    torchk = CudaMoE(spec, kernels=TorchKernels())
+    ref = select("cpu").moe(spec)
+    y_fused = fused(x, w, ids, fused.prepare_weights(w13, w2))
+    y_torch = torchk(x, w, ids, torchk.prepare_weights(w13, w2))
+    y_ref = ref(x.cpu(), w.cpu(), ids.cpu(), ref.prepare_weights(w13.cpu(), w2.cpu()))
+    e_ft, e_fr = _rel(y_fused, y_torch), _rel(y_fused.cpu(), y_ref)
+    with capsys.disabled():
+        print(f"\n[moe {quant}] {fused.name}: vs torch kernels {e_ft:.2e}, vs reference {e_fr:.2e} "
+              f"({type(memory_kernels()).__name__})")
+    assert e_ft < (2e-2 if quant != "none" else 5e-3) and e_fr < (3e-2 if quant != "none" else 1e-2)
+
+    prepared = fused.prepare_weights(w13, w2)
+    graph = torch.cuda.CUDAGraph()
+    static_x = x.clone()
+    fused(static_x, w, ids, prepared)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        y_static = fused(static_x, w, ids, prepared)
+    static_x.copy_(torch.randn(T, D, generator=g).bfloat16().cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel(y_static, fused(static_x, w, ids, prepared)) < 1e-3
+
+
+def _small_cfg():
+    from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
+    from omni.models.hunyuan_image3.config import HunyuanImage3Config
+
+    cfg = HunyuanImage3Config.from_file(ensure_tiny_checkpoint() / "config.json")
+    L = cfg.num_hidden_layers
+    return dataclasses.replace(cfg, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                               attention_head_dim=64, num_experts=8, moe_topk=(2,) * L,
+                               moe_intermediate_size=(128,) * L, num_shared_expert=(1,) * L)
+
+
+@pytest.mark.parametrize("quant", ["none", "fp8_row"])
+def test_captured_step_equals_eager(platform, quant, capsys):
+    import sys
+    from pathlib import Path
+
+    from omni.kv_pool import KVPool, PoolContext, Run
+    from omni.step_graphs import StepGraphs
+    from omni.models.hunyuan_image3.rope import rope_cos_sin
+    from omni.models.hunyuan_image3.sequence import rope_positions
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from random_fullsize import random_init_
+
+    cfg = _small_cfg()
+    with torch.device("cuda"):
+        model = HunyuanImage3Transformer(cfg, platform, dtype=torch.bfloat16, quant=quant, capturable=True)
+    random_init_(model)
+    model.finalize()
+    P, th, tw, rows = 37, 8, 12, 2
+    n = 1 + th * tw
+    pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=16, page_size=64, num_kv_heads=cfg.num_key_value_heads,
+                  head_dim=cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    pos = torch.tensor(rope_positions(P + n + 1, P + 1, th, tw), device="cuda")
+    cos, sin = (t.to(torch.bfloat16) for t in rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta))
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rows_pages():
+        pages = [tuple(pool.allocate(P + n)) for _ in range(rows)]
+        with torch.inference_mode():  # prefill both rows' prefixes
+            ctx = PoolContext(pool, [Run(p, 0, P, P) for p in pages], "causal", False, "cuda")
+            model.backbone(torch.randn(rows * P, cfg.hidden_size, device="cuda", generator=g).bfloat16(),
+                           cos[:P].repeat(rows, 1), sin[:P].repeat(rows, 1), ctx)
+        return pages
+
+    def args(pages):
+        runs = [r for p in pages for r in (Run(p, P, P + 1, P + 1), Run(p, P + 1, P + n, P + n))]
+        return cos[P:P + n].repeat(rows, 1), sin[P:P + n].repeat(rows, 1), PoolContext(pool, runs, "none", False, "cuda")
+
+    graphs = StepGraphs(platform, "cuda")
+    sig = ((P, th, tw),) * rows
+    errs = []
+    with torch.inference_mode():
+        for pages in (rows_pages(), rows_pages()):  # the second set: same signature, other pages (rebind)
+            for _ in range(2):
+                x = torch.randn(rows * n, cfg.hidden_size, device="cuda", generator=g).bfloat16()
+                got = graphs.run((sig, tuple(pages)), x, model.backbone, lambda: args(pages)).clone()
+                want = model.backbone(x, *args(pages))
+                errs.append(_rel(got, want))
+    with capsys.disabled():
+        print(f"\n[step graph {quant}] captures {graphs.captures}, rebinds {graphs.rebinds}, replays "
+              f"{graphs.replays}; replay vs eager rel err {max(errs):.2e}")
+    assert graphs.captures == 1 and graphs.rebinds == 1 and graphs.replays == 4
+    assert max(errs) < 1e-3
