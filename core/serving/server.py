@@ -61,7 +61,7 @@ def serve_main(args, recipe) -> int:
     platform = select(args.platform or recipe.platform, trace=getattr(args, "trace", False))
     host = getattr(args, "host", None) or recipe.serving.host
     port = getattr(args, "port", None) or recipe.serving.port
-    engine = build_engine(recipe, platform, model_path=getattr(args, "model", None))
+    engine = _engine_for(args, recipe, platform)
     options = ServingOptions.from_recipe(recipe, model_id=model_id_for(recipe, getattr(args, "model", None)),
                                          api_key=getattr(args, "api_key", None))
     server = _Server(uvicorn.Config(create_app(engine, options), host=host, port=port, log_level="info",
@@ -83,6 +83,17 @@ def serve_main(args, recipe) -> int:
         log.error("the engine failed: %s: %s", type(engine.error).__name__, engine.error)
         return 1
     return 0
+
+
+def _engine_for(args, recipe, platform):
+    """One in-process engine, or (world size > 1) the router over launched multi-rank replicas."""
+    if recipe.parallel.world_size == 1:
+        return build_engine(recipe, platform, model_path=getattr(args, "model", None))
+    from omni.parallel.dp import start_replicas
+
+    log.info("launching %d ranks for %s", recipe.parallel.world_size, recipe.name)
+    return start_replicas(getattr(args, "recipe", None) or recipe.name, platform=platform.name,
+                          model_path=getattr(args, "model", None))
 
 
 def _watch(engine: EngineLoop, callback) -> None:
