@@ -1,0 +1,133 @@
+"""Memory and step saving at full size: layer offload, VAE decode (tiled or not), step cache.
+
+Released shapes with random weights (``--layers`` of 32 decoder layers).
+  offload:    one 1024x1024 CFG step resident vs with the layers streamed
+              from pinned host memory (``--window`` slots); the transfer bound
+              is offloaded bytes / measured host-to-device bandwidth, and
+              overlap efficiency = transfer bound / offloaded step time.
+  vae:        released VAE decode at 1024 and 2048 px, untiled and tiled.
+  step cache: steps computed vs skipped and the final-latent relative
+              difference to no cache, per threshold.
+
+    python bench/bench_memory.py --platform cuda --layers 4 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_model import build_random_pipeline  # noqa: E402
+
+from omni.offload import LayerOffloader  # noqa: E402
+from omni.platform_manager import select  # noqa: E402
+from omni.recipe import load_recipe  # noqa: E402
+from omni.request import ImageRequest  # noqa: E402
+
+
+def timed(dev, fn, repeat: int = 3) -> float:
+    fn()
+    dev.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    dev.synchronize()
+    return (time.perf_counter() - t0) / repeat
+
+
+def h2d_bandwidth(dev) -> float:
+    src = dev.pin(torch.empty(1 << 30, dtype=torch.uint8))
+    dst = torch.empty_like(src, device=dev.device)
+    return src.numel() / timed(dev, lambda: dst.copy_(src, non_blocking=True))
+
+
+def request(steps: int, cache: float = 0.0) -> ImageRequest:
+    return ImageRequest(prompt="a red cat on green grass", steps=steps, seed=1, step_cache=cache)
+
+
+def bench_offload(pipe, dev, window: int) -> dict:
+    s = pipe.admit(request(50))
+    pipe.prefill([s])
+    step = lambda: pipe.denoise_step([s]) if s.step < 45 else None  # noqa: E731
+    resident = timed(dev, step)
+    dev.reset_peak_memory()
+    off = LayerOffloader(list(pipe.model.model.layers), dev, window=window)
+    dev.empty_cache()
+    offloaded = timed(dev, step)
+    bw = h2d_bandwidth(dev)
+    bound = off.host_bytes / bw
+    pipe.release(s)
+    return {"resident_step_s": resident, "offloaded_step_s": offloaded, "window": window,
+            "offloaded_gib": off.host_bytes / 2**30, "h2d_gib_s": bw / 2**30, "transfer_bound_s": bound,
+            "overlap_efficiency": bound / offloaded, "slowdown": offloaded / resident,
+            "peak_mem_gib_offloaded": dev.max_memory_allocated() / 2**30}
+
+
+def bench_vae(pipe, dev) -> dict:
+    from omni.vae_tiling import tiled_decode
+
+    out = {}
+    vae, dt = pipe.vae, torch.bfloat16
+    for px in (1024, 2048):
+        z = torch.randn(1, vae.cfg.latent_channels, px // 16, px // 16, device=dev.device)
+        dev.reset_peak_memory()
+        out[f"decode_{px}_s"] = timed(dev, lambda: vae.decode_image(z, dtype=dt), repeat=2)
+        out[f"decode_{px}_peak_gib"] = dev.max_memory_allocated() / 2**30
+        dev.reset_peak_memory()
+        out[f"tiled_{px}_s"] = timed(dev, lambda: tiled_decode(lambda t: vae.decode_image(t, dtype=dt), z,
+                                                               tile=32, overlap=8, factor=16), repeat=2)
+        out[f"tiled_{px}_peak_gib"] = dev.max_memory_allocated() / 2**30
+    return out
+
+
+def bench_step_cache(pipe, dev, steps: int) -> list[dict]:
+    def run(cache):
+        s = pipe.admit(request(steps, cache))
+        pipe.prefill([s])
+        dev.synchronize()
+        t0 = time.perf_counter()
+        while not s.done:
+            pipe.denoise_step([s])
+        dev.synchronize()
+        pipe.release(s)
+        return s, time.perf_counter() - t0
+
+    base, t_base = run(0.0)
+    rows = []
+    for thr in (0.05, 0.1, 0.2, 0.4):
+        s, t = run(thr)
+        rel = ((s.latents_1Chw - base.latents_1Chw).norm() / base.latents_1Chw.norm()).item()
+        rows.append({"threshold": thr, "skipped": s.cache.skipped, "steps": steps, "time_s": t,
+                     "speedup": t_base / t, "final_latent_rel_diff": rel})
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--platform", default="cuda")
+    p.add_argument("--recipe", default="h200_fp8")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--window", type=int, default=2)
+    p.add_argument("--cache-steps", type=int, default=20)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    platform = select(a.platform)
+    recipe = load_recipe(a.recipe).replace_paths({"quant.scheme": "none", "graph.mode": "eager"})
+    pipe = build_random_pipeline(recipe, platform, num_layers=a.layers)
+    dev = platform.device_services(0)
+    out = {"platform": platform.name, "device": platform.info.device_name, "layers": a.layers,
+           "step_cache": bench_step_cache(pipe, dev, a.cache_steps), "vae": bench_vae(pipe, dev),
+           "offload": bench_offload(pipe, dev, a.window)}
+    print(json.dumps(out, indent=2))
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
