@@ -28,6 +28,7 @@ import logging
 import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from .recipe import GiB, TINY_FLAVOR, Recipe, RecipeError, apply_patches, list_recipes, load_recipe, parse_size, \
     schema_rows, unmet_requirement
@@ -44,6 +45,7 @@ examples:
   omni-run recipes --platform cpu            ... and check each against the cpu platform
   omni-run recipes --check my.yaml           validate one recipe file (exit 2 with the reason if bad)
   omni-run recipes --schema                  every recipe key with allowed values and default
+  omni-run recipes --docs                    regenerate docs/recipes/ (pages with memory estimates)
   omni-run generate --prompt "a red fox" -o fox.png
                                              one image with the embedded tiny model on the CPU
   omni-run generate --recipe h200_fp8 --model /ckpt/HunyuanImage-3 --prompt "a red fox" --trace
@@ -117,12 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "recipes", "list and validate recipes",
                  "examples:\n  omni-run recipes\n  omni-run recipes --platform cuda\n"
-                 "  omni-run recipes --check my.yaml\n  omni-run recipes --schema")
+                 "  omni-run recipes --check my.yaml\n  omni-run recipes --schema\n  omni-run recipes --docs")
     _common(p, top=False)
     p.add_argument("--platform", metavar="NAME", default=argparse.SUPPRESS,
                    help="also check recipes for this platform against it (others are listed as skipped)")
     p.add_argument("--check", metavar="FILE", help="validate one recipe file; prints 'ok: NAME' or the reason")
     p.add_argument("--schema", action="store_true", help="print every recipe key, its allowed values and default")
+    p.add_argument("--docs", metavar="DIR", nargs="?", const="",
+                   help="regenerate the recipe docs (default DIR: docs/recipes of this checkout)")
 
     p = _command(sub, "generate", "generate one image",
                  'examples:\n  omni-run generate --prompt "a red fox in snow" --seed 1 -o fox.png\n'
@@ -185,21 +189,23 @@ def cmd_recipes(args) -> int:
     if args.schema:
         print(_table(("KEY", "ALLOWED", "DEFAULT", "MEANING"), schema_rows()))
         return EXIT_OK
+    if args.docs is not None:
+        return _write_docs(args.docs)
     name = getattr(args, "platform", None)
-    platform = _usable_platform(name, args.trace) if name else None
+    platform, absent = _usable_platform(name, args.trace) if name else (None, "")
     if args.check:
         recipe = load_recipe(args.check)
         if name and recipe.platform not in ("auto", name):
             raise UsageError(f"recipe {recipe.name} is for platform {recipe.platform}, not {name}")
         if platform is not None:
             _check_on(recipe, platform)
-        print(f"ok: {recipe.name}")
+        print(f"ok: {recipe.name}" + (f" ({_not_checked(name, absent)})" if name and platform is None else ""))
         return EXIT_OK
     rows, status = [], EXIT_OK
-    for recipe_name in list_recipes():
+    for recipe_name in list_recipes():  # every file is schema-validated, whatever the platform
         try:
             recipe = load_recipe(recipe_name)
-            verdict = _verdict(recipe, name, platform)
+            verdict = _verdict(recipe, name, platform, absent)
         except (RecipeError, UsageError) as e:
             rows.append((recipe_name, "-", "-", f"error: {e}", ""))
             status = EXIT_USAGE
@@ -211,28 +217,44 @@ def cmd_recipes(args) -> int:
 
 
 def _usable_platform(name: str, trace: bool):
-    """The selected Platform, or None (with a note) when it is installed but not usable here."""
-    from .platform_manager import PlatformError, discover, select
+    """``(Platform, "")``, or ``(None, reason)`` when the platform is installed but not present here."""
+    from .platform_manager import detect, discover, select
 
     installed = discover()
     if name not in installed:
         raise UsageError(f"unknown platform {name!r}; installed: {', '.join(sorted(installed))}")
-    try:
-        return select(name, trace=trace)
-    except PlatformError as e:
-        print(f"note: {e}; recipes are only loaded, not checked on {name}")
-        return None
+    found = detect(name, installed[name])
+    if found.info is None:
+        reason = "; ".join(found.reasons) or "no reason given"
+        print(f"note: platform {name} is not present here ({reason}); its recipes are validated against "
+              f"the schema only -- run this on a machine with {name} to check them against the platform")
+        return None, reason
+    return select(name, trace=trace), ""
 
 
-def _verdict(recipe: Recipe, name: str | None, platform) -> str:
+def _not_checked(name: str, reason: str) -> str:
+    return f"not checked: platform {name} not present here ({reason})"
+
+
+def _verdict(recipe: Recipe, name: str | None, platform, absent: str = "") -> str:
     if name is None:
         return "ok"
     if recipe.platform not in ("auto", name):
         return f"skipped (platform {recipe.platform})"
     if platform is None:
-        return f"ok (loaded; {name} not usable here)"
+        return f"ok (schema); {_not_checked(name, absent)}"
     _check_on(recipe, platform)
     return f"ok (checked on {name})"
+
+
+def _write_docs(folder: str) -> int:
+    from .recipe_docs import REPO_DOCS, write_docs
+
+    if not folder and not REPO_DOCS.parent.is_dir():
+        raise UsageError(f"no docs folder at {REPO_DOCS.parent} (not a source checkout); pass --docs DIR")
+    out = Path(folder) if folder else REPO_DOCS
+    print(f"wrote {len(write_docs(out))} pages to {out}")
+    return EXIT_OK
 
 
 def _check_on(recipe: Recipe, platform) -> Recipe:

@@ -23,7 +23,7 @@ CLI_SURFACE = {
     "": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe", "--trace",
          "--version", "-h"],
     "platforms": ["--help", "--log-level", "--trace", "-h"],
-    "recipes": ["--check", "--help", "--log-level", "--platform", "--schema", "--trace", "-h"],
+    "recipes": ["--check", "--docs", "--help", "--log-level", "--platform", "--schema", "--trace", "-h"],
     "generate": ["--guidance", "--help", "--log-level", "--model", "--negative-prompt", "--output", "--platform",
                  "--prompt", "--recipe", "--seed", "--size", "--steps", "--trace", "-h", "-o"],
     "serve": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe",

@@ -136,4 +136,5 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
                                 offloaders=offloaders)
     if recipe.graph.mode == "capture":  # refused here, with the platform's reasons, where it cannot capture
         pipe.step_graphs = StepGraphs(platform, services.device.type)
+        pipe.vae_graphs = StepGraphs(platform, services.device.type, name="vae_decode", max_graphs=2)
     return pipe

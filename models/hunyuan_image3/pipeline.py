@@ -73,6 +73,7 @@ class HunyuanImage3Pipeline:
     """Owns the model, VAE, tokenizer and KV pool of one worker; no scheduling policy."""
 
     step_graphs = None  # an omni.step_graphs.StepGraphs under graph.mode: capture (set by build_pipeline)
+    vae_graphs = None  # the same for VAE decodes, keyed by the latent (tile) shape
 
     def __init__(self, *, model, vae, tokenizer, config, pool: KVPool, device, paged: bool,
                  vae_dtype: torch.dtype = torch.float32, parallel=None, step_cache: float = 0.0,
@@ -222,16 +223,16 @@ class HunyuanImage3Pipeline:
     # ---------------------------------------------------------------- output
     @torch.inference_mode()
     def decode(self, s: RequestState) -> torch.Tensor:
-        """Latents -> uint8 ``[H, W, 3]`` on the host (converted on the device first)."""
+        """Latents -> uint8 ``[H, W, 3]`` on the host (quantized to uint8 on the device, laid out on the host)."""
         t0 = time.perf_counter()
         x_13HW = self._decode_latents(s.latents_1Chw)
         img = ((x_13HW[0] / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        out = img.permute(1, 2, 0).contiguous().cpu()
+        out = img.cpu().permute(1, 2, 0).contiguous()  # move 1 byte/pixel, then lay out HWC on the host
         s.times.vae += time.perf_counter() - t0
         return out
 
     def _decode_latents(self, z_1Chw: torch.Tensor) -> torch.Tensor:
-        decode = lambda z: self.vae.decode_image(z, dtype=self.vae_dtype)  # noqa: E731
+        decode = self._vae_decoder()
         if self.vae_tiles is None:
             return decode(z_1Chw)
         tile, overlap = self.vae_tiles
@@ -239,3 +240,14 @@ class HunyuanImage3Pipeline:
         if self.parallel is None:
             return tiled_decode(decode, z_1Chw, tile=tile, overlap=overlap, factor=factor)
         return self.parallel.tiled_decode(decode, z_1Chw, tile=tile, overlap=overlap, factor=factor)
+
+    def _vae_decoder(self):
+        """latents -> pixels; replayed from a graph per latent shape under graph.mode: capture.
+
+        A replay returns the graph's static output, which the next replay
+        overwrites: callers consume it (blend a tile, quantize) before that.
+        """
+        eager = lambda z: self.vae.decode_image(z, dtype=self.vae_dtype)  # noqa: E731
+        if self.vae_graphs is None:
+            return eager
+        return lambda z: self.vae_graphs.run(((tuple(z.shape),), ()), z, eager, lambda: ())
