@@ -80,7 +80,8 @@ class ReferenceAttention:
         outs = [self._one(b, q_TNH, k, v, meta) for b in range(meta.num_seqs)]
         return torch.cat(outs) if outs else q_TNH.new_empty(q_TNH.shape)
 
-    def _one(self, b: int, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+    def _sequence(self, b: int, q_TNH, k, v, meta: VarlenMeta):
+        """Query run ``b``, its keys and values (from the pool when paged) and its mask."""
         q0, q1 = meta.cu_seqlens_q_host[b], meta.cu_seqlens_q_host[b + 1]
         if self.spec.paged:
             pages, n = meta.block_table_BP[b].tolist(), int(meta.seqused_k_B[b])
@@ -89,26 +90,17 @@ class ReferenceAttention:
             k0, k1 = meta.cu_seqlens_k_host[b], meta.cu_seqlens_k_host[b + 1]
             kb, vb = k[k0:k1], v[k0:k1]
         mask = causal_mask(q1 - q0, kb.shape[0], q_TNH.device) if self.spec.mask == "causal" else None
-        return sdpa_TNH(q_TNH[q0:q1], kb, vb, mask, self.scale)
+        return q_TNH[q0:q1], kb, vb, mask
+
+    def _one(self, b: int, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        return sdpa_TNH(*self._sequence(b, q_TNH, k, v, meta), self.scale)
 
     def _with_lse(self, q_TNH, k, v, meta: VarlenMeta):
         """``(o_TNH, lse_TN)``; dense masks only over the packed tokens, else per sequence."""
         if self.spec.mask == "dense":
             return attention_lse_TNH(q_TNH, k, v, meta.mask_TS, self.scale)
-        outs, lses = [], []
-        for b in range(meta.num_seqs):
-            q0, q1 = meta.cu_seqlens_q_host[b], meta.cu_seqlens_q_host[b + 1]
-            if self.spec.paged:
-                pages, n = meta.block_table_BP[b].tolist(), int(meta.seqused_k_B[b])
-                kb, vb = paged_keys(k, pages, n), paged_keys(v, pages, n)
-            else:
-                k0, k1 = meta.cu_seqlens_k_host[b], meta.cu_seqlens_k_host[b + 1]
-                kb, vb = k[k0:k1], v[k0:k1]
-            mask = causal_mask(q1 - q0, kb.shape[0], q_TNH.device) if self.spec.mask == "causal" else None
-            o, lse = attention_lse_TNH(q_TNH[q0:q1], kb, vb, mask, self.scale)
-            outs.append(o)
-            lses.append(lse)
-        return torch.cat(outs), torch.cat(lses)
+        pairs = [attention_lse_TNH(*self._sequence(b, q_TNH, k, v, meta), self.scale) for b in range(meta.num_seqs)]
+        return torch.cat([o for o, _ in pairs]), torch.cat([lse for _, lse in pairs])
 
 
 def _zero_unseen(o_TNH: torch.Tensor, mask_TS: torch.Tensor | None) -> torch.Tensor:
