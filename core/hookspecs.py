@@ -71,7 +71,7 @@ def omni_platform_detect(reject: Reject) -> PlatformInfo | None:
 
     Result: a ``PlatformInfo`` when the device and the vendor runtime are
     usable, else None after ``reject("why")`` (e.g. "torch_npu not importable",
-    "torch.version.hip is None").
+    "this torch is not a ROCm build").
 
     Args: ``reject`` collects the reason shown to the user.
 
