@@ -42,6 +42,7 @@ class Row:
 
     seq: T2ISequence
     pages: list[int]
+    block_rope: tuple | None = None  # (cos_TH, sin_TH) of the step block, built once on the device
 
     @property
     def block_len(self) -> int:  # <timestep> + image tokens
@@ -180,11 +181,12 @@ class HunyuanImage3Pipeline:
         if not blocks:
             return None
         x_TD = torch.cat([b[0] for b in blocks])
-        pos, runs = [p for b in blocks for p in b[1]], [r for b in blocks for r in b[2]]
+        ropes, runs = [t for b in blocks for t in b[1]], [r for b in blocks for r in b[2]]
+        cos_TH, sin_TH = torch.cat([c for c, _ in ropes]), torch.cat([s for _, s in ropes])
         if self.step_graphs is not None:  # graph.mode: capture: replay the graph of this batch signature
-            return self.step_graphs.run(key, x_TD, self.model.backbone, lambda: (*self._rope(pos), PoolContext(
+            return self.step_graphs.run(key, x_TD, self.model.backbone, lambda: (cos_TH, sin_TH, PoolContext(
                 self.pool, runs, mask="none", paged=self.paged, device=self.device)))
-        return self._backbone(x_TD, *self._rope(pos), runs, "none")
+        return self._backbone(x_TD, cos_TH, sin_TH, runs, "none")
 
     def _backbone(self, x_TD, cos_TH, sin_TH, runs: list[Run], mask: str) -> torch.Tensor:
         """The decoder over one packed forward whose attention reads and writes the KV pool."""
@@ -195,17 +197,19 @@ class HunyuanImage3Pipeline:
         return self.model.backbone(x_TD, cos_TH, sin_TH, ctx)
 
     def _block(self, s: RequestState):
-        """This request's packed step input: (x_TD over its rows, rope positions, runs)."""
+        """This request's packed step input: (x_TD over its rows, per-row rope tables, runs)."""
         t_1 = torch.full((1,), s.t, dtype=torch.float32, device=self.device)
         img_1LD = self.model.image_tokens(s.latents_1Chw.to(self.model_dtype), t_1)
         ts_1D = self.model.timestep_token(t_1).to(self.model_dtype)
-        x_parts, pos, runs = [], [], []
+        x_parts, ropes, runs = [], [], []
         for r in s.rows:
             p, n = r.seq.prefix_len, r.block_len
+            if r.block_rope is None:  # positions never change: build the tables once per request
+                r.block_rope = self._rope(r.seq.pos_yx[p: p + n])
             x_parts += [ts_1D, img_1LD[0]]
-            pos += r.seq.pos_yx[p: p + n]
+            ropes.append(r.block_rope)
             runs += [Run(tuple(r.pages), p, p + 1, p + 1), Run(tuple(r.pages), p + 1, p + n, p + n)]
-        return torch.cat(x_parts), pos, runs
+        return torch.cat(x_parts), ropes, runs
 
     def _velocity(self, s: RequestState, h_TD: torch.Tensor) -> torch.Tensor:
         """The velocity of each of ``s``'s rows here, ``[rows, C, h, w]`` fp32."""
