@@ -251,3 +251,14 @@ def test_cuda_flex_masks_on_cpu_tensors(mask, gqa):
     q, k, v, meta = make_attention_case(spec, "q<k", "cpu", seed=3)
     torch.testing.assert_close(impl(q, k, v, meta).float(), naive_attention(spec, q, k, v, meta).float(),
                                **TOL[spec.dtype])
+
+
+def test_cuda_refuses_lse_attention_so_the_reference_answers():
+    """Ring attention needs the log-sum-exp; cuda declines with a reason instead of returning a kernel without it."""
+    from omni.platforms.cuda.attention import resolve
+    from omni.specs import AttentionSpec
+
+    reasons = []
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, return_lse=True)
+    assert resolve(spec, None, reasons.append) is None
+    assert reasons and "log-sum-exp" in reasons[0]
