@@ -34,10 +34,15 @@ def first_fit(platform: str, spec: AttentionSpec, caps, reject: Reject, builders
               auto: Sequence[str]):
     """The first backend of ``auto`` (or the one ``spec.backend`` names) that fits ``spec``.
 
+    Specs asking for the log-sum-exp output are declined here, for every
+    platform at once, until a builder can return it.
+
     The answer carries ``skipped``: why faster backends were passed over, for
     the trace. When none fits, every reason goes to ``reject`` prefixed with
     ``platform``, and the result is None.
     """
+    if spec.return_lse:  # ring attention merges partial results with it; no platform kernel returns it yet
+        return reject(f"{platform}: attention with a log-sum-exp output is not wired yet; the reference serves it")
     if spec.backend == "auto":
         order = tuple(auto)
     elif spec.backend in builders:

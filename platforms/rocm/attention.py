@@ -87,7 +87,5 @@ BUILDERS = {"aiter": build_aiter, "sdpa": build_sdpa}
 
 def resolve(spec: AttentionSpec, caps: RocmCaps, reject, builders=BUILDERS):
     """First backend that fits; a named ``spec.backend`` is the only one tried."""
-    if spec.return_lse:  # ring attention merges partial results with it
-        return reject("rocm: attention with a log-sum-exp output is not wired yet; the reference serves it")
     auto = ("sdpa",) if spec.mask == "dense" else ("aiter", "sdpa")
     return first_fit("rocm", spec, caps, reject, builders, auto)
