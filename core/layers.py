@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from . import quant as quant_math
-from .specs import GemmSpec, GroupedGemmSpec, PreparedMoE, PreparedWeight
+from .specs import GemmSpec, GroupedGemmSpec, PreparedWeight
 
 FP8_SCHEMES = ("fp8_row", "fp8_tensor")
 

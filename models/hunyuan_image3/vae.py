@@ -19,7 +19,6 @@ h/w latent rows/cols, N flattened positions (T*h*w).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 

@@ -28,7 +28,7 @@ import os
 import torch
 
 from omni import quant
-from omni.moe import combine as torch_combine, sort_by_expert, swiglu as torch_swiglu
+from omni.moe import sort_by_expert, swiglu as torch_swiglu
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight
 
 from .capabilities import Caps
