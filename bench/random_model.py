@@ -29,12 +29,15 @@ from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig  # noq
 
 
 def build_random_pipeline(recipe, platform, *, num_layers: int, local_rank: int = 0,
-                          seed: int = 0) -> HunyuanImage3Pipeline:
-    """The released shapes with ``num_layers`` layers and random weights, set up as ``recipe`` says."""
+                          seed: int = 0, model=None) -> HunyuanImage3Pipeline:
+    """The released shapes with ``num_layers`` layers and random weights, set up as ``recipe`` says.
+
+    ``model``: a transformer built already (``build_random_model_layerwise``); else one is built here.
+    """
     services = platform.device_services(local_rank)
     device, dtype, paged = services.device, DTYPES[recipe.model.dtype], recipe.kv_cache.mode == "paged"
-    model = build_random_model(num_layers, platform, dtype=dtype, quant=recipe.quant.scheme, paged=paged,
-                               page_size=recipe.kv_cache.page_tokens, device=device)
+    model = model or build_random_model(num_layers, platform, dtype=dtype, quant=recipe.quant.scheme, paged=paged,
+                                        page_size=recipe.kv_cache.page_tokens, device=device)
     cfg = model.cfg
     with torch.device(device):
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae)).eval()

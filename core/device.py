@@ -61,8 +61,23 @@ class DeviceServices:
                 "reserved_bytes": self._mod.memory_reserved(self.device),
                 "peak_bytes": self._mod.max_memory_allocated(self.device)}
 
+    def limit_memory(self, limit_bytes: int) -> float:
+        """Cap this process's allocator at ``limit_bytes`` (beyond it allocations fail); returns the fraction set."""
+        setter = getattr(self._mod, "set_per_process_memory_fraction", None)
+        if self.device_type == "cpu" or setter is None:
+            raise RuntimeError(f"device.memory_limit_gib: torch.{self.device_type} cannot cap its memory "
+                               "(no set_per_process_memory_fraction); set device.memory_limit_gib: 0")
+        total = self._mod.get_device_properties(self.device).total_memory
+        fraction = min(1.0, limit_bytes / total)
+        setter(fraction, self.device)
+        return fraction
+
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.device_type == "cpu" else t.pin_memory()
+        """A page-locked host copy of ``t`` (wherever it lives), allocated once and filled by one copy."""
+        if self.device_type == "cpu":
+            return t.to("cpu")
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t)
 
     def empty_cache(self) -> None:
         if self.device_type != "cpu":

@@ -147,8 +147,8 @@ def declare_prequantized(model: nn.Module) -> int:
 def finalize_all(model: nn.Module) -> None:
     """Call ``finalize()`` on every kernel-backed module after weights are loaded (MoE owners first)."""
     for m in model.modules():
-        if isinstance(m, KernelOwner):
-            m.finalize()
+        if isinstance(m, KernelOwner) and any(c.prepared is None for c in m.children() if isinstance(c, GroupedLinear)):
+            m.finalize()  # once: a part finalized before (a layer built on its own) is left as it is
     for m in model.modules():
         if isinstance(m, (Linear, GroupedLinear)) and m.prepared is None:
             m.finalize()

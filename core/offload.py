@@ -66,7 +66,7 @@ class LayerOffloader:
         """Move the block's kept tensors to (pinned) host memory; the module points at them meanwhile."""
         host = {}
         for name, t in _tensors(block, keep):
-            host[name] = self.services.pin(t.data.to("cpu"))
+            host[name] = self.services.pin(t.data)  # straight into page-locked memory: no pageable copy
             t.data = host[name]
         return host
 

@@ -328,6 +328,13 @@ class Device(_Validated):
                       rule=_at_least(1))
     memory_gib: float = _opt(0.0, "minimum memory per device in GiB as the runtime reports it; 0 = not stated",
                              rule=_at_least(0), parse=_parse_float)
+    memory_limit_gib: float = _opt(0.0, "cap on this process's device memory in GiB (a share of a card); allocations "
+                                        "beyond it fail; 0 = no cap", rule=_at_least(0), parse=_parse_float)
+
+    def _rules(self) -> None:
+        if self.memory_limit_gib and self.memory_gib and self.memory_limit_gib > self.memory_gib:
+            raise RecipeError(f"must be <= device.memory_gib ({self.memory_gib:g}), got {self.memory_limit_gib:g}",
+                              "memory_limit_gib")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -430,10 +437,15 @@ class Vae(_Validated):
     tiling: bool = _opt(False, "decode in overlapping latent tiles to bound memory")
     tile_latents: int = _opt(32, "tile side in latent pixels", rule=_at_least(1))
     overlap: int = _opt(8, "overlap between tiles in latent pixels, blended; < tile_latents", rule=_at_least(0))
+    streams: int = _opt(1, "tiles decoded at once on this many device streams (each holds one tile's activations); "
+                           "needs tiling", rule=_at_least(1))
 
     def _rules(self) -> None:
         if self.overlap >= self.tile_latents:
             raise RecipeError(f"must be < tile_latents ({self.tile_latents}), got {self.overlap}", "overlap")
+        if self.streams > 1 and not self.tiling:
+            raise RecipeError(f"vae.streams={self.streams} decodes tiles concurrently, but vae.tiling is false; "
+                              "set vae.tiling: true or vae.streams: 1", "streams")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,7 +19,9 @@ The estimate is arithmetic on the released model config
     activations ``A = T x b x (4 D + W_qkv + r (2 D + 3 I_loc))`` for the
                 ``T = max_batch_tokens / (cfg x ulysses x ring)`` tokens of one forward
                 on this device (see ``activation_bytes``)
-    verdict     fits when ``device.memory_gib`` leaves ``RESERVE_GIB`` over the sum
+    verdict     fits when the usable memory (``device.memory_limit_gib`` when the
+                recipe caps its share of the card, else ``device.memory_gib``) leaves
+                ``RESERVE_GIB`` over the sum
                 (runtime context, allocator slack, the VAE decode's workspace: not
                 modelled, so reserved)
 
@@ -126,7 +128,7 @@ class Estimate:
     kv_token_bytes: int  # per token of a row, this device's share
     act_tokens: int
     act_bytes: float
-    memory_bytes: float  # device.memory_gib (0 = not stated)
+    memory_bytes: float  # device.memory_limit_gib, else device.memory_gib (0 = not stated)
     streamed_bytes: float  # copied host -> device per forward (offload.mode layers / experts)
 
     @property
@@ -248,11 +250,17 @@ def estimate(recipe: Recipe, cfg=None) -> Estimate:
     d = Degrees.from_recipe(recipe.parallel)
     kv_token = 2 * cfg.num_hidden_layers * kv_heads_per_rank(cfg, d) * cfg.head_dim * DTYPE_BYTES[recipe.model.dtype]
     tokens, act = activation_bytes(recipe, cfg)
-    return Estimate(tuple(parts), recipe.kv_cache.budget_bytes, kv_token, tokens, act,
-                    recipe.device.memory_gib * GiB, streamed)
+    usable = recipe.device.memory_limit_gib or recipe.device.memory_gib  # a capped share of the card
+    return Estimate(tuple(parts), recipe.kv_cache.budget_bytes, kv_token, tokens, act, usable * GiB, streamed)
 
 
 # ------------------------------------------------------------------ rendering
+
+
+def _usable(d) -> str:
+    if d.memory_limit_gib:
+        return f"{d.memory_limit_gib:g} GiB (device.memory_limit_gib, capped share of {d.memory_gib:g})"
+    return f"{d.memory_gib:g} GiB (device.memory_gib)"
 
 
 def _gib(n: float) -> str:
@@ -369,8 +377,8 @@ def memory_lines(recipe: Recipe, cfg) -> list[str]:
               f"| activations, {est.act_tokens} tokens | | | | {_gib(est.act_bytes)} | | formula below |",
               f"| **total** | | | | **{_gib(est.total_bytes)}** | | |", ""]
     if est.memory_bytes:
-        lines.append(f"**Verdict: {est.verdict}** -- {_gib(est.total_bytes)} of {recipe.device.memory_gib:g} GiB "
-                     f"(device.memory_gib), headroom {_gib(est.headroom_bytes)}; `fits` needs at least "
+        lines.append(f"**Verdict: {est.verdict}** -- {_gib(est.total_bytes)} of {_usable(recipe.device)}, "
+                     f"headroom {_gib(est.headroom_bytes)}; `fits` needs at least "
                      f"{RESERVE_GIB:g} GiB of headroom for the runtime context, allocator slack and the VAE "
                      f"decode's workspace, which are not modelled.")
     else:
@@ -449,7 +457,7 @@ def render_index(recipes: list[Recipe], cfg=None) -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in recipes:
         est = estimate(r, cfg) if r.model.flavor == "hunyuan_image3" else None
-        mem = f"{_gib(est.total_bytes)} of {r.device.memory_gib:g} GiB" if est and est.memory_bytes else \
+        mem = f"{_gib(est.total_bytes)} of {est.memory_bytes / GiB:g} GiB" if est and est.memory_bytes else \
             (_gib(est.total_bytes) if est else "-")
         rows.append(f"| [{r.name}]({r.name}.md) | {r.platform} | {r.device.count} x {r.device.kind} | "
                     f"{Degrees.from_recipe(r.parallel).label()} | {r.model.dtype} / {r.quant.scheme} | "

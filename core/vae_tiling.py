@@ -9,6 +9,13 @@ gives every rank the whole image. The mid-block attention of the VAE is
 global, so a tiled image differs slightly from an untiled one; the tests
 bound that difference and keep the tiled result identical across world sizes.
 
+On a device with streams, ``TileLanes`` decodes a rank's tiles on several
+side streams at once (tile k on lane k % n) while the caller's stream blends
+them in order; each lane holds one tile's activations, so memory grows with
+the lane count. A lane starts its next tile only after the caller's stream
+has blended its previous one, so a decoder may return a buffer it reuses
+(a graph's static output) as long as it keeps one per lane (``lanes.current``).
+
 Shape suffixes: B batch, C latent channels, h/w latent rows/cols, H/W pixels.
 """
 from __future__ import annotations
@@ -61,23 +68,71 @@ def tile_weight(t: Tile, h: int, w: int, overlap: int, factor: int) -> torch.Ten
     return wy[:, None] * wx[None, :]
 
 
+class TileLanes:
+    """Side streams that decode tiles concurrently; the caller's stream consumes each result in order.
+
+    ``services`` is the worker's ``DeviceServices``; with ``count`` <= 1 or no
+    streams (the CPU) tiles run one after another on the caller's stream.
+    """
+
+    def __init__(self, services=None, count: int = 1):
+        streams = [services.stream() for _ in range(count)] if services is not None and count > 1 else []
+        self.services, self.streams = services, [s for s in streams if s is not None]
+        self.current = 0  # the lane whose stream is current while ``decode`` runs
+        self._start, self._consumed = None, {}
+
+    def begin(self) -> None:
+        """Mark where the inputs are ready on the caller's stream; lanes wait for this point once."""
+        self._start, self._consumed = self._mark(None), {}
+
+    def decode(self, k: int, decode: Callable, z_tile: torch.Tensor) -> torch.Tensor:
+        """Tile ``k`` on lane ``k % n``; the caller's stream waits for its result (the host does not)."""
+        if not self.streams:
+            return decode(z_tile)
+        self.current = k % len(self.streams)
+        lane = self.streams[self.current]
+        for ev in (self._start, self._consumed.get(self.current)):
+            if ev is not None:
+                lane.wait_event(ev)
+        with self.services.use_stream(lane):
+            out = decode(z_tile)
+            done = self._mark(lane)
+        self.services.current_stream().wait_event(done)
+        return out
+
+    def consumed(self, k: int) -> None:
+        """The caller's stream has read tile ``k``'s result: its lane may overwrite it now."""
+        if self.streams:
+            self._consumed[k % len(self.streams)] = self._mark(None)
+
+    def _mark(self, stream):
+        if not self.streams:
+            return None
+        ev = self.services.event()
+        ev.record(stream) if stream is not None else ev.record()
+        return ev
+
+
 def tiled_decode(decode: Callable[[torch.Tensor], torch.Tensor], z_BChw: torch.Tensor, *, tile: int, overlap: int,
                  factor: int, rank: int = 0, world: int = 1,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """Decode ``z`` tile by tile with ``decode`` (latents -> pixels); ranks split the tiles."""
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 lanes: TileLanes | None = None) -> torch.Tensor:
+    """Decode ``z`` tile by tile with ``decode`` (latents -> pixels); ranks split the tiles, lanes overlap them."""
     B, _, h, w = z_BChw.shape
+    lanes = lanes or TileLanes()
+    lanes.begin()
     acc = wsum = None
-    for i, t in enumerate(tile_grid(h, w, tile, overlap)):
-        if i % world != rank:
-            continue
-        x_B3HW = decode(z_BChw[:, :, t.y0:t.y1, t.x0:t.x1]).float()
+    mine = [t for i, t in enumerate(tile_grid(h, w, tile, overlap)) if i % world == rank]
+    for k, t in enumerate(mine):
+        x_B3HW = lanes.decode(k, decode, z_BChw[:, :, t.y0:t.y1, t.x0:t.x1])
         if acc is None:
-            acc = x_B3HW.new_zeros(B, x_B3HW.shape[1], h * factor, w * factor)
-            wsum = x_B3HW.new_zeros(1, 1, h * factor, w * factor)
+            acc = z_BChw.new_zeros(B, x_B3HW.shape[1], h * factor, w * factor, dtype=torch.float32)
+            wsum = z_BChw.new_zeros(1, 1, h * factor, w * factor, dtype=torch.float32)
         wt = tile_weight(t, h, w, overlap, factor).to(x_B3HW.device)
         ys, xs = slice(t.y0 * factor, t.y1 * factor), slice(t.x0 * factor, t.x1 * factor)
-        acc[:, :, ys, xs] += x_B3HW * wt
+        acc[:, :, ys, xs] += x_B3HW.float() * wt
         wsum[:, :, ys, xs] += wt
+        lanes.consumed(k)
     if all_reduce is not None:
         acc, wsum = _reduce_partial(acc, wsum, B, h * factor, w * factor, z_BChw.device, all_reduce)
     return acc / wsum

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # recipe files (add it to docs and the changelog, keep old keys working if possible).
 RECIPE_FIELD_PATHS = [
     "name", "description", "platform", "requires",
-    "device.kind", "device.count", "device.memory_gib",
+    "device.kind", "device.count", "device.memory_gib", "device.memory_limit_gib",
     "model.flavor", "model.path", "model.dtype", "model.vae_dtype",
     "parallel.tp", "parallel.ep", "parallel.ulysses", "parallel.ring", "parallel.cfg", "parallel.dp",
     "quant.scheme", "quant.experts_only",
@@ -39,7 +39,7 @@ RECIPE_FIELD_PATHS = [
     "offload.mode", "offload.resident_layers", "offload.prefetch_window",
     "step_cache.enabled", "step_cache.threshold",
     "graph.mode",
-    "vae.tiling", "vae.tile_latents", "vae.overlap",
+    "vae.tiling", "vae.tile_latents", "vae.overlap", "vae.streams",
     "serving.host", "serving.port", "serving.max_queue", "serving.max_running", "serving.max_batch_tokens",
     "serving.request_timeout_s", "serving.api_key_env",
     "defaults.steps", "defaults.guidance", "defaults.size", "defaults.shift", "defaults.template",
@@ -162,6 +162,9 @@ def test_type_errors(tmp_path, text, expected):
     ("serving: {port: 70000}\n", "serving.port: must be in 1..65535, got 70000"),
     ("serving: {api_key_env: 'my key'}\n", "serving.api_key_env: must be an environment variable name"),
     ("vae: {tile_latents: 8, overlap: 8}\n", "vae.overlap: must be < tile_latents (8), got 8"),
+    ("vae: {streams: 2}\n", "vae.streams: vae.streams=2 decodes tiles concurrently, but vae.tiling is false"),
+    ("vae: {tiling: true, streams: 0}\n", "vae.streams: must be >= 1, got 0"),
+    ("device: {memory_gib: 40, memory_limit_gib: 48}\n", "device.memory_limit_gib: must be <= device.memory_gib (40)"),
     ("quant: {experts_only: true}\n", "quant.experts_only: true needs a quant.scheme other than none"),
     ("defaults: {size: 1024x0}\n", "defaults.size: must be WIDTHxHEIGHT"),
     ("kv_cache: {budget_bytes: 2 gigs}\n", "kv_cache.budget_bytes: expected bytes as an integer or a string"),

@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig
-from omni.vae_tiling import tile_grid, tiled_decode
+from omni.device import DeviceServices
+from omni.vae_tiling import TileLanes, tile_grid, tiled_decode
 
 CFG = VAEConfig(block_out_channels=(32, 32, 64), latent_channels=4, layers_per_block=1,
                 ffactor_spatial=4, ffactor_temporal=2)
@@ -71,3 +72,20 @@ def test_tiles_spread_over_two_ranks_match_one_process(tmp_path):
     for r in range(2):
         got = load_file(f"{tmp_path / 'x'}.{r}")["x"]
         torch.testing.assert_close(got, solo, atol=1e-5, rtol=0)
+
+
+def test_lanes_without_streams_decode_in_order_on_the_caller():
+    """The CPU has no streams: lanes fall back to one tile after another, with the same image."""
+    lanes = TileLanes(DeviceServices("cpu"), count=3)
+    assert lanes.streams == []
+    vae = tiny_vae()
+    z = torch.randn(1, 4, 12, 16, generator=torch.Generator().manual_seed(3))
+    seen = []
+
+    def decode(t):
+        seen.append(tuple(t.shape))
+        return vae.decode_image(t)
+
+    got = tiled_decode(decode, z, tile=8, overlap=4, factor=4, lanes=lanes)
+    torch.testing.assert_close(got, tiled_decode(vae.decode_image, z, tile=8, overlap=4, factor=4), atol=0, rtol=0)
+    assert len(seen) == len(tile_grid(12, 16, 8, 4))

@@ -57,8 +57,8 @@ class ParallelRuntime:
         ctx = PoolContext(pool, runs, mask=mask, paged=paged, device=device)
         return model.backbone(x_TD, cos_TH, sin_TH, ctx)
 
-    def tiled_decode(self, decode, z_BChw, *, tile: int, overlap: int, factor: int):
+    def tiled_decode(self, decode, z_BChw, *, tile: int, overlap: int, factor: int, lanes=None):
         """Each rank of the replica decodes its share of the tiles; one all-reduce assembles them."""
         comm = self.mesh.comm("replica")
         return tiled_decode(decode, z_BChw, tile=tile, overlap=overlap, factor=factor,
-                            rank=comm.rank, world=comm.size, all_reduce=comm.all_reduce)
+                            rank=comm.rank, world=comm.size, all_reduce=comm.all_reduce, lanes=lanes)

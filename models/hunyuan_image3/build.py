@@ -9,6 +9,7 @@ import torch
 from omni import quant
 from omni.kv_pool import KVPool
 from omni.step_graphs import StepGraphs
+from omni.vae_tiling import TileLanes
 from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, host_tensor_ids, place_resident
 from omni.weights import LoadTarget, load_checkpoint
 
@@ -114,6 +115,9 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     the recipe spreads the model over several ranks (built by the launcher).
     """
     services = platform.device_services(local_rank)
+    if recipe.device.memory_limit_gib:  # a share of the card: the allocator refuses to grow past it
+        fraction = services.limit_memory(int(recipe.device.memory_limit_gib * 2**30))
+        log.info("device memory capped at %g GiB (%.0f%% of the card)", recipe.device.memory_limit_gib, 100 * fraction)
     root = checkpoint_dir(recipe, model_path, cache_dir)
     cfg = HunyuanImage3Config.from_file(root / "config.json")
     offload = recipe.offload.mode != "none"  # build and load on the host, then place
@@ -133,8 +137,8 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
                                 paged=recipe.kv_cache.mode == "paged", vae_dtype=DTYPES[recipe.model.vae_dtype],
                                 parallel=parallel, step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
                                 vae_tiles=(recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None,
-                                offloaders=offloaders)
+                                vae_lanes=TileLanes(services, recipe.vae.streams), offloaders=offloaders)
     if recipe.graph.mode == "capture":  # refused here, with the platform's reasons, where it cannot capture
         pipe.step_graphs = StepGraphs(platform, services.device.type)
-        pipe.vae_graphs = StepGraphs(platform, services.device.type, name="vae_decode", max_graphs=2)
+        pipe.vae_graphs = StepGraphs(platform, services.device.type, name="vae_decode", max_graphs=2 * recipe.vae.streams)
     return pipe

@@ -32,7 +32,7 @@ from omni.step_graphs import step_key
 from .rope import rope_cos_sin
 from .sampler import cfg_combine, euler_step, flow_match_sigmas
 from .sequence import T2ISequence, build_t2i_pair
-from omni.vae_tiling import tiled_decode
+from omni.vae_tiling import TileLanes, tiled_decode
 from .resolution import snap
 
 
@@ -78,9 +78,10 @@ class HunyuanImage3Pipeline:
 
     def __init__(self, *, model, vae, tokenizer, config, pool: KVPool, device, paged: bool,
                  vae_dtype: torch.dtype = torch.float32, parallel=None, step_cache: float = 0.0,
-                 vae_tiles: tuple[int, int] | None = None, offloaders=()):
+                 vae_tiles: tuple[int, int] | None = None, vae_lanes: TileLanes | None = None, offloaders=()):
         self.model, self.vae, self.tok, self.cfg = model, vae, tokenizer, config
         self.parallel, self.step_cache, self.vae_tiles = parallel, step_cache, vae_tiles
+        self.vae_lanes = vae_lanes or TileLanes()  # tiles decoded on several streams at once
         self.offloaders = list(offloaders)  # omni.offload.LayerOffloader objects (their hooks do the work)
         self.pool, self.device, self.paged, self.vae_dtype = pool, torch.device(device), paged, vae_dtype
         self.downsample = config.vae_downsample_factor[0] * config.patch_size
@@ -241,17 +242,18 @@ class HunyuanImage3Pipeline:
             return decode(z_1Chw)
         tile, overlap = self.vae_tiles
         factor = self.vae.cfg.ffactor_spatial
-        if self.parallel is None:
-            return tiled_decode(decode, z_1Chw, tile=tile, overlap=overlap, factor=factor)
-        return self.parallel.tiled_decode(decode, z_1Chw, tile=tile, overlap=overlap, factor=factor)
+        run = tiled_decode if self.parallel is None else self.parallel.tiled_decode
+        return run(decode, z_1Chw, tile=tile, overlap=overlap, factor=factor, lanes=self.vae_lanes)
 
     def _vae_decoder(self):
         """latents -> pixels; replayed from a graph per latent shape under graph.mode: capture.
 
         A replay returns the graph's static output, which the next replay
         overwrites: callers consume it (blend a tile, quantize) before that.
+        Tiles decoding at once on several lanes each replay their own graph.
         """
         eager = lambda z: self.vae.decode_image(z, dtype=self.vae_dtype)  # noqa: E731
         if self.vae_graphs is None:
             return eager
-        return lambda z: self.vae_graphs.run(((tuple(z.shape),), ()), z, eager, lambda: ())
+        lanes = self.vae_lanes
+        return lambda z: self.vae_graphs.run(((tuple(z.shape), lanes.current), ()), z, eager, lambda: ())
