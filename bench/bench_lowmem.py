@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,9 @@ from omni.request import ImageRequest  # noqa: E402
 from omni.vae_tiling import TileLanes  # noqa: E402
 
 GiB = 2**30
+# Moving the offloaded experts out leaves holes among resident tensors; expandable segments let
+# empty_cache() return them, so the cap counts live memory, not fragmentation (set before CUDA starts).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def parse():
@@ -82,17 +86,24 @@ def step_time(pipe, dev, batch: int, timed: int, off: LayerOffloader | None = No
     """Mean wall time of one packed denoising step of ``batch`` requests (after one warm step),
     and the bytes the offloader copied per timed step (0 without one)."""
     states = [pipe.admit(request(50, seed=i)) for i in range(batch)]
-    pipe.prefill(states)
-    pipe.denoise_step(states)
+    try:
+        pipe.prefill(states)
+        pipe.denoise_step(states)
+    except BaseException:
+        for s in states:
+            pipe.release(s)
+        raise
     dev.synchronize()
     copied = off.stats.bytes_copied if off else 0
-    t0 = time.perf_counter()
-    for _ in range(timed):
-        pipe.denoise_step(states)
-    dev.synchronize()
-    seconds = (time.perf_counter() - t0) / timed
-    for s in states:
-        pipe.release(s)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(timed):
+            pipe.denoise_step(states)
+        dev.synchronize()
+        seconds = (time.perf_counter() - t0) / timed
+    finally:  # an allocation past the cap must not leak the rows' KV pages
+        for s in states:
+            pipe.release(s)
     return seconds, ((off.stats.bytes_copied - copied) / timed if off else 0.0)
 
 
