@@ -55,22 +55,13 @@ class LayerOffloader:
         self.offloaded = list(range(min(resident, len(blocks)), len(blocks)))
         self.stats = OffloadStats(blocks=self.offloaded)
         self.copy_stream = services.stream()
-        self.host = {i: self._to_host(self.blocks[i], keep) for i in self.offloaded}
+        self.host = {i: park_on_host(self.blocks[i], services, keep) for i in self.offloaded}
         self.slots = [self._new_slot(self.host[self.offloaded[0]]) for _ in range(min(self.window, len(self.offloaded)))]
         for pos, i in enumerate(self.offloaded):
             self.blocks[i].register_forward_pre_hook(lambda m, a, pos=pos: self._before(pos))
             self.blocks[i].register_forward_hook(lambda m, a, o, pos=pos: self._after(pos))
 
     # ---------------------------------------------------------------- setup
-    def _to_host(self, block: nn.Module, keep: TensorFilter) -> dict[str, torch.Tensor]:
-        """Move the block's kept tensors to (pinned) host memory; the module points at them meanwhile."""
-        host = {}
-        for name, t in _tensors(block, keep):
-            host[name] = self.services.pin(t.data)  # straight into page-locked memory: no pageable copy
-            t.data = host[name]
-        return host
-
-
     def _new_slot(self, like: dict[str, torch.Tensor]) -> _Slot:
         dev = self.services.device
         return _Slot({n: torch.empty(t.shape, dtype=t.dtype, device=dev) for n, t in like.items()})
@@ -121,6 +112,20 @@ class LayerOffloader:
     @property
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for h in self.host.values() for t in h.values())
+
+
+def park_on_host(block: nn.Module, services, keep: TensorFilter = ALL) -> dict[str, torch.Tensor]:
+    """Move ``block``'s kept tensors to page-locked host memory (the module points at them meanwhile).
+
+    Tensors parked before (a streamed build parks each layer as it is loaded)
+    are adopted as they are, so ``LayerOffloader`` can take such blocks later.
+    """
+    host = {}
+    for name, t in _tensors(block, keep):
+        if not (t.device.type == "cpu" and (services.device.type == "cpu" or t.data.is_pinned())):
+            t.data = services.pin(t.data)  # straight into page-locked memory: no pageable copy
+        host[name] = t.data
+    return host
 
 
 def host_tensor_ids(offloaders: list["LayerOffloader"]) -> set[int]:

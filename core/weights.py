@@ -113,6 +113,8 @@ class _Loader:
             return self.problems.append(f"unexpected {key} ({origin})")
         index = target.name_map(key[len(target.prefix):])[1]
         dest = param.data if index is None else param.data[index]
+        if dest.is_meta:  # a copy into meta storage would "succeed" and keep nothing
+            return self.problems.append(f"{key}: its part of the model was never materialized ({origin})")
         if target.read is not None and part is not None:
             src = target.read(key[len(target.prefix):], part())
             if tuple(src.shape) != tuple(dest.shape):
@@ -163,6 +165,58 @@ def load_checkpoint(path: str | Path, targets: list[LoadTarget], *, skip_prefixe
                 loader.load(key, f.get_slice(key).get_shape(), lambda k=key: f.get_tensor(k), file.name,
                             part=lambda k=key: f.get_slice(k))
     loader.finish(f"checkpoint {path}", strict)
+
+
+class StreamingLoad:
+    """One checkpoint loaded in parts (a decoder layer at a time), checked once at the end.
+
+    For builds whose model does not fit where it is built: the caller
+    materializes a part (``materialize_meta_``), loads the keys that select it,
+    prepares and places it, and goes on; ``finish()`` reports every missing,
+    unexpected and mis-shaped key of all parts together, as ``load_checkpoint``.
+    """
+
+    def __init__(self, path: str | Path, targets: list[LoadTarget], *, skip_prefixes: tuple[str, ...] = (),
+                 progress: bool = True):
+        self.path, self.loader, self.progress = path, _Loader(targets), progress
+        self.pending: dict[str, Path] = {}  # key -> its file, for keys not loaded yet
+        for file in checkpoint_files(path):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                self.pending.update((k, file) for k in f.keys() if not k.startswith(skip_prefixes))
+
+    @torch.no_grad()
+    def load(self, select: Callable[[str], bool], what: str = "") -> int:
+        """Load the pending keys ``select`` accepts (their destinations must be materialized); returns how many."""
+        keys = [k for k in self.pending if select(k)]
+        for file in sorted({self.pending[k] for k in keys}):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in (k for k in keys if self.pending[k] == file):
+                    self.loader.load(key, f.get_slice(key).get_shape(), lambda k=key: f.get_tensor(k), file.name,
+                                     part=lambda k=key: f.get_slice(k))
+        for k in keys:
+            del self.pending[k]
+        return len(keys)
+
+    def finish(self) -> None:
+        self.load(lambda k: True)  # whatever no part claimed is reported (unexpected) or filled
+        self.loader.finish(f"checkpoint {self.path}", strict=True)
+
+
+@torch.no_grad()
+def materialize_meta_(module: torch.nn.Module, device) -> int:
+    """Give every still-``meta`` parameter and buffer of ``module`` (uninitialized) storage on ``device``.
+
+    Parts materialized before keep their tensors, unlike ``Module.to_empty``.
+    """
+    n = 0
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in list(table.items()):
+                if t is not None and t.is_meta:
+                    new = torch.empty_like(t, device=device)
+                    table[name] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
+                    n += 1
+    return n
 
 
 @torch.no_grad()

@@ -45,6 +45,24 @@ def test_offload_modes_give_the_resident_image(baseline, ckpt, mode, extra):
         assert pipe.offloaders and pipe.offloaders[0].stats.copies > 0
 
 
+def test_streamed_offload_builds_one_layer_at_a_time(baseline, ckpt, monkeypatch):
+    """offload.mode experts/layers loads and prepares a layer at a time: later layers are still meta."""
+    from omni.weights import StreamingLoad
+
+    seen, load = [], StreamingLoad.load
+
+    def spy(self, select, what=""):
+        layers = self.loader.targets[0].module.model.layers
+        seen.append([all(p.is_meta for p in layer.parameters()) for layer in layers])
+        return load(self, select, what)
+
+    monkeypatch.setattr(StreamingLoad, "load", spy)
+    img, _, pipe = generate({"offload.mode": "experts", "offload.resident_layers": 1}, ckpt)
+    n = len(pipe.model.model.layers)
+    assert seen[:n] == [[j > i for j in range(n)] for i in range(n)]
+    assert torch.equal(img, baseline)
+
+
 def test_step_cache_skips_middle_steps_and_reports_them(baseline, ckpt):
     off, res_off, _ = generate({}, ckpt, step_cache=0.0)
     assert torch.equal(off, baseline) and res_off.times.steps_skipped == 0

@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from omni.platform_manager import select
-from omni.weights import CheckpointError, LoadTarget, checkpoint_files, load_checkpoint
+from omni.weights import CheckpointError, LoadTarget, StreamingLoad, checkpoint_files, load_checkpoint, materialize_meta_
 from omni.models.hunyuan_image3.config import HunyuanImage3Config
 from omni.models.hunyuan_image3.tiny import write_tiny_checkpoint
 from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
@@ -82,3 +82,41 @@ def test_directory_without_safetensors_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(CheckpointError, match="only safetensors"):
         checkpoint_files(tmp_path)
+
+
+def meta_model(ckpt):
+    cfg = HunyuanImage3Config.from_file(ckpt / "config.json")
+    with torch.device("meta"):
+        model = HunyuanImage3Transformer(cfg, select("cpu"), dtype=torch.float32)
+        vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae))
+    return model, vae, [LoadTarget("", model, model.param_name_for), LoadTarget("vae.", vae)]
+
+
+def test_streaming_load_part_by_part_equals_one_pass(ckpt):
+    whole, whole_vae, targets = fresh(ckpt)
+    load_checkpoint(ckpt, targets, progress=False)
+    model, vae, targets = meta_model(ckpt)
+    stream = StreamingLoad(ckpt, targets, progress=False)
+    for i, layer in enumerate(model.model.layers):
+        assert materialize_meta_(layer, "cpu") > 0
+        assert stream.load(lambda k, p=f"model.layers.{i}.": k.startswith(p)) > 0
+        assert all(p.is_meta for later in model.model.layers[i + 1:] for p in later.parameters())
+    materialize_meta_(model, "cpu")
+    materialize_meta_(vae, "cpu")
+    assert materialize_meta_(model, "cpu") == 0  # parts materialized before are kept, not re-made
+    stream.finish()
+    for (name, got), want in zip(model.state_dict().items(), whole.state_dict().values()):
+        assert torch.equal(got, want), name
+
+
+def test_streaming_load_reports_parts_never_materialized_and_missing_keys(ckpt, tmp_path):
+    bad = edited_copy(ckpt, tmp_path, lambda t: t.pop("lm_head.weight"))
+    model, vae, targets = meta_model(ckpt)
+    stream = StreamingLoad(bad, targets, progress=False)
+    materialize_meta_(model.model.layers[0], "cpu")
+    stream.load(lambda k: k.startswith("model.layers.0."))
+    with pytest.raises(CheckpointError) as err:
+        stream.finish()  # nothing else was materialized: every other key has nowhere to go
+    msg = str(err.value)
+    assert "model.layers.1.self_attn.o_proj.weight: its part of the model was never materialized" in msg
+    assert "missing lm_head.weight" in msg

@@ -5,13 +5,15 @@ import logging
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from omni import quant
 from omni.kv_pool import KVPool
 from omni.step_graphs import StepGraphs
 from omni.vae_tiling import TileLanes
-from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, host_tensor_ids, place_resident
-from omni.weights import LoadTarget, load_checkpoint
+from omni.layers import finalize_all
+from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, host_tensor_ids, park_on_host, place_resident
+from omni.weights import LoadTarget, StreamingLoad, load_checkpoint, materialize_meta_
 
 from .config import HunyuanImage3Config
 from .parallel import PLANS
@@ -107,6 +109,46 @@ def apply_offload(recipe, model, vae, services) -> list[LayerOffloader]:
     return offloaders
 
 
+def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress: bool):
+    """The loaded, prepared transformer and VAE, placed as ``offload.mode`` says, and their offloaders."""
+    if recipe.offload.mode in STREAMED and parallel is None:
+        return load_streamed(recipe, cfg, platform, root, services, progress)
+    offload = recipe.offload.mode != "none"  # build and load on the host, then place
+    model, vae, target = build_modules(cfg, platform, recipe, "cpu" if offload else services.device, parallel)
+    prequantized(root, recipe, model)
+    load_checkpoint(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED, progress=progress)
+    model.finalize()
+    return model, vae, apply_offload(recipe, model, vae, services) if offload else []
+
+
+def load_streamed(recipe, cfg, platform, root: Path, services, progress: bool):
+    """Layer or expert offload without the whole model in memory anywhere.
+
+    The model is built on ``meta``; each decoder layer in turn is given device
+    storage, loaded, prepared (quantized on the device) and, past
+    ``resident_layers``, has its streamed tensors parked in pinned host memory.
+    Peak device memory is the resident part plus one layer in the checkpoint's
+    dtype; host memory holds only the streamed tensors, already quantized.
+    """
+    o, dev, keep = recipe.offload, services.device, STREAMED[recipe.offload.mode]
+    model, vae, target = build_modules(cfg, platform, recipe, "meta")
+    prequantized(root, recipe, model)
+    stream = StreamingLoad(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED, progress=progress)
+    layers = list(model.model.layers)
+    for i, layer in enumerate(tqdm(layers, desc="loading layers", disable=not progress, leave=False)):
+        materialize_meta_(layer, dev)
+        stream.load(lambda key, prefix=f"model.layers.{i}.": key.startswith(prefix))
+        finalize_all(layer)
+        if i >= o.resident_layers:
+            park_on_host(layer, services, keep)
+    materialize_meta_(model, dev)
+    materialize_meta_(vae, dev)
+    stream.finish()
+    model.finalize()
+    return model, vae, [LayerOffloader(layers, services, resident=o.resident_layers, window=o.prefetch_window,
+                                       keep=keep)]
+
+
 def build_pipeline(recipe, platform, *, model_path: str | None = None, local_rank: int = 0,
                    progress: bool = True, cache_dir: Path | None = None, parallel=None) -> HunyuanImage3Pipeline:
     """Everything one worker needs to generate images for ``recipe`` on ``platform``.
@@ -120,12 +162,7 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
         log.info("device memory capped at %g GiB (%.0f%% of the card)", recipe.device.memory_limit_gib, 100 * fraction)
     root = checkpoint_dir(recipe, model_path, cache_dir)
     cfg = HunyuanImage3Config.from_file(root / "config.json")
-    offload = recipe.offload.mode != "none"  # build and load on the host, then place
-    model, vae, target = build_modules(cfg, platform, recipe, "cpu" if offload else services.device, parallel)
-    prequantized(root, recipe, model)
-    load_checkpoint(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED, progress=progress)
-    model.finalize()
-    offloaders = apply_offload(recipe, model, vae, services) if offload else []
+    model, vae, offloaders = load_weights(recipe, cfg, platform, root, services, parallel, progress)
     kv_heads = cfg.num_key_value_heads if parallel is None else \
         parallel.pool_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads)
     pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
