@@ -40,7 +40,7 @@ def build_random_pipeline(recipe, platform, *, num_layers: int, local_rank: int 
                                         page_size=recipe.kv_cache.page_tokens, device=device)
     cfg = model.cfg
     with torch.device(device):
-        vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae)).eval()
+        vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae), with_encoder=False).eval()
     random_init_(vae, seed)
     pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
                               page_size=recipe.kv_cache.page_tokens, num_kv_heads=cfg.num_key_value_heads,

@@ -133,11 +133,11 @@ def _step_tokens(pipeline, req: ImageRequest) -> int:
     return sum(1 + s.token_h * s.token_w for s in rows)
 
 
-def _snapshot(state) -> dict:
+def snapshot_state(state) -> dict:
     return dict(vars(state))
 
 
-def _restore(state, saved: dict) -> None:
+def restore_state(state, saved: dict) -> None:
     vars(state).clear()
     vars(state).update(saved)
 
@@ -300,7 +300,7 @@ class Scheduler:
                 self.running.append(t)
 
     def _denoise(self, finished: list[Ticket]) -> None:
-        saved = [_snapshot(t.state) for t in self.running]
+        saved = [snapshot_state(t.state) for t in self.running]
         try:
             self.pipeline.denoise_step([t.state for t in self.running])
         except Exception as e:
@@ -309,7 +309,7 @@ class Scheduler:
                 return
             log.warning("packed step of %d requests failed (%s); retrying one at a time", len(self.running), e)
             for t, s in zip(self.running, saved):
-                _restore(t.state, s)
+                restore_state(t.state, s)
             for t in list(self.running):
                 if not self._try(t, finished, "denoise", lambda: self.pipeline.denoise_step([t.state])):
                     self.running.remove(t)

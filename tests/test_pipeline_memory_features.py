@@ -60,6 +60,7 @@ def test_streamed_offload_builds_one_layer_at_a_time(baseline, ckpt, monkeypatch
     img, _, pipe = generate({"offload.mode": "experts", "offload.resident_layers": 1}, ckpt)
     n = len(pipe.model.model.layers)
     assert seen[:n] == [[j > i for j in range(n)] for i in range(n)]
+    assert pipe.vae.encoder is None  # text-to-image never encodes
     assert torch.equal(img, baseline)
 
 

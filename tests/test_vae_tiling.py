@@ -89,3 +89,15 @@ def test_lanes_without_streams_decode_in_order_on_the_caller():
     got = tiled_decode(decode, z, tile=8, overlap=4, factor=4, lanes=lanes)
     torch.testing.assert_close(got, tiled_decode(vae.decode_image, z, tile=8, overlap=4, factor=4), atol=0, rtol=0)
     assert len(seen) == len(tile_grid(12, 16, 8, 4))
+
+
+def test_decoder_only_vae_decodes_the_same_and_refuses_to_encode():
+    """Text-to-image builds the VAE without its encoder; decoding is unchanged."""
+    full = tiny_vae()
+    dec = AutoencoderKLConv3D(CFG, with_encoder=False).eval()
+    dec.decoder.load_state_dict(full.decoder.state_dict())
+    assert dec.encoder is None and sum(p.numel() for p in dec.parameters()) < sum(p.numel() for p in full.parameters())
+    z = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(dec.decode_image(z), full.decode_image(z), atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="without its encoder"):
+        dec.encode(torch.zeros(1, 3, 32, 32))

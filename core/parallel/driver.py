@@ -13,18 +13,52 @@ tiles over the replica, in which case every rank decodes its tiles.
 A request without a seed gets one on the driver before the broadcast, so
 every rank draws the same noise.
 
-Limitation: the scheduler's per-request retry after a failed packed step
-assumes a single process; in a multi-rank replica an exception inside a
-forward is raised again on the followers' side as a broken lock-step, so
-the launcher tears the replica down instead (tests/parallel cover the
-normal path only).
+Failures: after every mirrored call the replica's ranks agree on its
+outcome (one host-side all-gather). When the call failed on every rank (a
+request-specific error: bad input, an allocation past the budget) the driver
+raises it and the scheduler isolates it as in one process (retry one request
+at a time, fail only the bad one); the followers restore the states a failed
+step touched, as the scheduler does on the driver, and go on following. When
+it failed on some ranks only, their states differ and lock-step cannot be
+restored: every rank raises ``LockStepLost``, which per-request isolation
+does not catch, so the replica goes down with the failing ranks named. (A
+forward that fails on some ranks only, before one of its collectives, leaves
+the others waiting in that collective: the distributed timeout of the
+launcher ends the job then.)
 """
 from __future__ import annotations
 
 import dataclasses
 import random
 
+from omni.scheduler import restore_state, snapshot_state
+
 STOP = "stop"
+
+
+class LockStepLost(BaseException):
+    """A mirrored call failed on some ranks of a replica only: their states differ for good.
+
+    A BaseException on purpose: the scheduler's per-request isolation catches
+    ``Exception``; this must end the engine loop instead (the replica is dead).
+    """
+
+
+def agree(control, op: str, error: BaseException | None) -> None:
+    """All ranks learn every rank's outcome of ``op``; raises ``LockStepLost`` when they differ."""
+    outcomes = control.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    failed = [r for r, o in enumerate(outcomes) if o is not None]
+    if failed and len(failed) < len(outcomes):
+        raise LockStepLost(f"{op} failed on replica rank(s) {failed} only ({outcomes[failed[0]]}); "
+                           "the ranks no longer hold the same state") from error
+
+
+def _outcome(fn):
+    """``(result, None)`` or ``(None, the exception)`` of ``fn()``."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 -- every rank reports it; agree() decides
+        return None, e
 
 
 class DriverPipeline:
@@ -40,35 +74,44 @@ class DriverPipeline:
     def _send(self, op: str, payload=None) -> None:
         self.control.broadcast_object((op, payload), src=0)
 
+    def _mirrored(self, op: str, payload, fn):
+        """Broadcast ``op``, run it here, agree on the outcome with the followers; raise a shared failure."""
+        self._send(op, payload)
+        result, error = _outcome(fn)
+        agree(self.control, op, error)
+        if error is not None:
+            raise error
+        return result
+
     def pages_needed(self, req) -> int:
         return self.pipeline.pages_needed(req)
 
     def admit(self, req):
         if req.seed is None:
             req = dataclasses.replace(req, seed=random.randrange(2**31 - 1))
-        self._send("admit", req)
-        return self.pipeline.admit(req)
+        return self._mirrored("admit", req, lambda: self.pipeline.admit(req))
 
     def prefill(self, states) -> None:
-        self._send("prefill", [s.request.request_id for s in states])
-        self.pipeline.prefill(states)
+        self._mirrored("prefill", _ids(states), lambda: self.pipeline.prefill(states))
 
     def denoise_step(self, states) -> None:
-        self._send("denoise_step", [s.request.request_id for s in states])
-        self.pipeline.denoise_step(states)
+        self._mirrored("denoise_step", _ids(states), lambda: self.pipeline.denoise_step(states))
 
     def release(self, state) -> None:
-        self._send("release", state.request.request_id)
-        self.pipeline.release(state)
+        self._mirrored("release", state.request.request_id, lambda: self.pipeline.release(state))
 
     def decode(self, state):
         if self.pipeline.vae_tiles is not None:  # tiles are spread over every rank of the replica
-            self._send("decode", state.request.request_id)
+            return self._mirrored("decode", state.request.request_id, lambda: self.pipeline.decode(state))
         return self.pipeline.decode(state)
 
     def close(self) -> None:
         """Let the followers return from ``follow``."""
         self._send(STOP)
+
+
+def _ids(states) -> list[str]:
+    return [s.request.request_id for s in states]
 
 
 def follow(pipeline, control) -> int:
@@ -80,11 +123,23 @@ def follow(pipeline, control) -> int:
         if op == STOP:
             return calls
         calls += 1
-        if op == "admit":
-            states[payload.request_id] = pipeline.admit(payload)
-        elif op == "release":
-            pipeline.release(states.pop(payload))
-        elif op == "decode":
-            pipeline.decode(states[payload])
-        else:
-            getattr(pipeline, op)([states[rid] for rid in payload])
+        _, error = _outcome(lambda: _replay(pipeline, states, op, payload))
+        agree(control, op, error)  # a failure on every rank: the driver isolates it; we go on
+
+
+def _replay(pipeline, states: dict, op: str, payload) -> None:
+    if op == "admit":
+        states[payload.request_id] = pipeline.admit(payload)
+    elif op == "release":
+        pipeline.release(states.pop(payload))
+    elif op == "decode":
+        pipeline.decode(states[payload])
+    else:
+        rows = [states[rid] for rid in payload]
+        saved = [snapshot_state(s) for s in rows]
+        try:
+            getattr(pipeline, op)(rows)
+        except Exception:
+            for s, before in zip(rows, saved):  # as the driver's scheduler restores its own
+                restore_state(s, before)
+            raise

@@ -25,8 +25,8 @@ from .vae import AutoencoderKLConv3D, VAEConfig
 
 log = logging.getLogger("omni.hunyuan_image3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Image understanding / editing inputs are not used by text-to-image.
-T2I_UNUSED = ("vision_model.", "vision_aligner.")
+# Image understanding / editing inputs are not used by text-to-image, nor is the VAE encoder.
+T2I_UNUSED = ("vision_model.", "vision_aligner.", "vae.encoder.")
 
 
 def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) -> Path:
@@ -75,7 +75,7 @@ def build_modules(cfg: HunyuanImage3Config, platform, recipe, device, parallel=N
                                       device=device, parallel=parallel, attn_backend=recipe.attention.backend,
                                       capturable=recipe.graph.mode == "capture")
     with torch.device(device):
-        vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae))
+        vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae), with_encoder=False)
     return model, vae.eval(), target
 
 

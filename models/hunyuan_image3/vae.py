@@ -310,12 +310,16 @@ class Decoder(nn.Module):
 
 
 class AutoencoderKLConv3D(nn.Module):
-    """The HunyuanImage-3.0 VAE. It holds ``encoder`` and ``decoder``; tiling and slicing are left out."""
+    """The HunyuanImage-3.0 VAE. It holds ``encoder`` and ``decoder``; tiling and slicing are left out.
 
-    def __init__(self, cfg: VAEConfig):
+    ``with_encoder=False`` builds the decoder alone: text-to-image only decodes,
+    and the released encoder is 389M parameters (1.45 GiB in float32).
+    """
+
+    def __init__(self, cfg: VAEConfig, *, with_encoder: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.encoder = Encoder(cfg)
+        self.encoder = Encoder(cfg) if with_encoder else None
         self.decoder = Decoder(cfg)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,6 +330,8 @@ class AutoencoderKLConv3D(nn.Module):
         sees whole temporal groups. For an image input the latent T (which is 1) is squeezed
         away. A longer clip must have T divisible by ``ffactor_temporal``.
         """
+        if self.encoder is None:
+            raise RuntimeError("this VAE was built without its encoder (with_encoder=False: text-to-image only)")
         is_image = x.ndim == 4
         x_BCTHW = x.unsqueeze(2) if is_image else x
         ft = self.cfg.ffactor_temporal

@@ -6,7 +6,7 @@ import pytest
 
 import workers
 from omni.parallel.dp import ReplicaRouter, start_replicas
-from omni.parallel.launch import launch
+from omni.parallel.launch import WorkerError, launch
 from omni.parallel.mesh import Degrees
 from omni.request import ImageRequest
 from omni.scheduler import EngineUnavailable, QueueFull
@@ -70,6 +70,29 @@ def test_cfg2_replica_serves_in_lock_step(checkpoint, single):
     # no seed: the driver drew one and sent it to both ranks, so both rows saw the same noise
     img, seed = images["unseeded"]
     same_image(img, single_run(checkpoint, ImageRequest(prompt="no seed given", steps=3, seed=seed)), "unseeded")
+
+
+def test_a_request_failing_on_every_rank_fails_alone_and_the_replica_serves_on(checkpoint, single):
+    """The scheduler's isolation holds across ranks: the poisoned request fails, packed neighbours finish."""
+    prompts = [PROMPTS[0], "poison", PROMPTS[1]]
+    images, follower = launch(workers.poisoned_driver_job, Degrees(cfg=2), args=(checkpoint, prompts, (0, 1), "denoise_step"),
+                              timeout_s=120)
+    assert follower["followed"] > 0
+    assert images["r1"] == "poisoned request"
+    same_image(images["r0"], single["r0"], "r0")
+    same_image(images["r2"], single_run(checkpoint, ImageRequest(prompt=PROMPTS[1], steps=3, seed=9)), "r2")
+
+
+def test_a_failure_on_some_ranks_only_takes_the_replica_down_naming_them(checkpoint):
+    """Ranks that disagree on an outcome hold different states: no isolation can hide that.
+
+    (Admission runs no collective. A forward that fails on some ranks only leaves
+    the others waiting in its collectives until the distributed timeout ends the job.)
+    """
+    with pytest.raises(WorkerError) as err:
+        launch(workers.poisoned_driver_job, Degrees(cfg=2), args=(checkpoint, [PROMPTS[0], "poison"], (1,), "admit"),
+               timeout_s=120)
+    assert "LockStepLost: admit failed on replica rank(s) [1] only (ValueError: poisoned request)" in str(err.value)
 
 
 def single_run(checkpoint, req):

@@ -64,3 +64,57 @@ def driver_job(ctx, checkpoint: str, prompts: list[str]):
     finally:
         driver.close()
     return {r.request_id: (r.image_HW3, r.seed) for r in results}
+
+
+class Poisoned:
+    """The real pipeline, except that a request prompted "poison" fails here in ``op`` (admit or denoise_step)."""
+
+    def __init__(self, pipeline, op: str):
+        self.pipeline, self.op = pipeline, op
+
+    def __getattr__(self, name):
+        return getattr(self.pipeline, name)
+
+    def _check(self, op: str, prompts) -> None:
+        if op == self.op and "poison" in prompts:
+            raise ValueError("poisoned request")
+
+    def admit(self, req):
+        self._check("admit", [req.prompt])
+        return self.pipeline.admit(req)
+
+    def denoise_step(self, states) -> None:
+        self._check("denoise_step", [s.request.prompt for s in states])
+        self.pipeline.denoise_step(states)
+
+
+def poisoned_driver_job(ctx, checkpoint: str, prompts: list[str], poisoned_ranks: tuple[int, ...], op: str):
+    """A cfg2 replica under the scheduler where the "poison" request fails in ``op`` on ``poisoned_ranks``.
+
+    Returns, on the driver, each request's image or its error message (the others keep serving).
+    """
+    from omni.parallel.driver import DriverPipeline, follow
+    from omni.parallel.runtime import ParallelRuntime
+    from omni.recipe import load_recipe
+    from omni.request import ImageRequest
+    from omni.scheduler import Scheduler
+    from omni.models.hunyuan_image3.build import build_pipeline
+
+    pipe = build_pipeline(load_recipe("cpu_tiny"), ctx.platform, model_path=checkpoint, progress=False,
+                          parallel=ParallelRuntime(ctx.mesh, ctx.platform))
+    control = ctx.mesh.control("replica")
+    if control.rank in poisoned_ranks:
+        pipe = Poisoned(pipe, op)
+    if control.rank != 0:
+        return {"followed": follow(pipe, control)}
+    driver = DriverPipeline(pipe, control)
+    try:
+        sched = Scheduler(driver, max_running=4)
+        tickets = [sched.submit(ImageRequest(prompt=p, steps=3, seed=7 + i, request_id=f"r{i}"))
+                   for i, p in enumerate(prompts)]
+        while sched.has_work():
+            sched.step()
+    finally:
+        driver.close()
+    return {t.request_id: (str(t.future.exception()) if t.future.exception() else t.future.result().image_HW3)
+            for t in tickets}
