@@ -342,13 +342,16 @@ def test_quant_schemes_match_the_platform_contract():
     assert recipe.QUANT_SCHEMES == specs.QUANT_SCHEMES
 
 
-def test_recipe_module_is_light_and_reads_no_environment():
-    code = "import sys, omni.recipe; assert 'torch' not in sys.modules, 'omni.recipe imported torch'"
+@pytest.mark.parametrize("module", ["recipe", "recipe_fields", "recipe_schema"])
+def test_recipe_module_is_light_and_reads_no_environment(module):
+    code = f"import sys, omni.{module}; assert 'torch' not in sys.modules, 'omni.{module} imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
-    tree = ast.parse((ROOT / "core" / "recipe.py").read_text())
+    tree = ast.parse((ROOT / "core" / f"{module}.py").read_text())
     names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
-            {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    assert not names & {"environ", "getenv", "environb"}
+            {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+            {a.name.rpartition(".")[2] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+             for a in n.names}
+    assert not names & {"environ", "getenv", "environb", "getenvb"}, module
 
 
 def test_recipe_class_fields_are_kw_only_frozen_slots():

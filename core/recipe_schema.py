@@ -1,0 +1,267 @@
+"""The recipe schema: one frozen, validated dataclass per recipe section, and ``Recipe``.
+
+Every field carries its documentation, allowed values and default in
+``field(metadata=...)`` (built by ``omni.recipe_fields``).
+"""
+from collections.abc import Mapping
+from dataclasses import dataclass, field, is_dataclass
+
+from .recipe_fields import (
+    _NAME,
+    _NONEMPTY,
+    _PORT,
+    _POSITIVE,
+    _REQUIRES_RULE,
+    _SIZE_RULE,
+    FrozenDict,
+    RecipeError,
+    _apply,
+    _at_least,
+    _field_of,
+    _insert,
+    _opt,
+    _parse_float,
+    _parse_validated,
+    _pattern,
+    _section,
+    _Tree,
+    _Validated,
+    parse_bytes,
+    parse_size,
+    platform_choices,
+)
+
+FLAVORS = ("hunyuan_image3", "hunyuan_image3_tiny")
+TINY_FLAVOR = "hunyuan_image3_tiny"  # the only flavor that runs without --model (embedded weights)
+DTYPES = ("float32", "bfloat16", "float16")
+QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_row", "mxfp8", "nvfp4", "w8a8")  # == omni.specs.QUANT_SCHEMES (tested)
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "fa3", "flex", "fia", "aiter")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Device(_Validated):
+    """The kind of device this deployment runs on, and how many of them."""
+
+    kind: str = _opt("cpu", "device model the recipe was sized for, e.g. cpu, h200, h100, mi300x, a2, a3",
+                     rule=_pattern(r"[a-z0-9][a-z0-9_-]*", "lowercase letters, digits, '_', '-'"))
+    count: int = _opt(1, "devices used on one host; must equal parallel world size (one process per device)",
+                      rule=_at_least(1))
+    memory_gib: float = _opt(0.0, "minimum memory per device in GiB as the runtime reports it; 0 = not stated",
+                             rule=_at_least(0), parse=_parse_float)
+    memory_limit_gib: float = _opt(0.0, "cap on this process's device memory in GiB (a share of a card); allocations "
+                                        "beyond it fail; 0 = no cap", rule=_at_least(0), parse=_parse_float)
+
+    def _rules(self) -> None:
+        if self.memory_limit_gib and self.memory_gib and self.memory_limit_gib > self.memory_gib:
+            raise RecipeError(f"must be <= device.memory_gib ({self.memory_gib:g}), got {self.memory_limit_gib:g}",
+                              "memory_limit_gib")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Model(_Validated):
+    """Which model, where its weights are, and in which precision it runs."""
+
+    flavor: str = _opt(TINY_FLAVOR, "model definition: hunyuan_image3 (released 80B MoE) or the tiny test model",
+                       choices=FLAVORS)
+    path: str | None = _opt(None, "Hugging Face-format directory with safetensors; null = embedded tiny weights "
+                                  "(a released flavor then needs --model PATH)", rule=_NONEMPTY)
+    dtype: str = _opt("bfloat16", "dtype of transformer weights and activations", choices=DTYPES)
+    vae_dtype: str = _opt("float32", "dtype of the VAE decoder", choices=DTYPES)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Parallel(_Validated):
+    """Mesh degrees; world size = dp * cfg * ulysses * ring * tp, one process per device."""
+
+    tp: int = _opt(1, "tensor parallel: attention heads and expert intermediate dims split over tp ranks",
+                   rule=_at_least(1))
+    ep: int = _opt(1, "expert parallel: experts spread over ep ranks (divides the world size)", rule=_at_least(1))
+    ulysses: int = _opt(1, "sequence parallel, Ulysses all-to-all over image tokens", rule=_at_least(1))
+    ring: int = _opt(1, "sequence parallel, ring attention (K/V rotation)", rule=_at_least(1))
+    cfg: int = _opt(1, "guidance rows on separate rank groups: 1 (packed in one forward) or 2", choices=(1, 2))
+    dp: int = _opt(1, "data parallel: independent replicas", rule=_at_least(1))
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cfg * self.ulysses * self.ring * self.tp
+
+    def _rules(self) -> None:
+        if self.ep > self.world_size or self.world_size % self.ep:
+            raise RecipeError(f"must divide the world size {self.world_size} (dp*cfg*ulysses*ring*tp), "
+                              f"got {self.ep}", "ep")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Quant(_Validated):
+    """Weight/activation quantization of linear layers."""
+
+    scheme: str = _opt("none", "none; fp8_tensor / fp8_row (e4m3, per-tensor / per-row scale); mxfp8; nvfp4; "
+                               "w8a8 (int8)", choices=QUANT_SCHEMES)
+    experts_only: bool = _opt(False, "quantize only MoE expert weights; attention and dense layers keep model.dtype")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Attention(_Validated):
+    """Preferred attention backend (a platform that cannot honour it refuses with a reason)."""
+
+    backend: str = _opt("auto", "auto (the platform picks); sdpa; varlen (torch varlen); fa3 (FlashAttention-3); "
+                                "flex (FlexAttention); fia (Ascend fused infer attention); aiter (AMD)",
+                        choices=ATTENTION_BACKENDS)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KvCache(_Validated):
+    """The per-worker KV pool holding each request's prefix K/V."""
+
+    mode: str = _opt("paged", "paged (fixed pages, block tables) or contiguous (one slab per request row)",
+                     choices=("paged", "contiguous"))
+    budget_bytes: int = _opt(2 * GiB, "pool size per worker: integer bytes or a string like '16GiB', '512MiB'",
+                             rule=_POSITIVE, parse=parse_bytes)
+    page_tokens: int = _opt(256, "tokens per page when paged (platforms may require a multiple of 16 or more)",
+                            rule=_at_least(1))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Offload(_Validated):
+    """Weights kept in pinned host memory and streamed to the device."""
+
+    mode: str = _opt("none", "none; layers (transformer layers streamed); experts (MoE experts streamed); "
+                             "text (embeddings/LM head on host); vae (VAE on host until decode)",
+                     choices=("none", "layers", "experts", "text", "vae"))
+    resident_layers: int = _opt(0, "layers kept on the device permanently when streaming layers or experts",
+                                rule=_at_least(0))
+    prefetch_window: int = _opt(1, "layers fetched ahead on a side stream", rule=_at_least(1))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepCache(_Validated):
+    """TeaCache-style step skipping (off by default; measure quality before enabling)."""
+
+    enabled: bool = _opt(False, "skip a step's transformer when its modulated input barely changed")
+    threshold: float = _opt(0.1, "accumulated relative L1 change below which a step is skipped",
+                            rule=_POSITIVE, parse=_parse_float)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Graph(_Validated):
+    """Device-graph capture of the denoising step."""
+
+    mode: str = _opt("eager", "eager, or capture (record per shape bucket and replay; needs platform support)",
+                     choices=("eager", "capture"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Vae(_Validated):
+    """VAE decode tiling (tiles are spread across ranks)."""
+
+    tiling: bool = _opt(False, "decode in overlapping latent tiles to bound memory")
+    tile_latents: int = _opt(32, "tile side in latent pixels", rule=_at_least(1))
+    overlap: int = _opt(8, "overlap between tiles in latent pixels, blended; < tile_latents", rule=_at_least(0))
+    streams: int = _opt(1, "tiles decoded at once on this many device streams (each holds one tile's activations); "
+                           "needs tiling", rule=_at_least(1))
+
+    def _rules(self) -> None:
+        if self.overlap >= self.tile_latents:
+            raise RecipeError(f"must be < tile_latents ({self.tile_latents}), got {self.overlap}", "overlap")
+        if self.streams > 1 and not self.tiling:
+            raise RecipeError(f"vae.streams={self.streams} decodes tiles concurrently, but vae.tiling is false; "
+                              "set vae.tiling: true or vae.streams: 1", "streams")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Serving(_Validated):
+    """HTTP server limits (omni-run serve)."""
+
+    host: str = _opt("127.0.0.1", "address to bind; 0.0.0.0 exposes the server to the network", rule=_NONEMPTY)
+    port: int = _opt(8091, "TCP port to listen on", rule=_PORT)
+    max_queue: int = _opt(64, "requests waiting beyond the running ones before 429 (0 = none wait)",
+                          rule=_at_least(0))
+    max_running: int = _opt(8, "requests denoising together (step-level batching)", rule=_at_least(1))
+    max_batch_tokens: int = _opt(32768, "packed tokens per forward (all rows of all running requests)",
+                                 rule=_at_least(1))
+    request_timeout_s: float = _opt(600.0, "seconds before a request is cancelled", rule=_POSITIVE,
+                                    parse=_parse_float)
+    api_key_env: str | None = _opt(None, "name of the environment variable holding the API key; null = no key",
+                                   rule=_pattern(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Defaults(_Validated):
+    """Generation parameters used when a request does not give them."""
+
+    steps: int = _opt(50, "denoising steps", rule=_at_least(1))
+    guidance: float = _opt(5.0, "classifier-free guidance scale s (v = v_uncond + s * (v_cond - v_uncond))",
+                           rule=_at_least(0), parse=_parse_float)
+    size: str = _opt("1024x1024", "image size WIDTHxHEIGHT", rule=_SIZE_RULE)
+    shift: float = _opt(3.0, "flow-matching timestep shift", rule=_POSITIVE, parse=_parse_float)
+    template: str = _opt("pretrain", "sequence template: pretrain (base model) or instruct (User:/Assistant:)",
+                         choices=("pretrain", "instruct"))
+    system_prompt: str | None = _opt(None, "text prepended as the system prompt; null = none")
+
+    @property
+    def width_height(self) -> tuple[int, int]:
+        return parse_size(self.size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recipe(_Validated):
+    """One deployment: model, device, layout, precision, caching, serving limits."""
+
+    name: str = field(metadata={"doc": "recipe name, by convention the file stem <device>_<layout>",
+                                "rule": _NAME})
+    description: str = _opt("", "one line shown by omni-run recipes")
+    platform: str = _opt("auto", "platform plugin: auto (the single accelerator found), cpu, cuda, rocm, npu, "
+                                 "xpu, musa, or an installed third-party platform", choices=platform_choices)
+    requires: str = _opt("", "platform package requirement, e.g. 'omni-run>=0.1'; '' = none",
+                         rule=_REQUIRES_RULE)
+    device: Device = _section(Device)
+    model: Model = _section(Model)
+    parallel: Parallel = _section(Parallel)
+    quant: Quant = _section(Quant)
+    attention: Attention = _section(Attention)
+    kv_cache: KvCache = _section(KvCache)
+    offload: Offload = _section(Offload)
+    step_cache: StepCache = _section(StepCache)
+    graph: Graph = _section(Graph)
+    vae: Vae = _section(Vae)
+    serving: Serving = _section(Serving)
+    defaults: Defaults = _section(Defaults)
+    validated: tuple[FrozenDict, ...] = _opt((), "results on real hardware: a list of {date, hardware, commit, "
+                                                 "<metric>: <value>} entries", parse=_parse_validated)
+
+    def _rules(self) -> None:
+        p = self.parallel
+        if p.world_size != self.device.count:
+            raise RecipeError(f"{self.device.count} device(s) but the parallel world size is {p.world_size} "
+                              f"(dp {p.dp} * cfg {p.cfg} * ulysses {p.ulysses} * ring {p.ring} * tp {p.tp}); "
+                              "they must be equal (one process per device)", "device.count")
+        if self.quant.experts_only and self.quant.scheme == "none":
+            raise RecipeError("true needs a quant.scheme other than none", "quant.experts_only")
+        if self.offload.mode in ("layers", "experts", "vae") and self.graph.mode == "capture":
+            raise RecipeError(f"offload.mode={self.offload.mode} conflicts with graph.mode=capture: streamed "
+                              "weights move between device slots, which a captured graph cannot follow; "
+                              "use graph.mode=eager or offload.mode=none|text", "offload.mode")
+
+    def get_path(self, path: str) -> object:
+        """The value at a dotted path such as ``"parallel.tp"``."""
+        obj = self
+        for part in path.split("."):
+            if not is_dataclass(obj):
+                raise RecipeError(f"not a section, so it has no key {part!r}", path)
+            obj = getattr(obj, _field_of(obj, part, path).name)
+        return obj
+
+    def replace_path(self, path: str, value: object) -> "Recipe":
+        """A new Recipe with one leaf changed (validated like YAML input: '2GiB' works)."""
+        return self.replace_paths({path: value})
+
+    def replace_paths(self, changes: Mapping[str, object]) -> "Recipe":
+        """A new Recipe with several leaves changed at once, validated once at the end."""
+        tree = _Tree()
+        try:
+            for path, value in changes.items():
+                _insert(tree, path, value)
+            return _apply(self, tree)
+        except RecipeError as e:
+            raise e.within(source=e.source or f"recipe {self.name}") from None
