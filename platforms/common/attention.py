@@ -31,18 +31,20 @@ def softmax_scale(spec: AttentionSpec) -> float:
 
 
 def first_fit(platform: str, spec: AttentionSpec, caps, reject: Reject, builders: Mapping[str, Builder],
-              auto: Sequence[str]):
+              auto: Sequence[str], lse: Sequence[str] = ()):
     """The first backend of ``auto`` (or the one ``spec.backend`` names) that fits ``spec``.
 
-    Specs asking for the log-sum-exp output are declined here, for every
-    platform at once, until a builder can return it.
+    ``lse`` names the backends that can also return the log-sum-exp (ring
+    attention merges partial results with it); a spec asking for it is
+    declined here, for every platform alike, by any other backend.
 
     The answer carries ``skipped``: why faster backends were passed over, for
     the trace. When none fits, every reason goes to ``reject`` prefixed with
     ``platform``, and the result is None.
     """
-    if spec.return_lse:  # ring attention merges partial results with it; no platform kernel returns it yet
-        return reject(f"{platform}: attention with a log-sum-exp output is not wired yet; the reference serves it")
+    if spec.return_lse and (spec.backend not in ("auto", *lse) or not lse):
+        serving = f"only {', '.join(lse)} returns it here" if lse else "no backend here returns it yet"
+        return reject(f"{platform}: attention with a log-sum-exp output: {serving}; the reference serves it")
     if spec.backend == "auto":
         order = tuple(auto)
     elif spec.backend in builders:

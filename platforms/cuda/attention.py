@@ -19,7 +19,8 @@ Backends, in ``auto`` order for masks ``none`` / ``causal``:
 
 ``dense`` masks go to sdpa with the bool mask under ``auto``; ``flex``
 (compiled FlexAttention with a block mask) serves every mask when asked for
-by name. A named backend that cannot serve a spec is refused with its
+by name, and is the one backend for specs that ask for the log-sum-exp
+(``return_lse``: ring attention's partials). A named backend that cannot serve a spec is refused with its
 reason; the chain is only walked for ``auto``. Every object here is
 capturable except flex (its block mask is rebuilt from host lengths).
 """
@@ -36,6 +37,7 @@ from .capabilities import Caps, Fa3, load_fa3
 
 HALF = (torch.float16, torch.bfloat16)
 BACKENDS = ("fa3", "varlen", "sdpa", "flex")
+LSE_BACKENDS = ("flex",)  # the backends that can also return the log-sum-exp (``AttentionSpec.return_lse``)
 
 
 def _cu_from_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
@@ -153,6 +155,12 @@ class FlexAttention:
         from torch.nn.attention import flex_attention as fa
 
         self.spec, self.scale = spec, softmax_scale(spec)
+        self.returns_lse = spec.return_lse  # ring attention merges partials by it (core checks this flag)
+        self.lse_kw = {}
+        if spec.return_lse:
+            self.name = "cuda-flex-lse"
+            aux = getattr(fa, "AuxRequest", None)  # return_lse is deprecated where AuxRequest exists
+            self.lse_kw = {"return_aux": aux(lse=True)} if aux is not None else {"return_lse": True}
         self.create_block_mask = fa.create_block_mask
         self.flex = torch.compile(fa.flex_attention, dynamic=False)
         # packed prefill, not decode: keep inductor off the flex-decoding kernel, which it picks for
@@ -160,13 +168,18 @@ class FlexAttention:
         backend = "BACKEND" in getattr(getattr(fa, "FlexKernelOptions", None), "__annotations__", {})
         self.kernel_options = {"BACKEND": "TRITON"} if backend else {"FORCE_USE_FLEX_ATTENTION": True}
 
-    def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+    def __call__(self, q_TNH, k, v, meta: VarlenMeta):
+        """``o_TNH``, or ``(o_TNH, lse_TN)`` (natural log, fp32; -inf where a query sees no key) with return_lse."""
         t, s = q_TNH.shape[0], k.shape[0]
         block_mask = self.create_block_mask(self._mask_mod(meta, q_TNH.device), None, None, t, s, device=q_TNH.device)
         q, k, v = (x.transpose(0, 1).contiguous()[None] for x in (q_TNH, k, v))
-        o = self.flex(q, k, v, block_mask=block_mask, scale=self.scale, kernel_options=self.kernel_options,
-                      enable_gqa=self.spec.num_heads != self.spec.num_kv_heads)
-        return o[0].transpose(0, 1)
+        out = self.flex(q, k, v, block_mask=block_mask, scale=self.scale, kernel_options=self.kernel_options,
+                        enable_gqa=self.spec.num_heads != self.spec.num_kv_heads, **self.lse_kw)
+        if not self.returns_lse:
+            return out[0].transpose(0, 1)
+        o, aux = out
+        lse = getattr(aux, "lse", aux)  # AuxOutput (torch >= 2.9) or the bare tensor (return_lse)
+        return o[0].transpose(0, 1), lse[0].transpose(0, 1).float()
 
     def _mask_mod(self, meta: VarlenMeta, device):
         if self.spec.mask == "dense":
@@ -204,5 +217,8 @@ BUILDERS = {"fa3": build_fa3, "varlen": build_varlen, "sdpa": build_sdpa, "flex"
 
 def resolve(spec: AttentionSpec, caps: Caps, reject, builders=BUILDERS):
     """First backend that fits; a named ``spec.backend`` is the only one tried."""
-    auto = ("sdpa",) if spec.mask == "dense" else ("fa3", "varlen", "sdpa")
-    return first_fit("cuda", spec, caps, reject, builders, auto)
+    if spec.return_lse:  # ring attention: dense-masked partials merged by their log-sum-exp
+        auto = LSE_BACKENDS
+    else:
+        auto = ("sdpa",) if spec.mask == "dense" else ("fa3", "varlen", "sdpa")
+    return first_fit("cuda", spec, caps, reject, builders, auto, lse=LSE_BACKENDS)

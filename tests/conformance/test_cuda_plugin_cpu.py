@@ -253,12 +253,39 @@ def test_cuda_flex_masks_on_cpu_tensors(mask, gqa):
                                **TOL[spec.dtype])
 
 
-def test_cuda_refuses_lse_attention_so_the_reference_answers():
-    """Ring attention needs the log-sum-exp; cuda declines with a reason instead of returning a kernel without it."""
-    from omni.platforms.cuda.attention import resolve
-    from omni.specs import AttentionSpec
+def naive_lse(spec, q_TNH, k_SKH, mask_TS):
+    """Natural-log log-sum-exp of each query's visible scaled scores (-inf where it sees none)."""
+    k = k_SKH.float().repeat_interleave(spec.num_heads // spec.num_kv_heads, dim=1)
+    s_NTS = torch.einsum("tnh,snh->nts", q_TNH.float(), k) / math.sqrt(spec.head_dim)
+    return s_NTS.masked_fill(~mask_TS, -math.inf).logsumexp(-1).transpose(0, 1)
 
-    reasons = []
-    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, return_lse=True)
-    assert resolve(spec, None, reasons.append) is None
-    assert reasons and "log-sum-exp" in reasons[0]
+
+@pytest.mark.parametrize("gqa", (1, 4))
+def test_cuda_flex_returns_the_log_sum_exp_for_ring_attention(gqa):
+    """return_lse specs resolve to flex under auto; (o, lse) match the naive oracle, a blind query gives (0, -inf)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    spec = dataclasses.replace(attention_spec("fp32", 64, gqa, "dense", 0), return_lse=True)
+    reasons: list[str] = []
+    impl = attention.resolve(spec, H100, reasons.append)
+    assert impl.name == "cuda-flex-lse" and impl.returns_lse and not reasons
+    impl.flex = flex_attention  # eager on the CPU; the GPU test runs it compiled
+    q, k, v, meta = make_attention_case(spec, "q<k", "cpu", seed=5)
+    meta.mask_TS[3] = False  # a query that sees no key at all
+    o, lse = impl(q, k, v, meta)
+    seen = meta.mask_TS.any(-1)  # the naive oracle gives NaN for the blind query; the contract says 0
+    torch.testing.assert_close(o[seen].float(), naive_attention(spec, q, k, v, meta)[seen].float(), **TOL[spec.dtype])
+    want = naive_lse(spec, q, k, meta.mask_TS)
+    assert lse.dtype == torch.float32 and torch.isneginf(lse[3]).all() and torch.all(o[3] == 0)
+    torch.testing.assert_close(lse[want.isfinite()], want[want.isfinite()], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend,caps,reason", [
+    ("sdpa", H100, "cuda: attention with a log-sum-exp output: only flex returns it here; the reference serves it"),
+    ("auto", dataclasses.replace(H100, has_flex=False), "cuda: flex: torch.nn.attention.flex_attention is not in this torch"),
+])
+def test_cuda_declines_lse_attention_it_cannot_serve(backend, caps, reason):
+    spec = dataclasses.replace(attention_spec("bf16", 64, 4, "dense", 0, backend=backend), return_lse=True)
+    reasons: list[str] = []
+    assert attention.resolve(spec, caps, reasons.append) is None
+    assert reasons == [reason]

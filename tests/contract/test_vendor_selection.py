@@ -109,7 +109,8 @@ def test_lse_output_is_refused_until_wired(platform, caps):
     spec = dataclasses.replace(attention_spec("bf16", 128, 4, "causal", 0), return_lse=True)
     reasons: list[str] = []
     assert RESOLVE[platform](spec, caps, reasons.append) is None
-    assert reasons == [f"{platform}: attention with a log-sum-exp output is not wired yet; the reference serves it"]
+    assert reasons == [f"{platform}: attention with a log-sum-exp output: no backend here returns it yet; "
+                       "the reference serves it"]
 
 
 # ----------------------------------------------------------------- GEMMs
