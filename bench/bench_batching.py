@@ -21,7 +21,6 @@ import dataclasses
 import datetime
 import json
 import platform as host
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,8 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import git_commit  # noqa: E402
 
 from omni.engine import Engine  # noqa: E402
 from omni.platform_manager import select  # noqa: E402
@@ -110,14 +111,6 @@ def _median(runs: list[dict]) -> dict:
     return sorted(runs, key=lambda m: m["wall_s"])[len(runs) // 2]
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", default="cpu")
@@ -186,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     model = (f"released shapes, {args.full_size_layers} layers, random weights" if args.full_size_layers
              else recipe.model.path or recipe.model.flavor)
     out = {"benchmark": "bench_batching", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "commit": commit(), "command": " ".join(["python", "bench/bench_batching.py", *(argv or sys.argv[1:])]),
+           "commit": git_commit(), "command": " ".join(["python", "bench/bench_batching.py", *(argv or sys.argv[1:])]),
            "platform": info.name, "device": info.device_name or host.processor(), "threads": torch.get_num_threads(),
            "recipe": recipe.name, "model": model, "dtype": recipe.model.dtype, "quant": recipe.quant.scheme,
            "requests": args.requests, "sizes": args.sizes, "steps": args.steps, "guidance": args.guidance,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import random_fullsize  # noqa: E402
+from bench_common import emit, h2d_bandwidth  # noqa: E402
 from random_model import build_random_pipeline  # noqa: E402
 
 from omni.engine import Engine  # noqa: E402
@@ -111,18 +111,6 @@ def log(msg: str, t0: float = 0.0) -> None:
     print(f"[{time.perf_counter() - t0:7.1f} s] {msg}" if t0 else msg, file=sys.stderr, flush=True)
 
 
-def h2d_bandwidth(dev) -> float:
-    src = dev.pin(torch.empty(1 << 30, dtype=torch.uint8))
-    dst = torch.empty_like(src, device=dev.device)
-    dst.copy_(src, non_blocking=True)
-    dev.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    dev.synchronize()
-    return 3 * src.numel() / (time.perf_counter() - t0)
-
-
 def whole_request(pipe, dev, steps: int) -> dict:
     """One request end to end (prefill, steps, tiled decode to uint8 on the host) under the cap."""
     dev.reset_peak_memory()
@@ -195,10 +183,7 @@ def main() -> int:
     log(f"capped steps {out['runs']}", t_start)
     if a.steps:
         out["whole_request"] = guarded(lambda: whole_request(pipe, dev, a.steps))
-    print(json.dumps(out, indent=2))
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
-    return 0
+    return emit(out, a.json)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,17 @@ block-diagonal visibility as a dense mask. Times the platform's kernel for
 from __future__ import annotations
 
 import argparse
-import json
-import time
+import sys
 from pathlib import Path
 
 import torch
 
-from omni.platform_manager import select
-from omni.reference import ReferenceAttention
-from omni.specs import AttentionSpec, VarlenMeta
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emit, timed  # noqa: E402
+
+from omni.platform_manager import select  # noqa: E402
+from omni.reference import ReferenceAttention  # noqa: E402
+from omni.specs import AttentionSpec, VarlenMeta  # noqa: E402
 
 N, K, H = 32, 8, 128
 
@@ -40,16 +42,6 @@ def ring_step_case(queries: int, chunk: int, prefix: int, device):
                       max_seqlen_q=queries, max_seqlen_k=mask.shape[1], cu_seqlens_q_host=cu_q,
                       cu_seqlens_k_host=cu_k, mask_TS=mask)
     return q, k, v, meta
-
-
-def timed(dev, fn, repeat: int) -> float:
-    fn()
-    dev.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    dev.synchronize()
-    return (time.perf_counter() - t0) / repeat
 
 
 def main() -> int:
@@ -73,10 +65,7 @@ def main() -> int:
            "keys": int(meta.mask_TS.shape[1]), "kernel_ms": 1e3 * t_kernel, "reference_ms": 1e3 * t_ref,
            "speedup": t_ref / t_kernel, "max_abs_err_o": (o.float() - o_ref.float()).abs().max().item(),
            "max_abs_err_lse": (lse - lse_ref).abs().max().item()}
-    print(json.dumps(out, indent=2))
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
-    return 0
+    return emit(out, a.json)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Released shapes with random weights (``--layers`` of 32 decoder layers).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emit, h2d_bandwidth, timed  # noqa: E402
 from random_model import build_random_pipeline  # noqa: E402
 
 from omni.image_quality import psnr, ssim  # noqa: E402
@@ -30,22 +30,6 @@ from omni.offload import LayerOffloader  # noqa: E402
 from omni.platform_manager import select  # noqa: E402
 from omni.recipe import load_recipe  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
-
-
-def timed(dev, fn, repeat: int = 3) -> float:
-    fn()
-    dev.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    dev.synchronize()
-    return (time.perf_counter() - t0) / repeat
-
-
-def h2d_bandwidth(dev) -> float:
-    src = dev.pin(torch.empty(1 << 30, dtype=torch.uint8))
-    dst = torch.empty_like(src, device=dev.device)
-    return src.numel() / timed(dev, lambda: dst.copy_(src, non_blocking=True))
 
 
 def request(steps: int, cache: float = 0.0) -> ImageRequest:
@@ -144,10 +128,7 @@ def main() -> int:
              "offload": lambda: bench_offload(pipe, dev, a.window)}
     for name in a.parts:  # offload last: it moves the layers to the host for good
         out[name] = parts[name]()
-    print(json.dumps(out, indent=2))
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
-    return 0
+    return emit(out, a.json)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,20 @@ import argparse
 import datetime
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from omni.engine import Engine
-from omni.image_quality import psnr, ssim
-from omni.platform_manager import select
-from omni.recipe import load_recipe, parse_size
-from omni.request import ImageRequest
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import git_commit  # noqa: E402
+
+from omni.engine import Engine  # noqa: E402
+from omni.image_quality import psnr, ssim  # noqa: E402
+from omni.platform_manager import select  # noqa: E402
+from omni.recipe import load_recipe, parse_size  # noqa: E402
+from omni.request import ImageRequest  # noqa: E402
 
 PROMPTS = ["a red fox in fresh snow, morning light", "an isometric city block at night, neon signs",
            "a bowl of ramen on a wooden table", "a lighthouse on a cliff during a storm"]
@@ -118,14 +120,6 @@ def finite(obj):
     return None if isinstance(obj, float) and math.isinf(obj) else obj
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50)
@@ -140,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     width, height = parse_size(args.size)
     thresholds = [float(t) for t in args.thresholds.split(",")]
-    started, t0 = commit(), time.perf_counter()  # the commit whose code is imported, before anyone moves HEAD
+    started, t0 = git_commit(), time.perf_counter()  # the commit whose code is imported, before anyone moves HEAD
     rows = measure(build(), PROMPTS[: args.prompts], thresholds, args.steps, width, height, args.seed)
     total = time.perf_counter() - t0
     print(f"tiny HunyuanImage-3 (cpu_tiny) on CPU, {torch.get_num_threads()} threads: {args.prompts} prompts, "

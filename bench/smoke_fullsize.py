@@ -10,7 +10,6 @@ platform's kernels. Prints time per step, per layer, peak memory; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emit  # noqa: E402
 from random_fullsize import build_random_model  # noqa: E402
 
 from omni.kv_pool import KVPool, PoolContext, Run  # noqa: E402
@@ -106,10 +106,7 @@ def main() -> int:
            "extrapolated_32_layer_step_s": t_backbone / a.layers * 32 + (t_step - t_backbone),
            "peak_mem_gib": peak / 2**30,
            "attention_kernel": model.model.layers[0].self_attn.attn["none"].name}
-    print(json.dumps(out, indent=2))
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
-    return 0
+    return emit(out, a.json)
 
 
 if __name__ == "__main__":
