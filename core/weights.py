@@ -115,7 +115,7 @@ class _Loader:
         dest = param.data if index is None else param.data[index]
         if dest.is_meta:  # a copy into meta storage would "succeed" and keep nothing
             return self.problems.append(f"{key}: its part of the model was never materialized ({origin})")
-        if target.read is not None and part is not None:
+        if target.read is not None and part is not None and not _is_scale(name):
             src = target.read(key[len(target.prefix):], part())
             if tuple(src.shape) != tuple(dest.shape):
                 return self.problems.append(f"{key}: this rank's part {tuple(src.shape)} vs sharded model "
@@ -123,8 +123,10 @@ class _Loader:
             dest.copy_(src.to(dest.dtype))
             self.filled.setdefault((id(target.module), name), set()).add(index)
             return None
-        if _is_scale(name):
-            src = _fit_scale(read(), dest)
+        if _is_scale(name):  # a rank's part of a scale is cut by the target, then fitted like any scale
+            cut = target.read is not None and part is not None and len(shape) > 0  # a 0-dim scale is whole
+            src = target.read(key[len(target.prefix):], part()) if cut else read()
+            src = _fit_scale(src, dest)
             if src is None:
                 return self.problems.append(f"{key}: checkpoint scale {tuple(shape)} vs model {tuple(dest.shape)} "
                                             f"(per-row scales need quant.scheme=fp8_row) ({origin})")

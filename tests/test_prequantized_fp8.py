@@ -11,6 +11,7 @@ the dequantized weights computes.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +166,51 @@ def test_unknown_checkpoint_quantization_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
     with pytest.raises(ValueError, match="'awq' is not supported"):
         quant.checkpoint_scheme(tmp_path)
+
+
+def _tp_rank_job(ctx, path: str, x: torch.Tensor):
+    """This tp rank's sharded fp8 model loaded from the ModelOpt checkpoint: its scales and layer outputs."""
+    from omni.models.hunyuan_image3.build import build_transformer, prequantized
+    from omni.parallel.runtime import ParallelRuntime
+    from omni.recipe import load_recipe
+
+    cfg_ = _tiny_cfg()
+    recipe = load_recipe("cpu_tiny").replace_paths({"quant.scheme": "fp8_row"})
+    model, target = build_transformer(cfg_, ctx.platform, dtype=torch.float32, quant="fp8_row", device="cpu",
+                                      parallel=ParallelRuntime(ctx.mesh, ctx.platform))
+    prequantized(Path(path), recipe, model)
+    load_checkpoint(path, [target], progress=False, skip_prefixes=("vae.",))
+    model.finalize()
+    layer, shards = model.model.layers[0], target.read.__self__.shards
+    with torch.no_grad():
+        return {"qkv": layer.self_attn.qkv_proj(x), "qkv_shard": shards["model.layers.0.self_attn.qkv_proj.weight"],
+                "gate_up": layer.mlp.shared_mlp.gate_and_up_proj(x),
+                "gate_up_shard": shards["model.layers.0.mlp.shared_mlp.gate_and_up_proj.weight"],
+                "o_scale": layer.self_attn.o_proj.weight_scale.clone()}
+
+
+def _tiny_cfg():
+    from omni.models.hunyuan_image3.config import HunyuanImage3Config
+    from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
+
+    return HunyuanImage3Config.from_file(ensure_tiny_checkpoint() / "config.json")
+
+
+def test_tensor_parallel_ranks_take_their_rows_of_per_row_scales(cfg, tmp_path):
+    """tp2 over a per-channel ModelOpt checkpoint: column-parallel ranks cut the scales with the rows (in the
+    KV-group-preserving qkv layout too), row-parallel ranks keep them whole; outputs equal one process's rows."""
+    from omni.parallel.launch import launch
+    from omni.parallel.mesh import Degrees
+
+    modelopt_checkpoint(cfg, tmp_path, per_channel=True)
+    whole = load(cfg, tmp_path, "fp8_row")
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    ranks = launch(_tp_rank_job, Degrees(tp=2), args=(str(tmp_path), x), timeout_s=120)
+    layer = whole.model.layers[0]
+    with torch.no_grad():
+        full = {"qkv": layer.self_attn.qkv_proj(x), "gate_up": layer.mlp.shared_mlp.gate_and_up_proj(x)}
+    for r in ranks:
+        for name in ("qkv", "gate_up"):
+            rows = r[f"{name}_shard"].take(full[name].t().contiguous()).t()
+            torch.testing.assert_close(r[name], rows, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(r["o_scale"], layer.self_attn.o_proj.weight_scale)

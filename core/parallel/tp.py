@@ -27,11 +27,14 @@ import torch
 import torch.nn as nn
 
 from omni.layers import GroupedLinear, Linear
-from omni.weights import LoadTarget
+from omni.weights import SCALE_SUFFIXES, LoadTarget
 
 from .ep import ExpertShard
 from .mesh import MeshError
 from .styles import Colwise, Experts, Heads, ReduceOutput, Replicate, Rowwise, SequenceParallel, glob_matches
+
+
+SCALES = tuple(f".{s}" for s in SCALE_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,22 @@ class PlanResult:
         return name, index
 
     def read(self, official: str, part) -> torch.Tensor:
-        shard = self.shards.get(self.model.param_name_for(official)[0])
+        name = self.model.param_name_for(official)[0]
+        if name.endswith(SCALES):  # a pre-quantized checkpoint's scale follows its weight's rows
+            return self._read_scale(name, part)
+        shard = self.shards.get(name)
         return part[:] if shard is None else shard.take(part)
+
+    def _read_scale(self, name: str, part) -> torch.Tensor:
+        """Per-row weight scales are cut with the out-features (column-parallel); the rest is whole.
+
+        Row-parallel layers keep every output row, per-tensor scales and the
+        static ``input_scale`` hold one value for the whole tensor.
+        """
+        shard = self.shards.get(name.rpartition(".")[0] + ".weight")
+        shape = part.get_shape() if hasattr(part, "get_shape") else part.shape
+        per_row = name.endswith("weight_scale") and len(shape) >= 1 and shape[0] > 1
+        return shard.take(part) if shard is not None and shard.dim == 0 and per_row else part[:]
 
     def load_target(self, prefix: str = "") -> LoadTarget:
         return LoadTarget(prefix, self.model, self.name_map, self.read)
