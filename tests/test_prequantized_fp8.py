@@ -214,3 +214,14 @@ def test_tensor_parallel_ranks_take_their_rows_of_per_row_scales(cfg, tmp_path):
             rows = r[f"{name}_shard"].take(full[name].t().contiguous()).t()
             torch.testing.assert_close(r[name], rows, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(r["o_scale"], layer.self_attn.o_proj.weight_scale)
+
+
+def test_prequantized_checkpoint_with_experts_only_is_refused_naming_the_option(cfg, tmp_path):
+    """Its dense e4m3 weights would otherwise load into bf16 layers without their scales."""
+    from omni.models.hunyuan_image3.build import prequantized
+    from omni.recipe import load_recipe
+
+    modelopt_checkpoint(cfg, tmp_path, per_channel=True)
+    recipe = load_recipe("cpu_tiny").replace_paths({"quant.scheme": "fp8_row", "quant.experts_only": True})
+    with pytest.raises(ValueError, match="quant.experts_only=true cannot keep them in model.dtype"):
+        prequantized(tmp_path, recipe, build(cfg, "fp8_row"))

@@ -60,16 +60,27 @@ def test_fp8_image_psnr_ssim_through_the_engine():
     from omni.request import ImageRequest
     from omni.models.hunyuan_image3.build import build_pipeline
 
-    imgs = {}
-    for scheme in ("none", "fp8_row"):
-        recipe = load_recipe("cpu_tiny").replace_paths({"quant.scheme": scheme, "model.dtype": "bfloat16"})
-        pipe = build_pipeline(recipe, select("cpu"), progress=False)
+    imgs, pipes = {}, {}
+    for label, scheme, experts_only in (("none", "none", False), ("fp8_row", "fp8_row", False),
+                                        ("experts_only", "fp8_row", True)):
+        recipe = load_recipe("cpu_tiny").replace_paths({"quant.scheme": scheme, "model.dtype": "bfloat16",
+                                                        "quant.experts_only": experts_only})
+        pipes[label] = build_pipeline(recipe, select("cpu"), progress=False)
         req = ImageRequest(prompt="a red cat", height=256, width=256, steps=3, seed=7)  # snapped to 1024x1024
-        imgs[scheme] = torch.from_numpy(Engine(pipe).run([req])[0].image_HW3)
+        imgs[label] = torch.from_numpy(Engine(pipes[label]).run([req])[0].image_HW3)
     p, s = psnr(imgs["fp8_row"], imgs["none"]), ssim(imgs["fp8_row"], imgs["none"])
     print(f"fp8_row vs none, tiny engine image: PSNR {p:.1f} dB, SSIM {s:.4f}")
     assert not torch.equal(imgs["fp8_row"], imgs["none"])
     assert p >= IMAGE_PSNR_DB and s >= IMAGE_SSIM
+
+    # quant.experts_only: the routed experts alone are e4m3; attention and the shared expert keep bf16
+    layer = pipes["experts_only"].model.model.layers[0]
+    assert layer.self_attn.qkv_proj.spec.quant == layer.mlp.shared_mlp.down_proj.spec.quant == "none"
+    assert layer.mlp.experts.down_proj.spec.quant == "fp8_row"
+    assert layer.mlp.experts.down_proj.weight.dtype == torch.float8_e4m3fn
+    p_experts = psnr(imgs["experts_only"], imgs["none"])
+    print(f"fp8_row experts only vs none: PSNR {p_experts:.1f} dB")
+    assert not torch.equal(imgs["experts_only"], imgs["none"]) and p_experts >= IMAGE_PSNR_DB
 
 
 def test_psnr_ssim_helpers():

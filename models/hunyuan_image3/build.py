@@ -39,8 +39,8 @@ def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) 
 
 
 def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str = "none", paged_kv: bool = False,
-                      page_size: int = 0, attn_backend: str = "auto", device="cpu",
-                      parallel=None, capturable: bool = False) -> tuple[HunyuanImage3Transformer, LoadTarget]:
+                      page_size: int = 0, attn_backend: str = "auto", device="cpu", parallel=None,
+                      capturable: bool = False, experts_only: bool = False) -> tuple[HunyuanImage3Transformer, LoadTarget]:
     """The transformer on ``device`` and the load target that fills it.
 
     With ``parallel`` (an ``omni.parallel.runtime.ParallelRuntime``) the model
@@ -48,7 +48,8 @@ def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str =
     ``parallel.py``, then allocated; its load target reads only this rank's
     slices of the checkpoint.
     """
-    kw = dict(dtype=dtype, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend)
+    kw = dict(dtype=dtype, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend,
+              experts_only=experts_only)
     if capturable:  # graph.mode: capture -- the denoising step's attention must be recordable
         if parallel is not None:
             raise ValueError("graph.mode=capture with parallel degrees > 1 is not supported yet "
@@ -73,7 +74,8 @@ def build_modules(cfg: HunyuanImage3Config, platform, recipe, device, parallel=N
     model, target = build_transformer(cfg, platform, dtype=DTYPES[recipe.model.dtype], quant=recipe.quant.scheme,
                                       paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0,
                                       device=device, parallel=parallel, attn_backend=recipe.attention.backend,
-                                      capturable=recipe.graph.mode == "capture")
+                                      capturable=recipe.graph.mode == "capture",
+                                      experts_only=recipe.quant.experts_only)
     with torch.device(device):
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae), with_encoder=False)
     return model, vae.eval(), target
@@ -85,6 +87,9 @@ def prequantized(root: Path, recipe, model) -> str | None:
     refusal = quant.checkpoint_refusal(scheme, recipe.quant.scheme)
     if refusal is not None:
         raise ValueError(f"{root}: {refusal}")
+    if scheme is not None and recipe.quant.experts_only:  # its dense e4m3 weights would load without their scales
+        raise ValueError(f"{root}: a pre-quantized {scheme} checkpoint sets the precision of every layer it "
+                         "quantized; quant.experts_only=true cannot keep them in model.dtype (set it to false)")
     if scheme is not None:
         log.info("pre-quantized %s checkpoint: %d layers take its scales", scheme, model.prepare_prequantized())
     return scheme

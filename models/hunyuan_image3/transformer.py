@@ -74,10 +74,11 @@ class Attention(nn.Module):
     """GQA attention; RoPE first, then per-head RMSNorm on q and k."""
 
     def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size,
-                 attn_backend="auto", capturable=False):
+                 attn_backend="auto", capturable=False, experts_only=False):
         super().__init__()
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.layer_idx, self.shape_NKH = layer_idx, (N, K, H)
+        quant = "none" if experts_only else quant  # quant.experts_only: attention keeps model.dtype
         self.qkv_proj = Linear(D, (N + 2 * K) * H, platform=platform, dtype=dtype, quant=quant)
         self.o_proj = Linear(N * H, D, platform=platform, dtype=dtype, quant=quant)
         self.query_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
@@ -190,12 +191,12 @@ class RoutedExperts(KernelOwner):
 class MoE(nn.Module):
     """``shared_mlp(x) + sum_k w_k expert_k(x)`` (the shared expert is always added)."""
 
-    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant):
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, experts_only=False):
         super().__init__()
         D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[layer_idx], cfg.num_experts
         self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform)
         self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, dtype=dtype,
-                                 quant=quant)
+                                 quant="none" if experts_only else quant)  # the routed experts alone quantize
         self.experts = RoutedExperts(E, D, inner, platform=platform, dtype=dtype, quant=quant,
                                      topk=cfg.moe_topk[layer_idx])
 
@@ -209,14 +210,14 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size,
-                 attn_backend="auto", capturable=False):
+                 attn_backend="auto", capturable=False, experts_only=False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant,
                                    paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend,
-                                   capturable=capturable)
+                                   capturable=capturable, experts_only=experts_only)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MoE(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant)
+        self.mlp = MoE(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant, experts_only=experts_only)
 
     def forward(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
         h_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_TH, sin_TH, ctx)
@@ -237,13 +238,14 @@ class HunyuanImage3Transformer(nn.Module):
     """Backbone, text head and image I/O heads; inference only (no grads)."""
 
     def __init__(self, cfg: HunyuanImage3Config, platform, dtype: torch.dtype = torch.float32, quant: str = "none",
-                 paged_kv: bool = False, page_size: int = 0, attn_backend: str = "auto", capturable: bool = False):
+                 paged_kv: bool = False, page_size: int = 0, attn_backend: str = "auto", capturable: bool = False,
+                 experts_only: bool = False):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         D, C, hidden = cfg.hidden_size, cfg.latent_channels, cfg.patch_embed_hidden_dim
         kw = dict(platform=platform, dtype=dtype)
         self.model = Decoder(cfg, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend,
-                             capturable=capturable, **kw)
+                             capturable=capturable, experts_only=experts_only, **kw)
         self.lm_head = Linear(D, cfg.vocab_size, **kw)  # kept unquantized: logits quality
         self.timestep_emb = TimestepEmbedder(D, **kw)  # replaces the <timestep> token
         self.time_embed = TimestepEmbedder(D, **kw)  # conditions patch_embed
