@@ -25,6 +25,7 @@ from omni.request import ImageRequest
 from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
 
 _ERRORS = {c.__name__: c for c in (EngineUnavailable, RequestCancelled, RequestTooLarge)}
+_STOP_WORKERS_S = 15.0  # a cancelled launch's SIGTERM grace (launch.TERMINATE_GRACE_S), with room to spare
 
 
 def replica_load(replica) -> int:
@@ -55,11 +56,18 @@ class ReplicaRouter:
         return self
 
     def stop(self, timeout: float | None = 30.0) -> None:
-        for r in self.replicas:
-            r.stop(timeout)
         job = getattr(self, "job", None)  # the launch thread of start_replicas
-        if job is not None:
-            job.join(timeout)
+        try:
+            for r in self.replicas:
+                r.stop(timeout)
+            if job is not None:
+                job.join(timeout)
+        finally:
+            # The launched ranks ignore SIGINT and are not daemons (multiprocessing joins them at exit): if the
+            # orderly stop timed out or was itself interrupted, stop them here rather than leave them running.
+            if job is not None and job.is_alive() and getattr(self, "cancel_job", None) is not None:
+                self.cancel_job.set()
+                job.join(_STOP_WORKERS_S)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return any([r.wait_ready(timeout) for r in self.replicas])
@@ -204,7 +212,8 @@ class RemoteReplica:
                 self._post(("stop", None, None))
             except OSError:
                 pass
-        self._reader.join(timeout)
+        if self._reader.is_alive():  # never started when the server stops before it starts the router
+            self._reader.join(timeout)
 
     def _post(self, msg) -> None:
         with self._send_lock:
@@ -329,31 +338,40 @@ def start_replicas(recipe_ref: str, *, platform: str, model_path: str | None = N
     authkey = secrets.token_bytes(32)
     listener = Listener(("127.0.0.1", 0), authkey=authkey)
     failure: list[BaseException] = []
+    cancel = threading.Event()
 
     def run() -> None:
         try:
-            launch(replica_worker, degrees, platform=platform,
+            launch(replica_worker, degrees, platform=platform, cancel=cancel,
                    args=(listener.address, authkey, str(recipe_ref), model_path))
         except BaseException as e:  # noqa: BLE001 - reported by start_replicas or the replicas' status
             failure.append(e)
             listener.close()  # unblocks accept()
 
     job = threading.Thread(target=run, name="omni-replicas", daemon=True)
-    job.start()
     timer = threading.Timer(connect_timeout_s, listener.close)
-    timer.start()
     replicas = []
     try:
+        job.start()
+        timer.start()
         for i in range(degrees.dp):
             replicas.append(RemoteReplica(listener.accept(), name=f"replica{i}"))
-    except OSError:
-        job.join(5.0)
-        raise RuntimeError(f"replicas of {recipe_ref} did not connect: "
-                           f"{failure[0] if failure else f'timeout after {connect_timeout_s}s'}") from None
+    except BaseException as e:
+        # The launch failed (accept() unblocked), the timeout passed, or Ctrl-C came while the ranks load:
+        # they ignore SIGINT, so stop them here; nothing else would before this process exits.
+        reason = failure[0] if failure else f"timeout after {connect_timeout_s}s"  # before cancel adds its own
+        cancel.set()
+        if job.is_alive():
+            job.join(_STOP_WORKERS_S)
+        for r in replicas:
+            r.conn.close()
+        if not isinstance(e, OSError):
+            raise
+        raise RuntimeError(f"replicas of {recipe_ref} did not connect: {reason}") from None
     finally:
         timer.cancel()
     router = ReplicaRouter(replicas)
-    router.job = job
+    router.job, router.cancel_job = job, cancel
     return router
 
 

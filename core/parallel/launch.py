@@ -13,8 +13,12 @@ comes back to ``launch``.
 Teardown: the first rank that fails makes ``launch`` stop every other worker
 (SIGTERM, then SIGKILL) and raise ``WorkerError`` with that rank's
 traceback; a peer blocked in a collective never keeps the job alive. Ctrl-C
-stops all workers. A worker whose launcher dies (even by SIGKILL) exits on
-its own: it watches a pipe whose other end only the launcher holds.
+stops all workers: workers ignore SIGINT (a terminal sends it to the whole
+process group), so the launcher alone decides how they end -- it stops them
+when interrupted, or, when ``launch`` runs in a thread of a server, the
+server stops them in order (``cancel`` stops them at once). A worker whose
+launcher dies (even by SIGKILL) exits on its own: it watches a pipe whose
+other end only the launcher holds.
 
 Environment variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR, MASTER_PORT from torchrun) are read in ``main()``
@@ -23,6 +27,7 @@ only, turned into a ``RankInfo`` and passed down explicitly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import multiprocessing as mp
@@ -42,6 +47,7 @@ from .mesh import Degrees
 
 TERMINATE_GRACE_S = 5.0
 ROOT_CAUSE_WINDOW_S = 1.0
+CANCEL_POLL_S = 0.1  # how often a launch with a cancel event looks at it
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,10 @@ class WorkerContext:
     @property
     def device(self):
         return self.services.device
+
+
+class LaunchCancelled(RuntimeError):
+    """``launch``'s ``cancel`` event was set; every worker was stopped."""
 
 
 class WorkerError(RuntimeError):
@@ -158,12 +168,19 @@ def _watch_parent(conn) -> None:
 
 def _child(fn, info: RankInfo, degrees: Degrees, platform: str, args: tuple, dist_timeout_s: float,
            threads: int, report, lifeline) -> None:
+    # Ctrl-C in a terminal signals the whole process group. A worker that died of it on its own would cut
+    # the launcher's connections mid-shutdown (a server would see EOF from its replicas and call them dead);
+    # instead the launcher, which owns the workers, stops them or lets them finish. SIG_IGN also discards a
+    # SIGINT that arrived while this interpreter started (``launch`` spawns with SIGINT blocked).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     threading.Thread(target=_watch_parent, args=(lifeline,), daemon=True, name="omni-lifeline").start()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     try:
         result = run_worker(fn, info, degrees, platform=platform, args=args, dist_timeout_s=dist_timeout_s,
                             threads=threads)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # raised by fn itself: SIGINT is ignored here
         report.send(("interrupted", info.rank, "interrupted (Ctrl-C)", "", time.time()))
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher with its traceback, then exit 1
@@ -184,12 +201,15 @@ def _child(fn, info: RankInfo, degrees: Degrees, platform: str, args: tuple, dis
 def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args: tuple = (),
            nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float | None = None,
-           dist_timeout_s: float = 300.0) -> list:
+           dist_timeout_s: float = 300.0, cancel: threading.Event | None = None) -> list:
     """Spawn this node's workers, wait for all, return their results (local rank order).
 
     ``fn`` must be importable by name (a module-level function or
     ``"module:function"``): workers are fresh interpreters (spawn), never forks
-    of a process that may hold device contexts or threads.
+    of a process that may hold device contexts or threads. Setting ``cancel``
+    (from another thread) stops every worker and raises ``LaunchCancelled``:
+    the workers ignore SIGINT, so a caller that runs ``launch`` in a thread
+    uses it to end them when it is interrupted or gives up waiting.
     """
     nproc = nproc_per_node or degrees.world_size // nnodes
     if nproc * nnodes != degrees.world_size:
@@ -211,20 +231,49 @@ def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args:
             life_r, life_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"omni-rank{info.rank}", daemon=False,
                             args=(fn, info, degrees, platform, args, dist_timeout_s, threads, send, life_r))
-            p.start()
+            with _sigint_blocked():
+                p.start()
             send.close()
             life_r.close()
             procs.append(p)
             reports[recv] = info.rank
             lifelines.append(life_w)
-        return _supervise(procs, reports, timeout_s)
+        results = _supervise(procs, reports, timeout_s, cancel)
+        # Every rank reported: let each finish exiting (multiprocessing's exit handlers unlink its semaphores)
+        # before _stop_all terminates the stragglers; a SIGTERM now would leak them, and the resource tracker
+        # warns about them on stderr.
+        _join_all(procs, TERMINATE_GRACE_S)
+        return results
     finally:
         _stop_all(procs)
         for conn in lifelines:
             conn.close()
 
 
-def _supervise(procs: list, reports: dict, timeout_s: float | None) -> list:
+@contextlib.contextmanager
+def _sigint_blocked():
+    """Block SIGINT in this thread while it spawns a worker, which inherits the mask through fork and exec.
+
+    A Ctrl-C during the worker's interpreter startup then stays pending until ``_child`` ignores it, instead
+    of a KeyboardInterrupt traceback from the child's bootstrap (multiprocessing's resource tracker starts
+    the same way). The signal still reaches this process: another thread (or this one, afterwards) takes it.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+        yield
+        return
+    # Spawning may start multiprocessing's resource tracker first, and that start ends with an unconditional
+    # SIG_UNBLOCK of SIGINT in this thread, which would undo ours: start it before blocking.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _supervise(procs: list, reports: dict, timeout_s: float | None, cancel: threading.Event | None = None) -> list:
     """Collect results; on the first failure (error report or bad exit) stop everyone and raise.
 
     A failure makes its peers fail too (their collectives lose a member), so
@@ -244,7 +293,11 @@ def _supervise(procs: list, reports: dict, timeout_s: float | None) -> list:
         if deadline is not None and now >= deadline:
             missing = sorted(set(reports.values()) - set(results))
             raise TimeoutError(f"workers {missing} did not finish within {timeout_s}s; all workers stopped")
+        if cancel is not None and cancel.is_set():
+            raise LaunchCancelled("launch cancelled; all workers stopped")
         limits = [t - now for t in (deadline, settle_until) if t is not None]
+        if cancel is not None:  # an Event cannot join mp.connection.wait: look at it this often
+            limits.append(CANCEL_POLL_S)
         for obj in mp.connection.wait(list(waiting), timeout=max(0.0, min(limits)) if limits else None):
             waiting.discard(obj)
             if obj in reports:
@@ -293,13 +346,17 @@ def _exit_reason(code: int | None) -> str:
     return f"exited with code {code} without reporting a result"
 
 
+def _join_all(procs: list, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
 def _stop_all(procs: list) -> None:
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.terminate()
-    deadline = time.monotonic() + TERMINATE_GRACE_S
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
+    _join_all(alive, TERMINATE_GRACE_S)
     for p in alive:
         if p.is_alive():
             p.kill()

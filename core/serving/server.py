@@ -62,20 +62,22 @@ def serve_main(args, recipe) -> int:
     host = getattr(args, "host", None) or recipe.serving.host
     port = getattr(args, "port", None) or recipe.serving.port
     engine = _engine_for(args, recipe, platform)
-    options = ServingOptions.from_recipe(recipe, model_id=model_id_for(recipe, getattr(args, "model", None)),
-                                         api_key=getattr(args, "api_key", None))
-    server = _Server(uvicorn.Config(create_app(engine, options), host=host, port=port, log_level="info",
-                                    timeout_graceful_shutdown=5))
-    engine.start()
-
-    def stop_if_dead(*_):
-        if engine.status == "dead":
-            server.should_exit = True
-
-    _watch(engine, stop_if_dead)
-    log.info("serving %s on http://%s:%d (platform %s, recipe %s); /health is 503 until the model is loaded",
-             options.model_id, host, port, platform.name, recipe.name)
+    # From here on the engine is stopped whatever happens: a multi-rank engine's ranks ignore Ctrl-C (the
+    # server stops them), so an exception or a Ctrl-C before uvicorn takes over the signals must stop them too.
     try:
+        options = ServingOptions.from_recipe(recipe, model_id=model_id_for(recipe, getattr(args, "model", None)),
+                                             api_key=getattr(args, "api_key", None))
+        server = _Server(uvicorn.Config(create_app(engine, options), host=host, port=port, log_level="info",
+                                        timeout_graceful_shutdown=5))
+        engine.start()
+
+        def stop_if_dead(*_):
+            if engine.status == "dead":
+                server.should_exit = True
+
+        _watch(engine, stop_if_dead)
+        log.info("serving %s on http://%s:%d (platform %s, recipe %s); /health is 503 until the model is loaded",
+                 options.model_id, host, port, platform.name, recipe.name)
         server.run()
     finally:
         engine.stop()
