@@ -12,8 +12,8 @@ from omni.kv_pool import KVPool
 from omni.step_graphs import StepGraphs
 from omni.vae_tiling import TileLanes
 from omni.layers import finalize_all
-from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, host_tensor_ids, park_on_host, place_resident
-from omni.weights import LoadTarget, StreamingLoad, load_checkpoint, materialize_meta_
+from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, park_on_host
+from omni.weights import LoadTarget, StreamingLoad, materialize_meta_
 
 from .config import HunyuanImage3Config
 from .parallel import PLANS
@@ -98,45 +98,20 @@ def prequantized(root: Path, recipe, model) -> str | None:
 STREAMED = {"layers": ALL, "experts": EXPERTS_ONLY}
 
 
-def apply_offload(recipe, model, vae, services) -> list[LayerOffloader]:
-    """Stream or park weights on the host as ``offload.mode`` says; everything else goes to the device."""
-    o, offloaders, host = recipe.offload, [], set()
-    if o.mode in STREAMED:
-        offloaders.append(LayerOffloader(list(model.model.layers), services, resident=o.resident_layers,
-                                         window=o.prefetch_window, keep=STREAMED[o.mode]))
-    elif o.mode == "vae":  # the decoder streams in once per decode; the encoder is unused by T2I
-        offloaders.append(LayerOffloader([vae.decoder], services, window=1))
-    elif o.mode == "text":  # embedding rows gathered on the host; lm_head runs there (text path only)
-        host = {id(model.model.wte.weight.data), id(model.lm_head.weight.data)}
-    keep = host | host_tensor_ids(offloaders)
-    place_resident(model, services.device, keep)
-    place_resident(vae, services.device, keep)
-    return offloaders
-
-
 def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress: bool):
-    """The loaded, prepared transformer and VAE, placed as ``offload.mode`` says, and their offloaders."""
-    if recipe.offload.mode in STREAMED and parallel is None:
-        return load_streamed(recipe, cfg, platform, root, services, progress)
-    offload = recipe.offload.mode != "none"  # build and load on the host, then place
-    model, vae, target = build_modules(cfg, platform, recipe, "cpu" if offload else services.device, parallel)
-    prequantized(root, recipe, model)
-    load_checkpoint(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED, progress=progress)
-    model.finalize()
-    return model, vae, apply_offload(recipe, model, vae, services) if offload else []
+    """The loaded, prepared transformer and VAE, placed as ``offload.mode`` says, and their offloaders.
 
-
-def load_streamed(recipe, cfg, platform, root: Path, services, progress: bool):
-    """Layer or expert offload without the whole model in memory anywhere.
-
-    The model is built on ``meta``; each decoder layer in turn is given device
-    storage, loaded, prepared (quantized on the device) and, past
-    ``resident_layers``, has its streamed tensors parked in pinned host memory.
-    Peak device memory is the resident part plus one layer in the checkpoint's
-    dtype; host memory holds only the streamed tensors, already quantized.
+    Never the whole model in memory anywhere: the model is built on ``meta``
+    (cut to this rank's shard under ``parallel``); each decoder layer in turn
+    is given device storage, loaded, prepared (quantized on the device) and,
+    for ``offload.mode`` layers / experts past ``resident_layers``, has its
+    streamed tensors parked in pinned host memory. Peak device memory is the
+    resident part plus one layer in the checkpoint's dtype, so the FP8 model
+    loads on a card that could not hold it in bf16; host memory holds only
+    what is streamed, already quantized.
     """
-    o, dev, keep = recipe.offload, services.device, STREAMED[recipe.offload.mode]
-    model, vae, target = build_modules(cfg, platform, recipe, "meta")
+    o, dev, keep = recipe.offload, services.device, STREAMED.get(recipe.offload.mode)
+    model, vae, target = build_modules(cfg, platform, recipe, "meta", parallel)
     prequantized(root, recipe, model)
     stream = StreamingLoad(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED, progress=progress)
     layers = list(model.model.layers)
@@ -144,14 +119,26 @@ def load_streamed(recipe, cfg, platform, root: Path, services, progress: bool):
         materialize_meta_(layer, dev)
         stream.load(lambda key, prefix=f"model.layers.{i}.": key.startswith(prefix))
         finalize_all(layer)
-        if i >= o.resident_layers:
+        if keep is not None and i >= o.resident_layers:
             park_on_host(layer, services, keep)
     materialize_meta_(model, dev)
     materialize_meta_(vae, dev)
     stream.finish()
     model.finalize()
-    return model, vae, [LayerOffloader(layers, services, resident=o.resident_layers, window=o.prefetch_window,
-                                       keep=keep)]
+    return model, vae, _offloaders(recipe, model, vae, services)
+
+
+def _offloaders(recipe, model, vae, services) -> list[LayerOffloader]:
+    o = recipe.offload
+    if o.mode in STREAMED:
+        return [LayerOffloader(list(model.model.layers), services, resident=o.resident_layers,
+                               window=o.prefetch_window, keep=STREAMED[o.mode])]
+    if o.mode == "vae":  # the decoder streams in once per decode; the encoder is not built for T2I
+        return [LayerOffloader([vae.decoder], services, window=1)]
+    if o.mode == "text":  # embedding rows gathered on the host; lm_head runs there (text path only)
+        for m in (model.model.wte, model.lm_head):
+            park_on_host(m, services)
+    return []
 
 
 def build_pipeline(recipe, platform, *, model_path: str | None = None, local_rank: int = 0,

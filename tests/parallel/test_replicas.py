@@ -72,6 +72,16 @@ def test_cfg2_replica_serves_in_lock_step(checkpoint, single):
     same_image(img, single_run(checkpoint, ImageRequest(prompt="no seed given", steps=3, seed=seed)), "unseeded")
 
 
+@pytest.mark.parametrize("degrees", [Degrees(tp=2), Degrees(tp=2, ep=2), Degrees(ulysses=2)],
+                         ids=lambda d: d.label())
+def test_sharded_replica_built_layer_by_layer_serves_the_single_process_images(checkpoint, single, degrees):
+    """build_pipeline on a mesh: meta model cut to each rank's shard, loaded one layer at a time."""
+    images, follower = launch(workers.driver_job, degrees, args=(checkpoint, PROMPTS[:2]), timeout_s=120)
+    assert follower["followed"] > 0
+    for rid in ("r0", "r1"):
+        same_image(images[rid][0], single[rid], f"{degrees.label()} {rid}")
+
+
 def test_a_request_failing_on_every_rank_fails_alone_and_the_replica_serves_on(checkpoint, single):
     """The scheduler's isolation holds across ranks: the poisoned request fails, packed neighbours finish."""
     prompts = [PROMPTS[0], "poison", PROMPTS[1]]
