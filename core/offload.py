@@ -126,14 +126,3 @@ def park_on_host(block: nn.Module, services, keep: TensorFilter = ALL) -> dict[s
             t.data = services.pin(t.data)  # straight into page-locked memory: no pageable copy
         host[name] = t.data
     return host
-
-
-def host_tensor_ids(offloaders: list["LayerOffloader"]) -> set[int]:
-    return {id(t) for off in offloaders for h in off.host.values() for t in h.values()}
-
-
-def place_resident(model: nn.Module, device, keep_on_host: set[int] = frozenset()) -> None:
-    """Move every tensor of ``model`` to ``device`` except those whose ``.data`` ids are in ``keep_on_host``."""
-    for t in list(model.parameters()) + [b for b in model.buffers() if b is not None]:
-        if id(t.data) not in keep_on_host and t.device != torch.device(device):
-            t.data = t.data.to(device)
