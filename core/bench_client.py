@@ -123,7 +123,8 @@ class InProcessTarget:
     def __init__(self, args):
         from omni.platform_manager import select
         from omni.recipe import load_recipe
-        from omni.scheduler import EngineLoop, Scheduler
+        from omni.engine_loop import EngineLoop
+        from omni.scheduler import Scheduler
 
         recipe = load_recipe(args.recipe)
         if args.set:

@@ -3,7 +3,7 @@
 A thin driver over ``Scheduler`` (core/scheduler.py holds the policy: FIFO
 admission under the KV pool and the activation budget, one packed denoising
 step per iteration, requests joining and leaving at step boundaries). The
-server runs the same scheduler on its own thread (``EngineLoop``); this class
+server runs the same scheduler on its own thread (``omni.engine_loop.EngineLoop``); this class
 is for ``omni-run generate``, benchmarks and tests.
 """
 from __future__ import annotations

@@ -387,7 +387,8 @@ def replica_worker(ctx, address, authkey: bytes, recipe_ref: str, model_path: st
     from multiprocessing.connection import Client
 
     from omni.recipe import load_recipe
-    from omni.scheduler import EngineLoop, Scheduler
+    from omni.engine_loop import EngineLoop
+    from omni.scheduler import Scheduler
     from omni.models.hunyuan_image3.build import build_pipeline
 
     from .driver import DriverPipeline, follow

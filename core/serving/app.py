@@ -32,7 +32,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from omni.request import ImageRequest, ImageResult
-from omni.scheduler import EngineLoop, EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
+from omni.engine_loop import EngineLoop
+from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
 
 from .encode import encode_image
 from .metrics import Metrics

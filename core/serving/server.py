@@ -15,7 +15,8 @@ from pathlib import Path
 
 import uvicorn
 
-from omni.scheduler import EngineLoop, Scheduler
+from omni.engine_loop import EngineLoop
+from omni.scheduler import Scheduler
 
 from .app import ServingOptions, create_app
 

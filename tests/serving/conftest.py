@@ -8,7 +8,8 @@ import pytest
 
 from omni.platform_manager import select
 from omni.recipe import load_recipe
-from omni.scheduler import EngineLoop, Scheduler
+from omni.engine_loop import EngineLoop
+from omni.scheduler import Scheduler
 from omni.serving.app import ServingOptions, create_app
 
 from serving_harness import ServerThread, TestPipeline, wait_until

@@ -7,7 +7,8 @@ import threading
 import httpx
 import pytest
 
-from omni.scheduler import EngineLoop, Scheduler
+from omni.engine_loop import EngineLoop
+from omni.scheduler import Scheduler
 from omni.serving.app import ServingOptions, create_app
 
 from serving_harness import FakePipeline, ServerThread, wait_until

@@ -5,7 +5,8 @@ import pytest
 
 from omni.engine import Engine
 from omni.request import ImageRequest
-from omni.scheduler import EngineLoop, EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge, Scheduler
+from omni.engine_loop import EngineLoop
+from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge, Scheduler
 
 from serving_harness import FAULT_IN_DECODE, FAULT_IN_STEP, FakePipeline, InjectedFault, wait_until
 
