@@ -23,146 +23,21 @@ environment read of the startup path). Heavy modules (torch, the platform
 manager, the model, the server) are imported only by the commands that need
 them, so ``--help`` and ``recipes --check`` stay fast.
 """
-import argparse
 import logging
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .recipe import GiB, TINY_FLAVOR, Recipe, RecipeError, apply_patches, list_recipes, load_recipe, parse_size, \
     schema_rows, unmet_requirement
 
+from .cli_parser import build_parser
+
 log = logging.getLogger("omni.cli")
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
-DEFAULT_RECIPE = "cpu_tiny"
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-EPILOG = """\
-examples:
-  omni-run platforms                         which platforms are installed, which are usable here
-  omni-run recipes                           list and validate the packaged recipes
-  omni-run recipes --platform cpu            ... and check each against the cpu platform
-  omni-run recipes --check my.yaml           validate one recipe file (exit 2 with the reason if bad)
-  omni-run recipes --schema                  every recipe key with allowed values and default
-  omni-run recipes --docs                    regenerate docs/recipes/ (pages with memory estimates)
-  omni-run generate --prompt "a red fox" -o fox.png
-                                             one image with the embedded tiny model on the CPU
-  omni-run generate --recipe h200_fp8 --model /ckpt/HunyuanImage-3 --prompt "a red fox" --trace
-                                             the real model on one H200, logging each kernel choice
-  omni-run --platform cuda --recipe h200_fp8 --model /ckpt/HunyuanImage-3
-                                             serve (no command = serve) on 127.0.0.1:8091
-  omni-run serve --host 0.0.0.0 --api-key "$KEY"
-                                             serve the tiny model to the network, with a key
-  omni-run bench --help                      the benchmark client's own options
-
-A recipe is a packaged name (see `omni-run recipes`) or a path to a .yaml file.
---platform wins over detection; a recipe that names another platform is refused.
-
-exit status: 0 ok, 1 runtime error, 2 usage or configuration error"""
-
 
 class UsageError(Exception):
     """A problem with what the user asked for; exit status 2."""
-
-
-# ------------------------------------------------------------------ parser
-
-
-def _common(parser: argparse.ArgumentParser, top: bool) -> None:
-    """--log-level/--trace on the top parser and every command (SUPPRESS keeps the top value)."""
-    default = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
-    g = parser.add_argument_group("logging")
-    g.add_argument("--log-level", choices=LOG_LEVELS, default=default("info"), help="default: info")
-    g.add_argument("--trace", action="store_true", default=default(False),
-                   help="log which platform plugin answered each kernel spec (and who declined)")
-
-
-def _deployment(parser: argparse.ArgumentParser, top: bool) -> None:
-    default = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
-    g = parser.add_argument_group("deployment")
-    g.add_argument("--recipe", metavar="NAME|FILE", default=default(DEFAULT_RECIPE),
-                   help=f"packaged recipe name or .yaml path (default: {DEFAULT_RECIPE})")
-    g.add_argument("--platform", metavar="NAME", default=default(None),
-                   help="cpu, cuda, rocm, npu, xpu, musa, ... (default: the recipe's platform; auto = detect)")
-    g.add_argument("--model", metavar="PATH", default=default(None),
-                   help="Hugging Face-format model directory (overrides model.path)")
-
-
-def _serving(parser: argparse.ArgumentParser, top: bool) -> None:
-    default = (lambda v: v) if top else (lambda v: argparse.SUPPRESS)
-    g = parser.add_argument_group("serving")
-    g.add_argument("--host", default=default(None), help="bind address (default: serving.host, 127.0.0.1)")
-    g.add_argument("--port", type=int, default=default(None), help="TCP port (default: serving.port, 8091)")
-    g.add_argument("--api-key", metavar="KEY", default=default(None),
-                   help="require this key (prefer serving.api_key_env: command lines are visible to other users)")
-
-
-def _command(sub, name: str, help: str, epilog: str, **kwargs) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=help, description=help, epilog=epilog,
-                          formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="omni-run", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-        description="Serve HunyuanImage-3.0 on any accelerator. Without a command, omni-run serves.")
-    parser.add_argument("--version", action="version", version=f"omni-run {_version()}")
-    _common(parser, top=True)
-    _deployment(parser, top=True)
-    _serving(parser, top=True)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-
-    p = _command(sub, "platforms", "list installed platforms and whether each is usable here",
-                 "example:\n  omni-run platforms")
-    _common(p, top=False)
-
-    p = _command(sub, "recipes", "list and validate recipes",
-                 "examples:\n  omni-run recipes\n  omni-run recipes --platform cuda\n"
-                 "  omni-run recipes --check my.yaml\n  omni-run recipes --schema\n  omni-run recipes --docs")
-    _common(p, top=False)
-    p.add_argument("--platform", metavar="NAME", default=argparse.SUPPRESS,
-                   help="also check recipes for this platform against it (others are listed as skipped)")
-    p.add_argument("--check", metavar="FILE", help="validate one recipe file; prints 'ok: NAME' or the reason")
-    p.add_argument("--schema", action="store_true", help="print every recipe key, its allowed values and default")
-    p.add_argument("--docs", metavar="DIR", nargs="?", const="",
-                   help="regenerate the recipe docs (default DIR: docs/recipes of this checkout)")
-
-    p = _command(sub, "generate", "generate one image",
-                 'examples:\n  omni-run generate --prompt "a red fox in snow" --seed 1 -o fox.png\n'
-                 '  omni-run generate --recipe h200_fp8 --model /ckpt/HunyuanImage-3 --prompt "..." '
-                 '--size 1280x768 --steps 30')
-    _common(p, top=False)
-    _deployment(p, top=False)
-    g = p.add_argument_group("image")
-    g.add_argument("--prompt", required=True, help="what to draw")
-    g.add_argument("--negative-prompt", default=None, help="text of the unconditional CFG row (default: the official <cfg>-token row)")
-    g.add_argument("--size", metavar="WxH", help="image size (default: the recipe's defaults.size)")
-    g.add_argument("--steps", type=int, help="denoising steps (default: defaults.steps)")
-    g.add_argument("--guidance", type=float, help="guidance scale (default: defaults.guidance)")
-    g.add_argument("--seed", type=int, help="random seed (default: random)")
-    g.add_argument("-o", "--output", default="out.png", metavar="PNG", help="output file (default: out.png)")
-
-    p = _command(sub, "serve", "serve the OpenAI-style images API (also: omni-run without a command)",
-                 "examples:\n  omni-run serve\n  omni-run serve --platform npu --recipe a2_tp4 --model /ckpt/HI3 "
-                 "--port 9000\n  omni-run --platform npu --recipe a2_tp4 --model /ckpt/HI3   (same, bare form)")
-    _common(p, top=False)
-    _deployment(p, top=False)
-    _serving(p, top=False)
-
-    _command(sub, "bench", "benchmark a running server (all arguments go to the benchmark client)",
-             "example:\n  omni-run bench --help", add_help=False)
-    return parser
-
-
-def _version() -> str:
-    try:
-        return version("omni-run")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-# ------------------------------------------------------------------ commands
 
 
 def cmd_platforms(args) -> int:
@@ -414,9 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     args.bench_args = extra
     _setup_logging(args)
     try:
-        return COMMANDS[args.command or "serve"](args) or EXIT_OK
+        code = COMMANDS[args.command or "serve"](args) or EXIT_OK
+        sys.stdout.flush()  # a closed pipe shows up here, inside the handler below
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `omni-run recipes --schema | head`: the reader left early; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit-time flush writes nowhere
+        return EXIT_OK
     except Exception as e:  # noqa: BLE001 - every error becomes one line and an exit status
         code = _exit_code(e)
         log.debug("%s", e, exc_info=True)

@@ -314,3 +314,14 @@ def test_bench_passes_every_argument_through(handover):
 def test_bench_exit_status_is_passed_on(handover):
     handover("omni.bench_client", "bench_main", result=3)
     assert main(["bench"]) == 3
+
+
+def test_output_piped_into_a_reader_that_leaves_early_is_not_an_error():
+    """`omni-run recipes --schema | head`: no BrokenPipeError, exit status 0 (`true` leaves before any write)."""
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m omni.cli recipes --schema | true"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=60)
+    assert "BrokenPipe" not in proc.stderr and "error" not in proc.stderr, proc.stderr
+    assert proc.returncode == 0
