@@ -103,8 +103,9 @@ class LaunchCancelled(RuntimeError):
 class WorkerError(RuntimeError):
     """A worker failed; ``rank`` and the worker's own traceback are in the message."""
 
-    def __init__(self, rank: int, summary: str, tb: str = ""):
+    def __init__(self, rank: int, summary: str, tb: str = "", silent: bool = False):
         self.rank, self.summary, self.worker_traceback = rank, summary, tb
+        self.silent = silent  # it died without reporting (killed, os._exit): found by its exit, not a report
         super().__init__(f"rank {rank} failed: {summary}" + (f"\n--- rank {rank} traceback ---\n{tb}" if tb else ""))
 
 
@@ -277,8 +278,8 @@ def _supervise(procs: list, reports: dict, timeout_s: float | None, cancel: thre
     """Collect results; on the first failure (error report or bad exit) stop everyone and raise.
 
     A failure makes its peers fail too (their collectives lose a member), so
-    the reports arriving within ``ROOT_CAUSE_WINDOW_S`` are compared and the
-    earliest failure wins: the error shown is the root cause, not an echo.
+    the failures arriving within ``ROOT_CAUSE_WINDOW_S`` are compared and the
+    root cause wins (``_root_cause_order``), not an echo.
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     results: dict[int, Any] = {}
@@ -289,7 +290,7 @@ def _supervise(procs: list, reports: dict, timeout_s: float | None, cancel: thre
     while len(results) < len(procs):
         now = time.monotonic()
         if failures and (settle_until is None or now >= settle_until or not waiting):
-            raise min(failures, key=lambda f: f[0])[1]
+            raise min(failures, key=_root_cause_order)[1]
         if deadline is not None and now >= deadline:
             missing = sorted(set(reports.values()) - set(results))
             raise TimeoutError(f"workers {missing} did not finish within {timeout_s}s; all workers stopped")
@@ -307,12 +308,20 @@ def _supervise(procs: list, reports: dict, timeout_s: float | None, cancel: thre
                 proc.join()
                 _drain(reports, results, waiting, failures)
                 failure = None if rank in results or any(getattr(f[1], "rank", None) == rank for f in failures) \
-                    else (time.time(), WorkerError(rank, _exit_reason(proc.exitcode)))
+                    else (time.time(), WorkerError(rank, _exit_reason(proc.exitcode), silent=True))
             if failure is not None:
                 failures.append(failure)
                 settle_until = settle_until or time.monotonic() + ROOT_CAUSE_WINDOW_S
     base_rank = min(reports.values())
     return [results[base_rank + i] for i in range(len(procs))]
+
+
+def _root_cause_order(failure: tuple) -> tuple:
+    """A rank that died without a word comes first: its peers' reports (a collective that lost a member)
+    follow from it, yet its own time is only when the launcher noticed the exit, which under load can be
+    after theirs. Otherwise the earliest report wins."""
+    when, error = failure
+    return (not getattr(error, "silent", False), when)
 
 
 def _read_report(conn, results: dict):
