@@ -2,7 +2,7 @@
 
 Static limits live in the field declarations (a violation is a 400 naming the
 field); limits that depend on the deployment (n against the queue, prompt
-length) are checked in app.py with the same error shape.
+length) are checked in validation.py with the same error shape.
 """
 from __future__ import annotations
 

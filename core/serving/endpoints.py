@@ -1,0 +1,181 @@
+"""The endpoint handlers behind ``create_app``'s routes, and the plumbing around each call.
+
+Handlers never touch the pipeline: they validate (validation.py), hand the
+requests to the engine thread (generation.py) and shape the answer. The
+plumbing gives every response an ``X-Request-Id``, checks the API key, maps
+exceptions to OpenAI error bodies and counts requests by endpoint and status.
+"""
+from __future__ import annotations
+
+import base64
+import hmac
+import logging
+import re
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from omni.engine_loop import EngineLoop
+
+from .errors import APIError, ClientGone, error_response, internal_error
+from .generation import Generator
+from .metrics import Metrics
+from .options import ModelHelpers, ServingOptions
+from .schemas import ChatCompletionRequest, GenerationParams, ImageGenerationRequest
+from .validation import RequestBuilder, chat_prompt, parse_body
+
+log = logging.getLogger("omni.serving")
+
+MIME = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a client's X-Request-Id is echoed only if it is this tame
+
+
+class Api:
+    def __init__(self, engine: EngineLoop, options: ServingOptions, metrics: Metrics):
+        self.engine, self.opt, self.metrics = engine, options, metrics
+        self.builder = RequestBuilder(options, options.helpers or ModelHelpers.hunyuan_image3())
+        self.generator = Generator(engine, options.request_timeout_s)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ plumbing
+
+    async def handle(self, request: Request, endpoint: str, fn, auth: bool = True) -> Response:
+        """Request id, auth, error mapping and metrics around one handler ``fn(request, rid)``."""
+        rid = _request_id(request)
+        status = 500
+        try:
+            if auth:
+                self._check_key(request)
+            response = await fn(request, rid)
+            status = response.status_code
+        except APIError as e:
+            status, response = e.status, error_response(e, rid)
+        except ClientGone:
+            status, response = 499, Response(status_code=499)
+            log.info("request %s: client disconnected; its requests were cancelled", rid)
+        except Exception as e:  # a bug in this layer: still one request's failure
+            log.error("request %s failed: %s: %s", rid, type(e).__name__, e, exc_info=e)
+            status, response = 500, error_response(internal_error(rid), rid)
+        response.headers["X-Request-Id"] = rid
+        self.metrics.requests.labels(endpoint, str(status)).inc()
+        return response
+
+    def _check_key(self, request: Request) -> None:
+        if self.opt.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.opt.api_key.encode()):
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    # ------------------------------------------------------------ small endpoints
+
+    async def health(self, request: Request, rid: str) -> Response:
+        if self.engine.ready:
+            return JSONResponse({"status": "ok", "model": self.opt.model_id})
+        body = {"status": self.engine.status, "reason": self.engine.unavailable_reason()}
+        headers = {"Retry-After": "5"} if self.engine.status == "starting" else {}
+        return JSONResponse(body, status_code=503, headers=headers)
+
+    async def models(self, request: Request, rid: str) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, model_id: str) -> Response:
+        self.builder.check_model(model_id)
+        return JSONResponse(self._model_card())
+
+    def _model_card(self) -> dict:
+        return {"id": self.opt.model_id, "object": "model", "created": self.created, "owned_by": "omni-run"}
+
+    # ------------------------------------------------------------ generation endpoints
+
+    async def images(self, request: Request, rid: str) -> Response:
+        t0 = time.perf_counter()
+        body = await parse_body(request, ImageGenerationRequest)
+        self.builder.check_model(body.model)
+        _check_images_options(body)
+        h, w = self.builder.size(body.size, "size")
+        reqs = self.builder.requests(rid, body, body.prompt, body.n, h, w, body.system_prompt)
+        results = await self.generator.generate(request, reqs, body)
+        out = _images_body(results, body)
+        return self._answer("images", out, body, t0, results)
+
+    async def chat(self, request: Request, rid: str) -> Response:
+        t0 = time.perf_counter()
+        body = await parse_body(request, ChatCompletionRequest)
+        self.builder.check_model(body.model)
+        _check_chat_options(body)
+        prompt, system = chat_prompt(body.messages)
+        h, w = self._chat_size(body)
+        n = body.num_outputs_per_prompt or body.n
+        reqs = self.builder.requests(rid, body, prompt, n, h, w, body.system_prompt or system)
+        results = await self.generator.generate(request, reqs, body)
+        out = self._chat_body(rid, prompt, results, body)
+        return self._answer("chat", out, body, t0, results)
+
+    def _chat_size(self, body: ChatCompletionRequest) -> tuple[int, int]:
+        """``size`` wins; else height / width (one of them alone means a square); else the default."""
+        if body.size is not None:
+            return self.builder.size(body.size, "size")
+        if body.height is not None or body.width is not None:
+            return self.builder.sides(body.height or body.width, body.width or body.height, "height/width")
+        return self.builder.size(None, "size")
+
+    def _chat_body(self, rid: str, prompt: str, results, body: ChatCompletionRequest) -> dict:
+        mime = MIME[body.output_format]
+        content = [{"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(blob).decode()}"},
+                    **_timings(r, body)} for r, blob in results]
+        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.opt.model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                             "finish_reason": "stop", "logprobs": None}],
+                "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": len(results),
+                          "total_tokens": len(prompt.split()) + len(results)}}
+
+    def _answer(self, endpoint: str, out: dict, body: GenerationParams, t0: float, results) -> Response:
+        """The 200 answer, with the call's total time if asked for; observed in the metrics."""
+        if body.return_timings:
+            out["timings"] = {"total": round(time.perf_counter() - t0, 6)}
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)
+        self.metrics.images.inc(len(results))
+        for r, _ in results:
+            self.metrics.observe_stages(r.times.as_dict())
+        return JSONResponse(out)
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    return given if _CLIENT_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+
+
+def _check_images_options(body: ImageGenerationRequest) -> None:
+    if body.response_format == "url":
+        raise APIError(400, "response_format 'url' is not supported: this server keeps no image store; "
+                            "use 'b64_json'", param="response_format", code="unsupported_value")
+    if body.stream:
+        raise APIError(400, "streaming (partial images) is not supported", param="stream")
+    if body.background == "transparent":
+        raise APIError(400, "background 'transparent' is not supported", param="background")
+
+
+def _check_chat_options(body: ChatCompletionRequest) -> None:
+    modalities = body.modalities or ["image"]
+    if modalities != ["image"]:
+        raise APIError(400, f"modalities {modalities!r} are not supported: this server generates images only; "
+                            "send modalities ['image']", param="modalities", code="unsupported_value")
+    if body.stream:
+        raise APIError(400, "streaming is not supported for image generation", param="stream")
+
+
+def _images_body(results, body: ImageGenerationRequest) -> dict:
+    data = [{"b64_json": base64.b64encode(blob).decode(), "revised_prompt": None, "seed": r.seed,
+             **_timings(r, body)} for r, blob in results]
+    return {"created": int(time.time()), "data": data, "output_format": body.output_format,
+            "size": f"{results[0][0].width}x{results[0][0].height}"}
+
+
+def _timings(r, body: GenerationParams) -> dict:
+    return {"timings": r.times.as_dict()} if body.return_timings else {}

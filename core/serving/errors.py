@@ -1,0 +1,46 @@
+"""Answers other than 200, in the OpenAI error shape ``{"error": {"message", "type", "param", "code", "request_id"}}``.
+
+Bad input is a 400 naming the field, an unknown model 404, overload 429 with
+Retry-After, not ready 503 with Retry-After, a failure inside the pipeline
+500 with a request id that the server log also carries.
+"""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from omni.scheduler import EngineUnavailable, QueueFull, RequestTooLarge
+
+
+class APIError(Exception):
+    """An answer other than 200, in the OpenAI error shape."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code, self.headers = code, headers or {}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its images were ready."""
+
+
+def error_response(e: APIError, rid: str) -> JSONResponse:
+    body = {"message": e.message, "type": e.type, "param": e.param, "code": e.code, "request_id": rid}
+    return JSONResponse({"error": body}, status_code=e.status, headers=e.headers)
+
+
+def internal_error(rid: str) -> APIError:
+    return APIError(500, f"internal error while generating; request id {rid} (the server log has the details)",
+                    type="server_error", code="internal_error")
+
+
+def submit_refused(e: QueueFull | RequestTooLarge | EngineUnavailable) -> APIError:
+    """The answer to a submit the scheduler turned down."""
+    if isinstance(e, QueueFull):
+        return APIError(429, f"{e}; retry after {e.retry_after_s}s", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(e.retry_after_s)})
+    if isinstance(e, RequestTooLarge):
+        return APIError(400, str(e), param="size", code="request_too_large")
+    return APIError(503, f"not ready: {e}", type="server_error", code="engine_unavailable",
+                    headers={"Retry-After": "5"})

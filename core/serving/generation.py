@@ -1,0 +1,103 @@
+"""Running one HTTP call's requests on the engine thread: submit, wait, cancel, encode.
+
+A client that disconnects (or a handler that is cancelled, or a request past
+its timeout) cancels its requests; the engine drops them at the next step
+boundary and frees their KV pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import Request
+
+from omni.engine_loop import EngineLoop
+from omni.request import ImageRequest, ImageResult
+from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
+
+from .encode import encode_image
+from .errors import APIError, ClientGone, internal_error, submit_refused
+from .schemas import GenerationParams
+
+log = logging.getLogger("omni.serving")
+
+
+class Generator:
+    """Hands requests to ``engine`` and turns their futures into encoded images, or an ``APIError``."""
+
+    def __init__(self, engine: EngineLoop, request_timeout_s: float):
+        self.engine, self.timeout_s = engine, request_timeout_s
+
+    async def generate(self, request: Request, reqs: list[ImageRequest],
+                       body: GenerationParams) -> list[tuple[ImageResult, bytes]]:
+        """Submit, await (watching for a disconnect and the timeout), then encode; cancels on any exit."""
+        tickets = self._submit(reqs)
+        try:
+            results = await self._wait(request, tickets)
+        finally:
+            for t in tickets:
+                if not _succeeded(t.future):
+                    self.engine.cancel(t)
+        return [(r, await _encode(r, body.output_format, body.output_compression)) for r in results]
+
+    def _submit(self, reqs: list[ImageRequest]):
+        try:
+            return self.engine.submit_many(reqs)
+        except (QueueFull, RequestTooLarge, EngineUnavailable) as e:
+            raise submit_refused(e) from None
+
+    async def _wait(self, request: Request, tickets) -> list[ImageResult]:
+        """The results, with every way of not getting them mapped to ``ClientGone`` or an ``APIError``."""
+        rid = tickets[0].request_id.rsplit("-", 1)[0]
+        try:
+            return await self._race(request, tickets)
+        except (APIError, ClientGone):
+            raise
+        except RequestCancelled:
+            raise ClientGone() from None
+        except EngineUnavailable as e:
+            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
+        except Exception as e:
+            log.error("request %s failed inside the pipeline: %s: %s (see the traceback of its image request)",
+                      rid, type(e).__name__, e)
+            raise internal_error(rid) from None
+
+    async def _race(self, request: Request, tickets) -> list[ImageResult]:
+        """The tickets' results, unless the client leaves or the timeout passes first."""
+        waits = [asyncio.wrap_future(t.future) for t in tickets]
+        for w in waits:  # siblings of a failed image are cancelled: their errors are expected
+            w.add_done_callback(lambda f: f.cancelled() or f.exception())
+        gathered = asyncio.gather(*waits)
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+        watcher = asyncio.create_task(_disconnected(request))
+        try:
+            done, _ = await asyncio.wait({gathered, watcher}, timeout=self.timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if gathered in done:
+                return gathered.result()
+            if watcher in done:
+                raise ClientGone()
+            raise APIError(504, f"request timed out after {self.timeout_s:g}s "
+                                "(serving.request_timeout_s) and was cancelled", type="server_error", code="timeout")
+        finally:
+            watcher.cancel()
+            gathered.cancel()
+
+
+async def _encode(r: ImageResult, fmt: str, quality: int | None) -> bytes:
+    """Encoded off the event loop, so other requests keep being answered meanwhile."""
+    t0 = time.perf_counter()
+    blob = await asyncio.to_thread(encode_image, r.image_HW3, fmt, quality)
+    r.times.encode = time.perf_counter() - t0
+    return blob
+
+
+def _succeeded(future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+async def _disconnected(request: Request, poll_s: float = 0.2) -> None:
+    """Return once the client has gone away."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
