@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import wait_gone
 from omni.parallel.launch import RankInfo, WorkerError, free_port, launch
 from omni.parallel.mesh import Degrees
 
@@ -17,24 +18,6 @@ HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
 FAST_S = 40  # well under the gloo timeout: a hang would show as a timeout here
 pytestmark = pytest.mark.timeout(120)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 def read_pids(d: Path, n: int, timeout: float = 30.0) -> list[int]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from procs import wait_gone
 from omni.parallel.launch import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,20 +70,6 @@ def rank_processes(pid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return ranks
-
-
-def alive(pid: int) -> bool:
-    try:  # a zombie is dead for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if alive(p)]
 
 
 def wait_until(condition, proc: subprocess.Popen, err: Path, what: str, timeout: float = 60.0):
