@@ -73,8 +73,9 @@ class DeviceServices:
         return fraction
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """A page-locked host copy of ``t`` (wherever it lives), allocated once and filled by one copy."""
-        if self.device_type == "cpu":
+        """``t`` in page-locked host memory: allocated once and filled by one copy, or ``t`` if it is already there
+        (on the CPU platform: host memory, pinned or not)."""
+        if self.device_type == "cpu" or (t.device.type == "cpu" and t.is_pinned()):
             return t.to("cpu")
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return host.copy_(t)

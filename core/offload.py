@@ -122,7 +122,5 @@ def park_on_host(block: nn.Module, services, keep: TensorFilter = ALL) -> dict[s
     """
     host = {}
     for name, t in _tensors(block, keep):
-        if not (t.device.type == "cpu" and (services.device.type == "cpu" or t.data.is_pinned())):
-            t.data = services.pin(t.data)  # straight into page-locked memory: no pageable copy
-        host[name] = t.data
+        t.data = host[name] = services.pin(t.data)  # straight into page-locked memory; parked ones stay
     return host

@@ -158,15 +158,8 @@ class _Loader:
 
 def load_checkpoint(path: str | Path, targets: list[LoadTarget], *, skip_prefixes: tuple[str, ...] = (),
                     strict: bool = True, progress: bool = True, files: list[Path] | None = None) -> None:
-    """Copy every tensor of the checkpoint into its target parameter (dtype converted)."""
-    loader = _Loader(targets)
-    for file in files or checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            keys = [k for k in f.keys() if not k.startswith(skip_prefixes)]
-            for key in tqdm(keys, desc=f"loading {file.name}", disable=not progress, leave=False):
-                loader.load(key, f.get_slice(key).get_shape(), lambda k=key: f.get_tensor(k), file.name,
-                            part=lambda k=key: f.get_slice(k))
-    loader.finish(f"checkpoint {path}", strict)
+    """Copy every tensor of the checkpoint into its target parameter (dtype converted), in one pass."""
+    StreamingLoad(path, targets, skip_prefixes=skip_prefixes, files=files).finish(strict=strict, progress=progress)
 
 
 class StreamingLoad:
@@ -174,34 +167,38 @@ class StreamingLoad:
 
     For builds whose model does not fit where it is built: the caller
     materializes a part (``materialize_meta_``), loads the keys that select it,
-    prepares and places it, and goes on; ``finish()`` reports every missing,
-    unexpected and mis-shaped key of all parts together, as ``load_checkpoint``.
+    prepares and places it, and goes on; ``finish()`` loads what no part
+    claimed and reports every missing, unexpected and mis-shaped key of all
+    parts together. ``load_checkpoint`` is the one-part case.
     """
 
     def __init__(self, path: str | Path, targets: list[LoadTarget], *, skip_prefixes: tuple[str, ...] = (),
-                 progress: bool = True):
-        self.path, self.loader, self.progress = path, _Loader(targets), progress
+                 files: list[Path] | None = None):
+        self.path, self.loader = path, _Loader(targets)
         self.pending: dict[str, Path] = {}  # key -> its file, for keys not loaded yet
-        for file in checkpoint_files(path):
+        for file in files or checkpoint_files(path):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 self.pending.update((k, file) for k in f.keys() if not k.startswith(skip_prefixes))
 
     @torch.no_grad()
-    def load(self, select: Callable[[str], bool], what: str = "") -> int:
+    def load(self, select: Callable[[str], bool], progress: bool = False) -> int:
         """Load the pending keys ``select`` accepts (their destinations must be materialized); returns how many."""
         keys = [k for k in self.pending if select(k)]
+        bar = tqdm(total=len(keys), desc="loading", disable=not progress, leave=False)
         for file in sorted({self.pending[k] for k in keys}):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in (k for k in keys if self.pending[k] == file):
                     self.loader.load(key, f.get_slice(key).get_shape(), lambda k=key: f.get_tensor(k), file.name,
                                      part=lambda k=key: f.get_slice(k))
+                    bar.update()
+        bar.close()
         for k in keys:
             del self.pending[k]
         return len(keys)
 
-    def finish(self) -> None:
-        self.load(lambda k: True)  # whatever no part claimed is reported (unexpected) or filled
-        self.loader.finish(f"checkpoint {self.path}", strict=True)
+    def finish(self, strict: bool = True, progress: bool = False) -> None:
+        self.load(lambda k: True, progress)  # whatever no part claimed is filled or reported (unexpected)
+        self.loader.finish(f"checkpoint {self.path}", strict)
 
 
 @torch.no_grad()

@@ -51,10 +51,10 @@ def test_streamed_offload_builds_one_layer_at_a_time(baseline, ckpt, monkeypatch
 
     seen, load = [], StreamingLoad.load
 
-    def spy(self, select, what=""):
+    def spy(self, select, progress=False):
         layers = self.loader.targets[0].module.model.layers
         seen.append([all(p.is_meta for p in layer.parameters()) for layer in layers])
-        return load(self, select, what)
+        return load(self, select, progress)
 
     monkeypatch.setattr(StreamingLoad, "load", spy)
     img, _, pipe = generate({"offload.mode": "experts", "offload.resident_layers": 1}, ckpt)

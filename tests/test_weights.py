@@ -96,7 +96,7 @@ def test_streaming_load_part_by_part_equals_one_pass(ckpt):
     whole, whole_vae, targets = fresh(ckpt)
     load_checkpoint(ckpt, targets, progress=False)
     model, vae, targets = meta_model(ckpt)
-    stream = StreamingLoad(ckpt, targets, progress=False)
+    stream = StreamingLoad(ckpt, targets)
     for i, layer in enumerate(model.model.layers):
         assert materialize_meta_(layer, "cpu") > 0
         assert stream.load(lambda k, p=f"model.layers.{i}.": k.startswith(p)) > 0
@@ -112,7 +112,7 @@ def test_streaming_load_part_by_part_equals_one_pass(ckpt):
 def test_streaming_load_reports_parts_never_materialized_and_missing_keys(ckpt, tmp_path):
     bad = edited_copy(ckpt, tmp_path, lambda t: t.pop("lm_head.weight"))
     model, vae, targets = meta_model(ckpt)
-    stream = StreamingLoad(bad, targets, progress=False)
+    stream = StreamingLoad(bad, targets)
     materialize_meta_(model.model.layers[0], "cpu")
     stream.load(lambda k: k.startswith("model.layers.0."))
     with pytest.raises(CheckpointError) as err:

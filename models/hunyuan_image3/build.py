@@ -113,7 +113,7 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
     o, dev, keep = recipe.offload, services.device, STREAMED.get(recipe.offload.mode)
     model, vae, target = build_modules(cfg, platform, recipe, "meta", parallel)
     prequantized(root, recipe, model)
-    stream = StreamingLoad(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED, progress=progress)
+    stream = StreamingLoad(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED)
     layers = list(model.model.layers)
     for i, layer in enumerate(tqdm(layers, desc="loading layers", disable=not progress, leave=False)):
         materialize_meta_(layer, dev)
