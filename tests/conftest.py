@@ -22,3 +22,12 @@ def golden_data():
     g = {k.removeprefix("golden."): v for k, v in tensors.items() if k.startswith("golden.")}
     w = {k: v for k, v in tensors.items() if not k.startswith("golden.")}
     return json.loads(js.read_text()), g, w
+
+
+@pytest.fixture
+def one_cpu_thread():
+    """Tiny tensors: one intra-op thread beats two fighting a busy box (grids opt in with an autouse wrapper)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -46,9 +46,5 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """The grid's tensors are tiny: one intra-op thread is ~100x faster than two fighting a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_cpu_thread(one_cpu_thread):  # tests/conftest.py
     yield
-    torch.set_num_threads(before)

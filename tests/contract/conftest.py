@@ -8,7 +8,6 @@ vendor CI job selects its own cases with ``-m npu``.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from vendor_cases import VENDOR_PLATFORMS, Vendor, build_vendor, variant_params
 
@@ -25,9 +24,5 @@ def vendor(request, monkeypatch) -> Vendor:
 
 
 @pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """The grid's tensors are tiny: one intra-op thread beats two fighting a busy box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_cpu_thread(one_cpu_thread):  # tests/conftest.py
     yield
-    torch.set_num_threads(before)
