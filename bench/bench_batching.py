@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import git_commit  # noqa: E402
 
 from omni.engine import Engine  # noqa: E402
-from omni.platform_manager import select  # noqa: E402
-from omni.recipe import load_recipe, parse_bytes, parse_size  # noqa: E402
+from omni.deployment import prepare  # noqa: E402
+from omni.recipe import parse_bytes, parse_size  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
 
 PROMPTS = ["a red fox in fresh snow, morning light", "an isometric city block at night, neon signs",
@@ -57,14 +57,12 @@ class NoDecode:
         return torch.zeros(1, 1, 3, dtype=torch.uint8)
 
 
-def build(args, recipe, platform):
+def build(args, deployment):
     if args.full_size_layers:
         from random_model import build_random_pipeline
 
-        return build_random_pipeline(recipe, platform, num_layers=args.full_size_layers)
-    from omni.models.hunyuan_image3.build import build_pipeline
-
-    return build_pipeline(recipe, platform, model_path=args.model, progress=False)
+        return build_random_pipeline(deployment.recipe, deployment.platform(), num_layers=args.full_size_layers)
+    return deployment.build_pipeline(progress=False)
 
 
 def make_requests(args, tag: str) -> list[ImageRequest]:
@@ -134,18 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    recipe = load_recipe(args.recipe or ("cpu_tiny" if args.platform == "cpu" else "h200_fp8"))
+    overrides = dict(_override(kv) for kv in args.set)
     if args.model:
-        recipe = recipe.replace_paths({"model.path": str(Path(args.model).resolve())})
-    if args.set:
-        recipe = recipe.replace_paths(dict(_override(kv) for kv in args.set))
+        overrides["model.path"] = args.model
     if args.kv_budget is None and args.platform == "cpu":
         args.kv_budget = "256MiB"
     if args.kv_budget:
-        recipe = recipe.replace_paths({"kv_cache.budget_bytes": parse_bytes(args.kv_budget)})
-    platform = select(args.platform)
-    services = platform.device_services(0)
-    pipeline = build(args, recipe, platform)
+        overrides["kv_cache.budget_bytes"] = parse_bytes(args.kv_budget)
+    deployment = prepare(args.recipe or ("cpu_tiny" if args.platform == "cpu" else "h200_fp8"), platform=args.platform,
+                         overrides=overrides, random_weights=bool(args.full_size_layers))
+    recipe = deployment.recipe
+    services = deployment.platform().device_services(0)
+    pipeline = build(args, deployment)
     pipeline = pipeline if args.decode else NoDecode(pipeline)
     need = sum(Engine(pipeline).scheduler.cost(r).pages for r in make_requests(args, "n"))
     if need > pipeline.pool.num_pages:
@@ -175,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeat > 1:  # the noise floor: the same sequential run twice
             rerun = max(float((lat[f"s0-{i}"] - lat[f"s1-{i}"]).abs().max()) for i in range(args.requests))
 
-    info = platform.info
+    info = deployment.platform().info
     model = (f"released shapes, {args.full_size_layers} layers, random weights" if args.full_size_layers
              else recipe.model.path or recipe.model.flavor)
     out = {"benchmark": "bench_batching", "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_fullsize import random_init_, released_layers  # noqa: E402
 
 from omni import quant as Q  # noqa: E402
+from omni.build_options import BuildOptions  # noqa: E402
 from omni.kv_pool import KVPool, PoolContext, Run, _meta  # noqa: E402
 from omni.moe import swiglu  # noqa: E402
 from omni.platform_manager import select  # noqa: E402
@@ -115,8 +116,8 @@ class Setup:
         self.n_block, self.P, self.rows = 1 + self.th * self.tw, a.prefix, 2
         cfg = self.cfg = bench_config(a)
         with torch.device(device):
-            self.model = HunyuanImage3Transformer(cfg, platform, dtype=torch.bfloat16, quant=quant, paged_kv=False,
-                                                  capturable=platform.info.accelerator)
+            self.model = HunyuanImage3Transformer(cfg, platform, BuildOptions(
+                dtype=torch.bfloat16, quant=quant, capturable=platform.info.accelerator))
         random_init_(self.model, seed=0)  # same seed: the bf16 and fp8 models share their bf16 weights
         self.model.finalize()
         self.model.eval()

@@ -38,8 +38,7 @@ from random_model import build_random_pipeline  # noqa: E402
 
 from omni.engine import Engine  # noqa: E402
 from omni.offload import EXPERTS_ONLY, LayerOffloader  # noqa: E402
-from omni.platform_manager import select  # noqa: E402
-from omni.recipe import load_recipe  # noqa: E402
+from omni.deployment import prepare  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
 from omni.vae_tiling import TileLanes  # noqa: E402
 
@@ -148,9 +147,9 @@ def build(a, platform, recipe):
         model_config(a), platform, dtype=torch.bfloat16, quant=recipe.quant.scheme, paged=recipe.kv_cache.mode == "paged",
         page_size=recipe.kv_cache.page_tokens, device=dev.device,
         progress=lambda i: log(f"  layer {i + 1}/{a.layers} built", t0))
-    pipe = build_random_pipeline(recipe, platform, num_layers=a.layers, model=model)
-    pipe.vae_tiles = (recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None
-    pipe.vae_lanes = TileLanes(dev, recipe.vae.streams)
+    tiles = (recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None
+    pipe = build_random_pipeline(recipe, platform, num_layers=a.layers, model=model, vae_tiles=tiles,
+                                 vae_lanes=TileLanes(dev, recipe.vae.streams))
     return pipe, dev, time.perf_counter() - t0
 
 
@@ -158,8 +157,8 @@ def main() -> int:
     a = parse()
     global SIZE
     SIZE = tuple(int(v) for v in a.size.split("x"))
-    platform = select(a.platform)
-    recipe = load_recipe(a.recipe)
+    deployment = prepare(a.recipe, platform=a.platform, random_weights=True)
+    platform, recipe = deployment.platform(), deployment.recipe
     t_start = time.perf_counter()
     pipe, dev, build_s = build(a, platform, recipe)
     log("built", t_start)
@@ -169,7 +168,8 @@ def main() -> int:
     resident = {b: step_time(pipe, dev, b, a.timed)[0] for b in a.batch}
     log(f"resident steps {resident}", t_start)
     t0 = time.perf_counter()
-    off = LayerOffloader(list(pipe.model.model.layers), dev, resident=a.resident, window=a.window, keep=EXPERTS_ONLY)
+    off = LayerOffloader(list(pipe.model.transformer.model.layers), dev, resident=a.resident, window=a.window,
+                         keep=EXPERTS_ONLY)
     dev.empty_cache()
     out["offload_setup_s"] = time.perf_counter() - t0
     out["host_gib"] = off.host_bytes / GiB

@@ -27,8 +27,7 @@ from random_model import build_random_pipeline  # noqa: E402
 
 from omni.image_quality import psnr, ssim  # noqa: E402
 from omni.offload import LayerOffloader  # noqa: E402
-from omni.platform_manager import select  # noqa: E402
-from omni.recipe import load_recipe  # noqa: E402
+from omni.deployment import prepare  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
 
 
@@ -42,7 +41,7 @@ def bench_offload(pipe, dev, window: int) -> dict:
     step = lambda: pipe.denoise_step([s]) if s.step < 45 else None  # noqa: E731
     resident = timed(dev, step)
     dev.reset_peak_memory()
-    off = LayerOffloader(list(pipe.model.model.layers), dev, window=window)
+    off = LayerOffloader(list(pipe.model.transformer.model.layers), dev, window=window)
     dev.empty_cache()
     offloaded = timed(dev, step)
     bw = h2d_bandwidth(dev)
@@ -59,7 +58,7 @@ def bench_vae(pipe, dev, platform, lanes: int) -> dict:
     from omni.step_graphs import StepGraphs
     from omni.vae_tiling import TileLanes, tiled_decode
 
-    out, vae, dt = {}, pipe.vae, torch.bfloat16
+    out, vae, dt = {}, pipe.model.vae, torch.bfloat16
     eager = lambda t: vae.decode_image(t, dtype=dt)  # noqa: E731
     for px in (1024, 2048):
         z = torch.randn(1, vae.cfg.latent_channels, px // 16, px // 16, device=dev.device)
@@ -118,8 +117,9 @@ def main() -> int:
                    choices=["step_cache", "vae", "offload"])
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    platform = select(a.platform)
-    recipe = load_recipe(a.recipe).replace_paths({"quant.scheme": "none", "graph.mode": "eager"})
+    deployment = prepare(a.recipe, platform=a.platform, overrides={"quant.scheme": "none", "graph.mode": "eager"},
+                         random_weights=True)
+    platform, recipe = deployment.platform(), deployment.recipe
     pipe = build_random_pipeline(recipe, platform, num_layers=a.layers)
     dev = platform.device_services(0)
     out = {"platform": platform.name, "device": platform.info.device_name, "layers": a.layers}

@@ -6,7 +6,7 @@ random bf16 weights, sharded by the model's parallel plan exactly as a
 checkpoint would be. The workload is the serving path: ``--batch`` requests
 of ``--size`` with CFG (two rows each; ``<timestep>`` + 4096 image tokens per
 row at 1024x1024) and a ``--prompt-tokens`` text prefix, prefilled once into
-the KV pool (``--kv``), then denoising steps through ``HunyuanImage3Pipeline``
+the KV pool (``--kv``), then denoising steps through ``omni.step_engine.StepEngine``
 (which is where cfg2 exchanges predictions).
 
 Per rank it reports:
@@ -41,15 +41,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_fullsize import random_init_  # noqa: E402
 
+from omni.build_options import BuildOptions  # noqa: E402
 from omni.kv_pool import KVPool  # noqa: E402
 from omni.parallel.comm import CommStats  # noqa: E402
 from omni.parallel.launch import RankInfo, launch, run_worker  # noqa: E402
 from omni.parallel.mesh import Degrees  # noqa: E402
-from omni.parallel.runtime import ParallelRuntime  # noqa: E402
+from omni.parallel.runtime import ParallelRuntime, SingleDevice  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
+from omni.step_engine import StepEngine  # noqa: E402
 from omni.models.hunyuan_image3.build import build_transformer  # noqa: E402
 from omni.models.hunyuan_image3.config import HunyuanImage3Config  # noqa: E402
-from omni.models.hunyuan_image3.pipeline import HunyuanImage3Pipeline  # noqa: E402
+from omni.models.hunyuan_image3.pipeline import HunyuanImage3T2I  # noqa: E402
 from omni.models.hunyuan_image3.tokenizer import Tokenizer  # noqa: E402
 
 PROMPT_WORDS = "a red cat on green grass "  # six tokens of the tiny tokenizer (ids only feed the embedding)
@@ -94,8 +96,8 @@ def build(ctx, a):
     cfg = model_config(a)
     runtime = ParallelRuntime(ctx.mesh, platform) if ctx.degrees.world_size > 1 else None
     paged = a.kv == "paged"
-    model, _ = build_transformer(cfg, platform, dtype=torch.bfloat16, quant=a.quant, paged_kv=paged,
-                                 page_size=a.page_tokens if paged else 0, device=services.device, parallel=runtime)
+    opts = BuildOptions(dtype=torch.bfloat16, quant=a.quant, paged_kv=paged, page_size=a.page_tokens if paged else 0)
+    model, _ = build_transformer(cfg, platform, opts, device=services.device, parallel=runtime)
     random_init_(model, seed=1234)  # same seed everywhere: replicated parts (router, norms) agree across ranks
     model.finalize()
     kv = cfg.num_key_value_heads if runtime is None else \
@@ -106,8 +108,9 @@ def build(ctx, a):
     pool = KVPool(num_layers=a.layers, num_pages=pages, page_size=a.page_tokens, num_kv_heads=kv,
                   head_dim=cfg.head_dim, dtype=torch.bfloat16, device=services.device)
     vae = types.SimpleNamespace(cfg=types.SimpleNamespace(latent_channels=cfg.latent_channels))
-    pipe = HunyuanImage3Pipeline(model=model, vae=vae, tokenizer=Tokenizer.tiny(), config=cfg, pool=pool,
-                                 device=services.device, paged=paged, parallel=runtime)
+    t2i = HunyuanImage3T2I(transformer=model, vae=vae, tokenizer=Tokenizer.tiny(), config=cfg, device=services.device)
+    pipe = StepEngine(t2i, pool=pool, runtime=SingleDevice() if runtime is None else runtime, device=services.device,
+                      paged=paged)
     return pipe, model
 
 

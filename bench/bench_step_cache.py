@@ -34,8 +34,8 @@ from bench_common import git_commit  # noqa: E402
 
 from omni.engine import Engine  # noqa: E402
 from omni.image_quality import psnr, ssim  # noqa: E402
-from omni.platform_manager import select  # noqa: E402
-from omni.recipe import load_recipe, parse_size  # noqa: E402
+from omni.deployment import prepare  # noqa: E402
+from omni.recipe import parse_size  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
 
 PROMPTS = ["a red fox in fresh snow, morning light", "an isometric city block at night, neon signs",
@@ -43,9 +43,11 @@ PROMPTS = ["a red fox in fresh snow, morning light", "an isometric city block at
 
 
 def build(cache_dir: Path | None = None):
-    from omni.models.hunyuan_image3.build import build_pipeline
+    """The cpu_tiny deployment's pipeline; ``cache_dir``: where the embedded checkpoint is written (default: the cache)."""
+    from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
 
-    return build_pipeline(load_recipe("cpu_tiny"), select("cpu"), progress=False, cache_dir=cache_dir)
+    overrides = {"model.path": str(ensure_tiny_checkpoint(cache_dir))} if cache_dir else {}
+    return prepare("cpu_tiny", platform="cpu", overrides=overrides).build_pipeline(progress=False)
 
 
 def generate(pipe, prompt: str, threshold: float, steps: int, width: int, height: int, seed: int = 7):

@@ -10,6 +10,7 @@ import dataclasses
 
 import torch
 
+from omni.build_options import BuildOptions
 from omni.layers import finalize_all
 from omni.models.hunyuan_image3.config import HunyuanImage3Config
 from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
@@ -56,8 +57,8 @@ def build_random_model_layerwise(cfg: HunyuanImage3Config, platform, *, dtype=to
     (~81 GiB) builds on one 141 GiB card, where 32 bf16 layers (~160 GiB) would not fit first.
     """
     with torch.device("meta"):
-        model = HunyuanImage3Transformer(cfg, platform, dtype=dtype, quant=quant,
-                                         paged_kv=paged, page_size=page_size if paged else 0)
+        model = HunyuanImage3Transformer(cfg, platform, BuildOptions(dtype=dtype, quant=quant, paged_kv=paged,
+                                                                     page_size=page_size if paged else 0))
     for i, layer in enumerate(model.model.layers):
         _materialize_(layer, device, seed=i)
         finalize_all(layer)  # quantized now: the bf16 copy of this layer is freed before the next
@@ -72,8 +73,8 @@ def build_random_model(n_layers: int, platform, *, dtype=torch.bfloat16, quant="
                        page_size=256, device="cuda") -> HunyuanImage3Transformer:
     cfg = released_layers(n_layers)
     with torch.device(device):
-        model = HunyuanImage3Transformer(cfg, platform, dtype=dtype, quant=quant, paged_kv=paged,
-                                         page_size=page_size if paged else 0)
+        model = HunyuanImage3Transformer(cfg, platform, BuildOptions(dtype=dtype, quant=quant, paged_kv=paged,
+                                                                     page_size=page_size if paged else 0))
     random_init_(model)
     model.finalize()
     return model.eval()

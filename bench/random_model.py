@@ -20,19 +20,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from random_fullsize import build_random_model, random_init_  # noqa: E402
 
+from omni.build_options import DTYPES  # noqa: E402
 from omni.kv_pool import KVPool  # noqa: E402
-from omni.models.hunyuan_image3.build import DTYPES  # noqa: E402
-from omni.models.hunyuan_image3.pipeline import HunyuanImage3Pipeline  # noqa: E402
+from omni.models.hunyuan_image3.pipeline import HunyuanImage3T2I  # noqa: E402
 from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint  # noqa: E402
 from omni.models.hunyuan_image3.tokenizer import Tokenizer  # noqa: E402
 from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig  # noqa: E402
+from omni.parallel.runtime import SingleDevice  # noqa: E402
+from omni.step_engine import StepEngine  # noqa: E402
 
 
 def build_random_pipeline(recipe, platform, *, num_layers: int, local_rank: int = 0,
-                          seed: int = 0, model=None) -> HunyuanImage3Pipeline:
+                          seed: int = 0, model=None, vae_tiles: tuple[int, int] | None = None,
+                          vae_lanes=None) -> StepEngine:
     """The released shapes with ``num_layers`` layers and random weights, set up as ``recipe`` says.
 
     ``model``: a transformer built already (``build_random_model_layerwise``); else one is built here.
+    ``vae_tiles`` / ``vae_lanes``: tiled VAE decode, as ``StepEngine`` takes them.
     """
     services = platform.device_services(local_rank)
     device, dtype, paged = services.device, DTYPES[recipe.model.dtype], recipe.kv_cache.mode == "paged"
@@ -46,5 +50,7 @@ def build_random_pipeline(recipe, platform, *, num_layers: int, local_rank: int 
                               page_size=recipe.kv_cache.page_tokens, num_kv_heads=cfg.num_key_value_heads,
                               head_dim=cfg.head_dim, dtype=dtype, device=device)
     tokenizer = Tokenizer.from_file(ensure_tiny_checkpoint() / "tokenizer.json")
-    return HunyuanImage3Pipeline(model=model, vae=vae, tokenizer=tokenizer, config=cfg, pool=pool, device=device,
-                                 paged=paged, vae_dtype=DTYPES[recipe.model.vae_dtype])
+    t2i = HunyuanImage3T2I(transformer=model, vae=vae, tokenizer=tokenizer, config=cfg, device=device,
+                           vae_dtype=DTYPES[recipe.model.vae_dtype])
+    return StepEngine(t2i, pool=pool, runtime=SingleDevice(), device=device, paged=paged, vae_tiles=vae_tiles,
+                      vae_lanes=vae_lanes)

@@ -2,7 +2,7 @@
 
 Writes a random checkpoint in the released layout (official names, per-expert
 tensors, bf16, ``--layers`` decoder layers, the released VAE decoder, the
-embedded tokenizer), then builds it twice with ``build_pipeline``:
+embedded tokenizer), then builds it twice through its deployment (``prepare(...).build_pipeline()``):
 
   resident   recipe ``--recipe`` with ``offload.mode: none`` (fp8, loaded whole, quantized on the device)
   streamed   the same recipe as written (``offload.mode: experts``): built on ``meta`` and loaded,
@@ -35,12 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit  # noqa: E402
 
+from omni.build_options import BuildOptions  # noqa: E402
+from omni.deployment import prepare  # noqa: E402
 from omni.engine import Engine  # noqa: E402
 from omni.image_quality import psnr, ssim  # noqa: E402
 from omni.platform_manager import select  # noqa: E402
 from omni.recipe import load_recipe  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
-from omni.models.hunyuan_image3.build import build_pipeline  # noqa: E402
 from omni.models.hunyuan_image3.config import HunyuanImage3Config  # noqa: E402
 from omni.models.hunyuan_image3.tiny import TINY_CONFIG, _write_shards, official_tensors  # noqa: E402
 from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer  # noqa: E402
@@ -69,7 +70,7 @@ def write_checkpoint(root: Path, cfg_json: dict) -> float:
     """Random bf16 weights under official names (matrices ~N(0, 1/fan_in), norms 1); returns GiB written."""
     cfg = HunyuanImage3Config.from_json_dict(cfg_json)
     with torch.device("meta"):
-        model = HunyuanImage3Transformer(cfg, select("cpu"), dtype=torch.bfloat16)
+        model = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=torch.bfloat16))
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae), with_encoder=False)
     g = torch.Generator().manual_seed(0)
     tensors = {}
@@ -91,7 +92,7 @@ def run(recipe, platform, root: Path, steps: int) -> dict:
     dev = platform.device_services(0)
     dev.reset_peak_memory()
     t0 = time.perf_counter()
-    pipe = build_pipeline(recipe, platform, model_path=str(root), progress=False)
+    pipe = prepare(recipe, platform=platform.name, overrides={"model.path": str(root)}).build_pipeline(progress=False)
     dev.synchronize()
     built = {"build_s": time.perf_counter() - t0, "build_peak_gib": dev.max_memory_allocated() / GiB,
              "device_gib_after_build": dev.memory_stats().get("allocated_bytes", 0) / GiB}

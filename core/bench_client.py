@@ -118,42 +118,43 @@ class HttpTarget:
 
 
 class InProcessTarget:
-    """The pipeline built here, behind the same scheduler and engine thread the server uses."""
+    """The deployment built here, behind the same engine handle the server uses."""
 
     def __init__(self, args):
-        from omni.platform_manager import select
+        import yaml
+
+        from omni.deployment import prepare
         from omni.recipe import load_recipe
+
+        recipe = load_recipe(args.recipe)
+        overrides = {k.strip(): yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+        if args.model:
+            overrides["model.path"] = args.model
+        if args.max_running or "serving.max_running" not in overrides:
+            overrides["serving.max_running"] = args.max_running or max(recipe.serving.max_running, max(args.levels))
+        overrides.setdefault("serving.max_queue", max(args.levels))  # a closed loop never has more waiting
+        self.deployment = d = prepare(recipe, platform=args.platform, overrides=overrides)
+        self.name = f"in-process {d.recipe.name} on {d.recipe.platform}"
+        self.services = d.platform().device_services(0) if d.world_size == 1 else None
+        self.engine = self._engine(args).start()
+        self.engine.wait_ready()
+        self.defaults = d.recipe.defaults
+
+    def _engine(self, args):
+        if not args.full_size_layers:
+            return self.deployment.open_engine()
+        import sys
+
         from omni.engine_loop import EngineLoop
         from omni.scheduler import Scheduler
 
-        recipe = load_recipe(args.recipe)
-        if args.set:
-            import yaml
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+        from random_model import build_random_pipeline  # noqa: the bench/ helpers of a source checkout
 
-            pairs = [kv.partition("=") for kv in args.set]
-            recipe = recipe.replace_paths({k.strip(): yaml.safe_load(v) for k, _, v in pairs})
-        if args.model:
-            recipe = recipe.replace_paths({"model.path": str(Path(args.model).resolve())})
-        self.platform = select(args.platform or recipe.platform)
-        self.services = self.platform.device_services(0)
-        self.recipe, self.name = recipe, f"in-process {recipe.name} on {self.platform.name}"
-        max_running = args.max_running or max(recipe.serving.max_running, max(args.levels))
-        sched = Scheduler.from_recipe(self._build(args), recipe, max_running=max_running, max_queue=None)
-        self.engine = EngineLoop.around(sched).start()
-        self.engine.wait_ready()
-        self.defaults = recipe.defaults
-
-    def _build(self, args):
-        if args.full_size_layers:
-            import sys
-
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-            from random_model import build_random_pipeline  # noqa: the bench/ helpers of a source checkout
-
-            return build_random_pipeline(self.recipe, self.platform, num_layers=args.full_size_layers)
-        from omni.models.hunyuan_image3.build import build_pipeline
-
-        return build_pipeline(self.recipe, self.platform, model_path=args.model, progress=False)
+        d = self.deployment
+        build = lambda: Scheduler.from_recipe(  # noqa: E731 - built on the engine thread, as open_engine does
+            build_random_pipeline(d.recipe, d.platform(), num_layers=args.full_size_layers), d.recipe)
+        return EngineLoop(build)
 
     def check(self) -> None:
         if not self.engine.ready:
@@ -181,11 +182,12 @@ class InProcessTarget:
             return Sample(False, time.perf_counter() - t0, type(e).__name__)
         return Sample(True, time.perf_counter() - t0, stages=result.times.as_dict())
 
-    def peak_memory(self) -> int:
-        return self.services.max_memory_allocated()
+    def peak_memory(self) -> int | None:
+        return None if self.services is None else self.services.max_memory_allocated()
 
     def reset_peak_memory(self) -> None:
-        self.services.reset_peak_memory()
+        if self.services is not None:
+            self.services.reset_peak_memory()
 
     def close(self) -> None:
         self.engine.stop()
@@ -270,7 +272,7 @@ def parser() -> argparse.ArgumentParser:
                        help="in-process: released shapes, N layers, random weights (source checkout: bench/)")
     where.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="in-process: recipe override, e.g. --set serving.max_batch_tokens=65536 (repeatable)")
-    where.add_argument("--max-running", type=int, default=0, help="in-process: scheduler max_running "
+    where.add_argument("--max-running", type=int, default=0, help="in-process: serving.max_running "
                                                                    "(default: max of recipe and concurrency)")
     load = p.add_argument_group("load")
     load.add_argument("--concurrency", default="1,2,4", help="comma list of concurrent clients (default 1,2,4)")

@@ -5,31 +5,28 @@ form ``omni-run --platform X --recipe Y``) and ``bench``. Exit status: 0 ok,
 1 runtime error, 2 usage or configuration error (bad recipe, unusable or
 refusing platform), each printed as one ``omni-run: error: ...`` line.
 
-For ``generate`` and ``serve`` the CLI does the startup half of the data flow
-and hands over a final recipe::
+For ``generate`` and ``serve`` the CLI turns its flags into frozen objects
+and hands them over; it never passes the argparse Namespace on::
 
-    load_recipe -> CLI overrides (--model, --host, --port) -> requires check
-      -> select platform (--platform, else the recipe's platform:, auto = detect)
-      -> Platform.check_recipe (+ device count/memory) -> apply plan patches
-      -> generate_main(args, recipe) / serve_main(args, recipe)
+    omni.deployment.prepare(--recipe, --platform, overrides from --model/--host/--port)
+        -> Deployment (checked, patched, platform and model flavour concrete)
+    generate: GenerateJob (the ImageRequest with recipe defaults filled, the output path)
+        -> omni.generate.generate_main(deployment, job)
+    serve:    Endpoint (host, port, API key read from serving.api_key_env: the only
+              environment read of the startup path) -> omni.serving.server.serve_main(deployment, endpoint)
 
-The recipe passed on is frozen and final: ``recipe.platform`` is the concrete
-platform name, patches are applied (do not apply them again), overrides are in
-it. ``args`` carries the resolved request values (``size``, ``width``,
-``height``, ``steps``, ``guidance`` from ``recipe.defaults`` when not given),
-``args.platform`` (the name), ``args.trace`` and, for serve, ``host``,
-``port`` and ``api_key`` (read from ``serving.api_key_env`` here: the only
-environment read of the startup path). Heavy modules (torch, the platform
-manager, the model, the server) are imported only by the commands that need
-them, so ``--help`` and ``recipes --check`` stay fast.
+Heavy modules (torch, the platform manager, the model, the server) are
+imported only by the commands that need them, so ``--help`` and ``recipes
+--check`` stay fast.
 """
 import logging
 import os
 import sys
 from pathlib import Path
 
-from .recipe import GiB, TINY_FLAVOR, Recipe, RecipeError, apply_patches, list_recipes, load_recipe, parse_size, \
-    schema_rows, unmet_requirement
+from .deployment import DeploymentError, Endpoint, check_on
+from .recipe import GiB, Recipe, RecipeError, list_recipes, load_recipe, parse_size, schema_rows
+from .request import GenerateJob, ImageRequest
 
 from .cli_parser import build_parser
 
@@ -73,7 +70,7 @@ def cmd_recipes(args) -> int:
         if name and recipe.platform not in ("auto", name):
             raise UsageError(f"recipe {recipe.name} is for platform {recipe.platform}, not {name}")
         if platform is not None:
-            _check_on(recipe, platform)
+            check_on(recipe, platform)
         print(f"ok: {recipe.name}" + (f" ({_not_checked(name, absent)})" if name and platform is None else ""))
         return EXIT_OK
     rows, status = [], EXIT_OK
@@ -81,7 +78,7 @@ def cmd_recipes(args) -> int:
         try:
             recipe = load_recipe(recipe_name)
             verdict = _verdict(recipe, name, platform, absent)
-        except (RecipeError, UsageError) as e:
+        except (RecipeError, UsageError, DeploymentError) as e:
             rows.append((recipe_name, "-", "-", f"error: {e}", ""))
             status = EXIT_USAGE
             continue
@@ -118,7 +115,7 @@ def _verdict(recipe: Recipe, name: str | None, platform, absent: str = "") -> st
         return f"skipped (platform {recipe.platform})"
     if platform is None:
         return f"ok (schema); {_not_checked(name, absent)}"
-    _check_on(recipe, platform)
+    check_on(recipe, platform)
     return f"ok (checked on {name})"
 
 
@@ -132,63 +129,30 @@ def _write_docs(folder: str) -> int:
     return EXIT_OK
 
 
-def _check_on(recipe: Recipe, platform) -> Recipe:
-    """Resolve ``platform: auto``, run the platform's checks, apply its plan patches."""
-    if recipe.platform != platform.name:
-        recipe = recipe.replace_path("platform", platform.name)
-    reasons = platform.check_recipe(recipe) + _device_problems(recipe, platform.info)
-    if reasons:
-        raise UsageError(f"platform {platform.name} refuses recipe {recipe.name}: " + "; ".join(reasons))
-    return apply_patches(recipe, platform.plan_patches(recipe), log.info)
+def cmd_models(args) -> int:
+    from . import model_registry
+
+    rows = []
+    for entry in model_registry.discover():
+        if entry.flavor is None:
+            rows.append((entry.name, "no", entry.error))
+            continue
+        missing = entry.flavor.unavailable()
+        weights = "needs --model" if entry.flavor.needs_weights else "embedded weights"
+        rows.append((entry.name, "no" if missing else "yes",
+                     f"{entry.flavor.description} ({weights})" + (f"; {missing}" if missing else "")))
+    print(_table(("FLAVOR", "USABLE", "DETAILS"), rows))
+    print("\nmodel.flavor: auto reads the checkpoint's config.json and picks the flavor that claims it")
+    return EXIT_OK
 
 
-def _device_problems(recipe: Recipe, info) -> list[str]:
-    """Host-side checks that need no vendor knowledge (the CPU reference has no device limits)."""
-    if not info.accelerator:
-        return []
-    problems = []
-    if info.device_count < recipe.device.count:
-        problems.append(f"device.count={recipe.device.count} but {info.name} sees {info.device_count} device(s)")
-    have, need = info.memory_bytes / GiB, recipe.device.memory_gib
-    if info.memory_bytes and have < need:
-        problems.append(f"device.memory_gib={need:g} but each {info.device_name or info.name} has {have:.1f} GiB")
-    return problems
+def _deployment(args, serving: bool):
+    from .deployment import prepare
 
-
-def _prepare(args, serving: bool) -> Recipe:
-    """Load, override, check and patch the recipe; resolve ``args.platform``."""
-    recipe = load_recipe(args.recipe)
-    if args.platform and recipe.platform not in ("auto", args.platform):
-        raise UsageError(f"recipe {recipe.name} is for platform {recipe.platform}; --platform {args.platform} "
-                         f"conflicts (choose a recipe for {args.platform}, or one with platform: auto)")
-    args.model = os.path.abspath(args.model) if args.model else None
     overrides = {"model.path": args.model} if args.model else {}
     if serving:
         overrides |= {k: v for k, v in (("serving.host", args.host), ("serving.port", args.port)) if v is not None}
-    recipe = recipe.replace_paths(overrides) if overrides else recipe
-    unmet = unmet_requirement(recipe.requires)
-    if unmet:
-        raise UsageError(f"recipe {recipe.name} {unmet}")
-    _check_model_path(recipe)
-    from .platform_manager import select
-
-    platform = select(args.platform or recipe.platform, trace=args.trace)
-    recipe = _check_on(recipe, platform)
-    args.platform = platform.name
-    p = recipe.parallel
-    log.info("recipe %s on %s: %d x %s, world %d (dp %d cfg %d ulysses %d ring %d tp %d ep %d), %s, quant %s",
-             recipe.name, platform.name, recipe.device.count, recipe.device.kind, p.world_size, p.dp, p.cfg,
-             p.ulysses, p.ring, p.tp, p.ep, recipe.model.dtype, recipe.quant.scheme)
-    return recipe
-
-
-def _check_model_path(recipe: Recipe) -> None:
-    path = recipe.model.path
-    if path is None and recipe.model.flavor != TINY_FLAVOR:
-        raise UsageError(f"recipe {recipe.name} runs {recipe.model.flavor}, which needs its weights: "
-                         "pass --model PATH (a Hugging Face-format directory with safetensors)")
-    if path is not None and not os.path.isdir(path):
-        raise UsageError(f"model path {path!r} is not a directory")
+    return prepare(args.recipe, platform=args.platform, overrides=overrides, trace=args.trace)
 
 
 def cmd_generate(args) -> int:
@@ -196,16 +160,23 @@ def cmd_generate(args) -> int:
         _parse_size_arg(args.size)
     if (args.steps is not None and args.steps < 1) or (args.guidance is not None and args.guidance < 0):
         raise UsageError(f"--steps must be >= 1 and --guidance >= 0, got {args.steps} and {args.guidance}")
-    recipe = _prepare(args, serving=False)
-    args.size = args.size or recipe.defaults.size
-    args.width, args.height = _parse_size_arg(args.size)
-    args.steps = recipe.defaults.steps if args.steps is None else args.steps
-    args.guidance = recipe.defaults.guidance if args.guidance is None else args.guidance
+    deployment = _deployment(args, serving=False)
     try:
         from .generate import generate_main
     except ModuleNotFoundError as e:
         _missing(e, "omni.generate", "generate")
-    return generate_main(args, recipe)
+    return generate_main(deployment, GenerateJob(_image_request(args, deployment.recipe.defaults),
+                                                 Path(args.output), Path(args.latents) if args.latents else None))
+
+
+def _image_request(args, d):
+    """The flags, with the recipe's ``defaults`` where a flag is not given."""
+    width, height = _parse_size_arg(args.size or d.size)
+    return ImageRequest(prompt=args.prompt, negative_prompt=args.negative_prompt, height=height, width=width,
+                        steps=d.steps if args.steps is None else args.steps,
+                        guidance=d.guidance if args.guidance is None else args.guidance, seed=args.seed,
+                        shift=d.shift, template=d.template, system_prompt=d.system_prompt,
+                        return_latents=args.latents is not None)
 
 
 def _parse_size_arg(text: str) -> tuple[int, int]:
@@ -216,20 +187,21 @@ def _parse_size_arg(text: str) -> tuple[int, int]:
 
 
 def cmd_serve(args) -> int:
-    recipe = _prepare(args, serving=True)
-    args.host, args.port = recipe.serving.host, recipe.serving.port
-    env = recipe.serving.api_key_env
-    if args.api_key is None and env:
-        args.api_key = os.environ.get(env)
-        if not args.api_key:
-            raise UsageError(f"serving.api_key_env names {env}, which is not set (export it, or pass --api-key)")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
+    deployment = _deployment(args, serving=True)
+    serving = deployment.recipe.serving
+    api_key = args.api_key
+    if api_key is None and serving.api_key_env:
+        api_key = os.environ.get(serving.api_key_env)
+        if not api_key:
+            raise UsageError(f"serving.api_key_env names {serving.api_key_env}, which is not set (export it, or "
+                             "pass --api-key)")
+    if serving.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("serving on %s without an API key: anyone who can reach it can use it", serving.host)
     try:
         from .serving.server import serve_main
     except ModuleNotFoundError as e:
         _missing(e, "omni.serving.server", "serve")
-    return serve_main(args, recipe)
+    return serve_main(deployment, Endpoint(serving.host, serving.port, api_key))
 
 
 def cmd_bench(args) -> int:
@@ -247,7 +219,7 @@ def _missing(error: ModuleNotFoundError, module: str, command: str):
     raise RuntimeError(f"'{command}' is not available in this build ({module} is missing)") from None
 
 
-COMMANDS = {"platforms": cmd_platforms, "recipes": cmd_recipes, "generate": cmd_generate,
+COMMANDS = {"platforms": cmd_platforms, "models": cmd_models, "recipes": cmd_recipes, "generate": cmd_generate,
             "serve": cmd_serve, "bench": cmd_bench}
 
 
@@ -268,8 +240,11 @@ def _setup_logging(args) -> None:
 
 
 def _exit_code(error: BaseException) -> int:
-    manager = sys.modules.get("omni.platform_manager")
-    config = (RecipeError, UsageError) + ((manager.PlatformError,) if manager else ())
+    config = (RecipeError, UsageError)  # each module below is looked at only if this run imported it
+    config += (DeploymentError,)
+    for module, name in (("omni.platform_manager", "PlatformError"), ("omni.model_registry", "ModelError")):
+        if module in sys.modules:
+            config += (getattr(sys.modules[module], name),)
     return EXIT_USAGE if isinstance(error, config) else EXIT_RUNTIME
 
 

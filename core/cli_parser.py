@@ -8,6 +8,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 EPILOG = """\
 examples:
   omni-run platforms                         which platforms are installed, which are usable here
+  omni-run models                            which model flavors are registered, which can be built
   omni-run recipes                           list and validate the packaged recipes
   omni-run recipes --platform cpu            ... and check each against the cpu platform
   omni-run recipes --check my.yaml           validate one recipe file (exit 2 with the reason if bad)
@@ -25,6 +26,7 @@ examples:
 
 A recipe is a packaged name (see `omni-run recipes`) or a path to a .yaml file.
 --platform wins over detection; a recipe that names another platform is refused.
+A recipe whose parallel degrees multiply to N runs N processes, for generate as for serve.
 
 exit status: 0 ok, 1 runtime error, 2 usage or configuration error"""
 
@@ -77,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "example:\n  omni-run platforms")
     _common(p, top=False)
 
+    p = _command(sub, "models", "list the registered model flavors and whether each can be built",
+                 "example:\n  omni-run models")
+    _common(p, top=False)
+
     p = _command(sub, "recipes", "list and validate recipes",
                  "examples:\n  omni-run recipes\n  omni-run recipes --platform cuda\n"
                  "  omni-run recipes --check my.yaml\n  omni-run recipes --schema\n  omni-run recipes --docs")
@@ -102,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--guidance", type=float, help="guidance scale (default: defaults.guidance)")
     g.add_argument("--seed", type=int, help="random seed (default: random)")
     g.add_argument("-o", "--output", default="out.png", metavar="PNG", help="output file (default: out.png)")
+    g.add_argument("--latents", metavar="FILE", help="also write the final latents as safetensors (parity checks)")
 
     p = _command(sub, "serve", "serve the OpenAI-style images API (also: omni-run without a command)",
                  "examples:\n  omni-run serve\n  omni-run serve --platform npu --recipe a2_tp4 --model /ckpt/HI3 "

@@ -1,7 +1,9 @@
 """The one thread that owns a pipeline: builds it, then steps its ``Scheduler`` while there is work.
 
 Callers on other threads (the HTTP server, a replica's connection) submit and
-cancel through it; every device call happens on this thread.
+cancel through it; every device call of the denoising steps happens on this
+thread (a finished request's VAE decode may run on the scheduler's decode
+thread meanwhile: ``omni.scheduler``). It implements ``omni.engine_handle.EngineHandle``.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import time
 from typing import Callable
 
 from .request import ImageRequest
+from .engine_handle import StepListener
 from .scheduler import EngineUnavailable, Scheduler, Ticket
 
 log = logging.getLogger("omni.engine_loop")
@@ -24,9 +27,9 @@ class EngineLoop:
     "starting", "ready", "dead" or "stopped"; ``error`` says why it died.
     """
 
-    def __init__(self, build: Callable[[], Scheduler], *, name: str = "omni-engine",
-                 on_step: Callable[[list[Ticket], float], None] | None = None):
-        self._build, self.on_step = build, on_step
+    def __init__(self, build: Callable[[], Scheduler], *, name: str = "omni-engine"):
+        self._build = build
+        self._listeners: list[StepListener] = []
         self.scheduler: Scheduler | None = None
         self.status, self.error = "starting", None
         self._cv = threading.Condition()
@@ -57,6 +60,13 @@ class EngineLoop:
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def observe_steps(self, listener: StepListener) -> None:
+        self._listeners.append(listener)
+
+    def load(self) -> int:
+        sched = self.scheduler
+        return 0 if sched is None else sched.queue_depth + sched.num_running
 
     def submit_many(self, reqs: list[ImageRequest]) -> list[Ticket]:
         if self.status != "ready":
@@ -94,6 +104,7 @@ class EngineLoop:
             return
         self.status = "stopped"
         self.scheduler.fail_all(EngineUnavailable("the engine is stopped"))
+        self.scheduler.close()
 
     def _serve(self) -> None:
         sched = self.scheduler
@@ -105,8 +116,8 @@ class EngineLoop:
                     return
             t0 = time.perf_counter()
             finished = sched.step()
-            if self.on_step is not None:
-                self.on_step(finished, time.perf_counter() - t0)
+            for listener in self._listeners:
+                listener(finished, time.perf_counter() - t0)
             if not sched.running and sched.waiting and not finished:
                 with self._cv:  # nothing could be admitted (should not happen): do not spin
                     self._cv.wait(0.05)
@@ -117,3 +128,4 @@ class EngineLoop:
         log.critical("engine %s: %s: %s", where, type(error).__name__, error, exc_info=error)
         if self.scheduler is not None:
             self.scheduler.fail_all(EngineUnavailable(self.unavailable_reason()))
+            self.scheduler.close()

@@ -1,41 +1,57 @@
-"""``omni-run generate``: one image from the command line, default recipe = the embedded tiny model."""
+"""``omni-run generate``: one image through the deployment's engine handle, as ``serve`` runs it.
+
+World size 1 runs the engine loop in this process; a recipe whose parallel
+degrees multiply to more launches its ranks exactly as ``serve`` does (one
+replica: a single image needs no dp) and the image comes back from the
+replica's first rank. There is no single-process fallback.
+"""
 from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
-
 from tqdm.auto import tqdm
 
-from .engine import Engine
-from .platform_manager import select
-from .request import ImageRequest
+from .deployment import Deployment, one_replica
+from .request import GenerateJob, ImageRequest
 
 log = logging.getLogger("omni.generate")
 
 
-def request_from_args(args, recipe) -> ImageRequest:
-    """The CLI has already filled width/height/steps/guidance from the recipe defaults."""
-    d = recipe.defaults
-    return ImageRequest(prompt=args.prompt, negative_prompt=getattr(args, "negative_prompt", None),
-                        height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
-                        seed=args.seed, shift=d.shift, template=d.template, system_prompt=d.system_prompt)
+def generate_main(deployment: Deployment, job: GenerateJob) -> int:
+    deployment = one_replica(deployment)
+    t0 = time.perf_counter()
+    engine = deployment.open_engine(progress=True)
+    try:
+        result = _run_one(engine, job.request)
+    finally:
+        engine.stop()
+    _write(job, result)
+    print(f"wrote {job.output} ({result.width}x{result.height}, {result.steps} steps, seed {result.seed}, "
+          f"platform {deployment.recipe.platform}, world {deployment.world_size}, "
+          f"{time.perf_counter() - t0:.1f}s total; stages {result.times.as_dict()})")
+    return 0
 
 
-def generate_main(args, recipe) -> int:
-    from omni.models.hunyuan_image3.build import build_pipeline
+def _run_one(engine, req: ImageRequest):
+    bar = tqdm(total=req.steps, desc="denoising", unit="step")
+    engine.observe_steps(lambda finished, dt: bar.update(1) if bar.n < bar.total else None)
+    try:
+        engine.start()
+        if not engine.wait_ready():
+            raise RuntimeError(engine.unavailable_reason())
+        [ticket] = engine.submit_many([req])
+        return ticket.result()
+    finally:
+        bar.close()
+
+
+def _write(job: GenerateJob, result) -> None:
     from PIL import Image
 
-    platform = select(args.platform or recipe.platform, trace=getattr(args, "trace", False))
-    t0 = time.perf_counter()
-    pipeline = build_pipeline(recipe, platform, model_path=getattr(args, "model", None))
-    req = request_from_args(args, recipe)
-    bar = tqdm(total=req.steps, desc="denoising", unit="step")
-    result = Engine(pipeline).run([req], progress=lambda res, eng: bar.update(1))[0]
-    bar.close()
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(result.image_HW3).save(out)
-    print(f"wrote {out} ({result.width}x{result.height}, {result.steps} steps, seed {result.seed}, "
-          f"platform {platform.name}, {time.perf_counter() - t0:.1f}s total; stages {result.times.as_dict()})")
-    return 0
+    job.output.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(result.image_HW3).save(job.output)
+    if job.latents is not None:
+        from safetensors.torch import save_file
+
+        job.latents.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"latents": result.latents.contiguous()}, str(job.latents))

@@ -28,6 +28,22 @@ declines calls ``reject(reason)`` and returns None; when nobody answers, the
 host raises an error listing every plugin and its reasons. Nothing is ever
 replaced by a slower path silently.
 
+The host (``omni.platform_manager.Platform``) makes every call an ordinary
+pluggy call, ``pm.hook.<name>(**kwargs)``, factories included, so a plugin
+registered on ``Platform.pm`` with ``@hookimpl(wrapper=True)`` (a tracer, a
+cache) and ``pm.add_hookcall_monitoring`` see them as any hook. It registers
+the platform and the reference through an adapter that binds each one's
+``reject`` to its name, which is how a reason stays attributed. Factory
+results are resolved once per spec and cached (graph runners excepted), so
+no hook runs per op.
+
+A platform whose entry point fails to import is listed by ``omni-run
+platforms`` with the import error and is never selected; it breaks no other
+platform.
+
+``omni.platform_parts`` types the vendor modules a device platform's plugin
+class is written over (``capabilities``, ``attention``, ``gemm``, ``moe``).
+
 Shape suffixes follow ``omni.specs``: T packed queries, S packed keys, N heads,
 K kv heads, H head dim, I in features, O out features, E experts, P pages,
 G tokens per page, B sequences.
@@ -220,10 +236,17 @@ def omni_linear_impl(spec: GemmSpec, reject: Reject) -> LinearImpl | None:
     per token) and ``__call__(x_TI, w, bias_O) -> y_TO`` in ``spec.dtype``.
     ``x`` may have leading dims; only the last is I.
 
+    Kernel choice: ``spec.memory_bound`` (``kernels.memory_bound``) says how
+    the memory-bound steps (the activation quantization of fp8 schemes) run:
+    ``auto`` Triton where the platform has it, else torch ops; ``torch``
+    plain torch ops; ``triton`` demands Triton, so a platform without it
+    refuses with a reason naming the field.
+
     Capture safety: ``__call__`` must be capturable (no host sync).
     Default implementation: ``F.linear``; fp8 schemes quantize to e4m3 and
-    compute the dequantized product in fp32 (reference semantics).
-    Versions: 0.1.
+    compute the dequantized product in fp32 (reference semantics); refuses
+    ``memory_bound="triton"``.
+    Versions: 0.2 (``memory_bound``).
     """
 
 
@@ -273,15 +296,21 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     given (``spec.renormalize`` only records what the router did); the
     weighted sum is accumulated in fp32.
 
+    Kernel choice: ``spec.memory_bound`` (``kernels.memory_bound``) says how
+    the memory-bound steps (gather and quantize, SwiGLU, combine) run, as
+    ``omni_linear_impl`` says: ``auto``, ``torch``, or a ``triton`` demand
+    that a platform without Triton refuses with a reason naming the field.
+
     Capture safety: ``__call__`` must not read routing on the host (no
     ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends
     on values) on a platform that advertises ``graphs``.
     Refusing: ``reject("reason")`` and None (unsupported dtype or scheme).
     Default implementation: sort routed rows by expert, loop over experts with
     ``omni.quant``'s reference products, combine in fp32 (the oracle; reads
-    counts on the host, so never captured). Device platforms without a fused
-    kernel get ``omni.moe.ComposedMoE`` over their grouped GEMM.
-    Versions: 0.2.
+    counts on the host, so never captured; refuses ``memory_bound="triton"``).
+    Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
+    their grouped GEMM.
+    Versions: 0.3 (``memory_bound``).
     """
 
 

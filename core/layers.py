@@ -53,9 +53,10 @@ class Linear(nn.Module):
     """``y = x W^T + b`` through the platform's linear kernel for ``quant``."""
 
     def __init__(self, in_features: int, out_features: int, *, platform, dtype: torch.dtype,
-                 bias: bool = False, quant: str = "none"):
+                 bias: bool = False, quant: str = "none", memory_bound: str = "auto"):
         super().__init__()
-        self.spec = GemmSpec(in_features=in_features, out_features=out_features, dtype=dtype, quant=quant, bias=bias)
+        self.spec = GemmSpec(in_features=in_features, out_features=out_features, dtype=dtype, quant=quant, bias=bias,
+                             memory_bound=memory_bound)
         self.kernel = platform.linear(self.spec)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None

@@ -1,6 +1,6 @@
 """The per-device memory estimate of a recipe for the released model.
 
-Arithmetic on the released model config (``HunyuanImage3Config.released()``),
+Arithmetic on the released model config (``ModelFlavor.released_config()``),
 not a measurement; ``omni.recipe_docs`` renders it into docs/recipes/. Per device:
 
     weights     every module group's parameters x bytes per parameter / its split
@@ -57,10 +57,14 @@ class ParamCounts:
         return self.experts + self.attention + self.shared + self.router + self.norms + self.wte + self.lm_head
 
 
-def released_config():
-    from omni.models.hunyuan_image3.config import HunyuanImage3Config
+BASE_FLAVOR = "hunyuan_image3"  # what param_counts() and the docs' index describe without a recipe
 
-    return HunyuanImage3Config.released()
+
+def released_config(flavor: str = BASE_FLAVOR):
+    """The released checkpoint's config of ``flavor`` (through the model registry); None: not estimated."""
+    from .model_registry import entry
+
+    return entry(flavor).released_config()
 
 
 def _resblock(c_in: int, c_out: int, emb: int) -> int:
@@ -260,8 +264,8 @@ def activation_bytes(recipe: Recipe, cfg) -> tuple[int, float]:
 
 
 def estimate(recipe: Recipe, cfg=None) -> Estimate:
-    """The per-device memory estimate of ``recipe`` for the released model (or ``cfg``)."""
-    cfg = cfg or released_config()
+    """The per-device memory estimate of ``recipe`` for its flavour's released model (or ``cfg``)."""
+    cfg = cfg or released_config(recipe.model.flavor)
     parts, streamed = weight_parts(recipe, param_counts(cfg))
     kv_token = kv_token_bytes(recipe, cfg)
     tokens, act = activation_bytes(recipe, cfg)

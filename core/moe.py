@@ -63,6 +63,9 @@ def expert_gemm_specs(spec: MoESpec) -> tuple[GroupedGemmSpec, GroupedGemmSpec]:
 
 def composed_moe(spec: MoESpec, resolve_grouped, reject):
     """``ComposedMoE`` over ``resolve_grouped(spec, reject)``; None (after the refusals) if either GEMM is refused."""
+    if spec.memory_bound == "triton":
+        return reject("composed MoE: kernels.memory_bound=triton cannot be met: the steps between the grouped "
+                      "GEMMs run as torch ops")
     gemms = [resolve_grouped(g, reject) for g in expert_gemm_specs(spec)]
     return None if None in gemms else ComposedMoE(spec, *gemms)
 

@@ -1,13 +1,18 @@
 """Platform discovery, selection and build-time kernel resolution.
 
 Every platform, the built-in ones included, is found through the
-``omni.platforms`` entry-point group and loaded lazily. Selection yields one
-``Platform``: a plugin manager holding the chosen platform plus the reference
-(``trylast``). Kernels are resolved once per spec through it and cached; the
-objects it returns are plain callables, so the hot path never sees pluggy.
+``omni.platforms`` entry-point group and loaded lazily; one whose entry point
+fails to load stands in as a ``BrokenPlatform`` (listed with its error, never
+selected). Selection yields one ``Platform``: a plugin manager holding the
+chosen platform plus the reference (``trylast``). Every hook is a pluggy call,
+so hookwrappers and call monitoring registered on ``Platform.pm`` see it.
+Kernels are resolved once per spec through it and cached; the objects it
+returns are plain callables, so the hot path never sees pluggy.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -15,12 +20,15 @@ from importlib.metadata import entry_points
 import pluggy
 
 from . import hookspecs
+from .hookspecs import hookimpl
 from .reference import plugin as reference_plugin
-from .specs import AttentionSpec, CaptureSpec, CollectiveSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo
+from .specs import (AttentionSpec, CaptureSpec, CollectiveSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo,
+                    Reject)
 
 log = logging.getLogger("omni.platforms")
 ENTRY_POINT_GROUP = "omni.platforms"
 REFERENCE = "cpu"
+UNATTRIBUTED = "(unattributed)"  # a reason given by a plugin registered on ``Platform.pm`` directly
 
 
 class PlatformError(RuntimeError):
@@ -41,14 +49,34 @@ def _new_manager() -> pluggy.PluginManager:
     return pm
 
 
+class BrokenPlatform:
+    """Stands in for a platform whose entry point failed to load: its detection refuses with the error."""
+
+    def __init__(self, error: Exception):
+        self.error = f"import failed: {type(error).__name__}: {error}"
+
+    @hookimpl
+    def omni_platform_detect(self, reject) -> None:
+        reject(self.error)
+
+
 def discover(allow: tuple[str, ...] | None = None) -> dict[str, object]:
     """Load every installed platform plugin by entry-point name (``allow`` filters)."""
     found = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if allow is None or ep.name in allow:
-            found[ep.name] = ep.load()
+            found[ep.name] = _load(ep)
     found.setdefault(REFERENCE, reference_plugin)
     return found
+
+
+def _load(ep) -> object:
+    """The plugin behind ``ep``, or a ``BrokenPlatform``: one broken package must not take down the others."""
+    try:
+        return ep.load()
+    except Exception as e:  # noqa: BLE001 - whatever a third-party import raises, it is that platform's problem
+        log.debug("platform %s failed to load", ep.name, exc_info=True)
+        return BrokenPlatform(e)
 
 
 @dataclass
@@ -96,15 +124,73 @@ def _select_auto(plugins: dict[str, object], trace: bool) -> "Platform":
     raise PlatformError(f"--platform auto found several accelerators ({summary}); choose one with --platform")
 
 
+class _Refusals:
+    """The ``reject`` that ``Platform`` passes to a hook: every reason under its plugin's name, and who answered.
+
+    pluggy hands every implementation the same arguments, so a reason cannot say whose it is; the
+    ``_Attributed`` adapter a platform plugin is registered through hands its plugin ``by(name)`` instead.
+    """
+
+    def __init__(self):
+        self.reasons: list[tuple[str, str]] = []
+        self.answered_by = UNATTRIBUTED
+
+    def __call__(self, reason: str) -> None:
+        self.reasons.append((UNATTRIBUTED, reason))
+
+    def by(self, plugin: str) -> Reject:
+        return lambda reason: self.reasons.append((plugin, reason))
+
+
+class _Attributed:
+    """A platform plugin as ``Platform`` registers it: the same hookimpls, with ``reject`` bound to its name.
+
+    pluggy reads a hookimpl's argument names through ``inspect.signature`` (which follows the
+    ``__wrapped__`` of ``functools.wraps``) and its options from the function's ``omni_impl`` marker
+    (copied with its ``__dict__``), so order (``trylast``), argument checks and other plugins'
+    wrappers treat the adapter exactly as the plugin.
+    """
+
+    def __init__(self, plugin: object, name: str, pm: pluggy.PluginManager):
+        for attr in dir(plugin):
+            if pm.parse_hookimpl_opts(plugin, attr) is not None:  # pluggy's own test of what is a hookimpl
+                setattr(self, attr, _attributed(getattr(plugin, attr), name))
+
+
+def _attributed(method, plugin: str):
+    """``method`` calling its plugin's ``reject`` as ``refusals.by(plugin)`` and recording an answer."""
+    passed = [n for n, p in inspect.signature(method).parameters.items()  # what pluggy passes, in order
+              if p.kind <= p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
+    if "reject" not in passed:
+        return method  # nothing to attribute (configure, services, shutdown, ...)
+    at = passed.index("reject")
+
+    @functools.wraps(method)
+    def call(*args):  # pluggy passes the hook's arguments positionally, in the order of the signature
+        refusals = args[at]
+        result = method(*args[:at], refusals.by(plugin), *args[at + 1:])
+        if result is not None:
+            refusals.answered_by = plugin
+        return result
+
+    return call
+
+
 class Platform:
-    """The active platform: resolves kernels once per spec and hands out device services."""
+    """The active platform: resolves kernels once per spec and hands out device services.
+
+    Every hook is called through ``self.pm.hook`` (a real pluggy call), so a plugin registered on
+    ``pm`` directly (a tracer ``@hookimpl(wrapper=True)``) or ``pm.add_hookcall_monitoring`` sees
+    factory calls too. The platform and the reference are registered through ``_Attributed``, which
+    is how a refusal, and the trace's answering plugin, is attributed to its plugin.
+    """
 
     def __init__(self, info: PlatformInfo, plugin: object, trace: bool = False):
         self.info, self.name, self.trace = info, info.name, trace
         self.pm = _new_manager()
         if plugin is not reference_plugin:
-            self.pm.register(plugin, name=info.name)
-        self.pm.register(reference_plugin, name=REFERENCE)
+            self.pm.register(_Attributed(plugin, info.name, self.pm), name=info.name)
+        self.pm.register(_Attributed(reference_plugin, REFERENCE, self.pm), name=REFERENCE)
         self.pm.check_pending()
         self._cache: dict[tuple[str, object], object] = {}
 
@@ -123,34 +209,32 @@ class Platform:
 
     def graph_runner(self, spec: CaptureSpec):
         """A fresh runner per region (runners hold their captured graph, so no caching)."""
-        return self._first("omni_graph_runner_impl", spec, required=True)
+        return self._call("omni_graph_runner_impl", spec, required=True)
 
     def communicator(self, spec: CollectiveSpec, group):
-        return self._first("omni_communicator_impl", spec, required=False, group=group)
+        return self._call("omni_communicator_impl", spec, required=False, group=group)
 
     def _resolve(self, hook: str, spec):
         key = (hook, spec)
         if key not in self._cache:
-            self._cache[key] = self._first(hook, spec, required=True)
+            self._cache[key] = self._call(hook, spec, required=True)
         return self._cache[key]
 
-    def _first(self, hook: str, spec, required: bool, **extra):
-        """Call implementations in pluggy order, attributing refusals to their plugin."""
-        reasons: list[tuple[str, str]] = []
-        for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
-            kwargs = {"spec": spec, "reject": lambda r, p=impl.plugin_name: reasons.append((p, r)), **extra}
-            result = impl.function(*[kwargs[a] for a in impl.argnames])
-            if result is not None:
-                self._log(hook, spec, impl.plugin_name, result, reasons)
-                return result
-        if required:
-            raise NoImplementationError(hook.removeprefix("omni_").removesuffix("_impl"), spec, reasons)
-        return None
+    def _call(self, hook: str, spec, required: bool, **extra):
+        """One pluggy call of a factory (first answer wins); without an answer, every refusal is the error."""
+        refusals = _Refusals()
+        result = getattr(self.pm.hook, hook)(spec=spec, reject=refusals, **extra)
+        if result is not None:
+            self._log(hook, spec, result, refusals)
+        elif required:
+            raise NoImplementationError(hook.removeprefix("omni_").removesuffix("_impl"), spec, refusals.reasons)
+        return result
 
-    def _log(self, hook, spec, plugin, result, reasons) -> None:
+    def _log(self, hook, spec, result, refusals: _Refusals) -> None:
         if self.trace:
-            declined = "".join(f" [{p} declined: {r}]" for p, r in reasons)
-            log.info("%s(%s) -> %s: %s%s", hook, spec, plugin, getattr(result, "name", type(result).__name__), declined)
+            declined = "".join(f" [{p} declined: {r}]" for p, r in refusals.reasons)
+            log.info("%s(%s) -> %s: %s%s", hook, spec, refusals.answered_by,
+                     getattr(result, "name", type(result).__name__), declined)
 
     # -- coarse, non-factory hooks
     def device_services(self, local_rank: int = 0):
@@ -164,9 +248,9 @@ class Platform:
         return self.pm.hook.omni_dist_backend(info=self.info)
 
     def check_recipe(self, recipe) -> list[str]:
-        reasons: list[str] = []
-        self.pm.hook.omni_check_recipe(recipe=recipe, info=self.info, reject=reasons.append)
-        return reasons
+        refusals = _Refusals()  # what the adapters expect as ``reject``; the reasons name their fields
+        self.pm.hook.omni_check_recipe(recipe=recipe, info=self.info, reject=refusals)
+        return [reason for _, reason in refusals.reasons]
 
     def plan_patches(self, recipe) -> list:
         return [p for p in self.pm.hook.omni_adjust_plan(recipe=recipe, info=self.info) if p is not None]

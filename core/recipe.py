@@ -62,7 +62,7 @@ from .recipe_fields import (
 from .recipe_schema import (
     ATTENTION_BACKENDS,
     DTYPES,
-    FLAVORS,
+    MEMORY_BOUND,
     QUANT_SCHEMES,
     TINY_FLAVOR,
     Attention,
@@ -70,6 +70,7 @@ from .recipe_schema import (
     Device,
     GiB,
     Graph,
+    Kernels,
     KvCache,
     Model,
     Offload,
@@ -82,11 +83,11 @@ from .recipe_schema import (
 )
 
 __all__ = [
-    "RECIPES_PACKAGE", "PLATFORM_GROUP", "BUILTIN_PLATFORMS", "FLAVORS", "TINY_FLAVOR", "DTYPES", "QUANT_SCHEMES",
-    "ATTENTION_BACKENDS", "VALIDATED_REQUIRED", "GiB",
+    "RECIPES_PACKAGE", "PLATFORM_GROUP", "BUILTIN_PLATFORMS", "TINY_FLAVOR", "DTYPES", "QUANT_SCHEMES",
+    "ATTENTION_BACKENDS", "MEMORY_BOUND", "VALIDATED_REQUIRED", "GiB",
     "RecipeError", "parse_size", "parse_bytes", "parse_requirement", "unmet_requirement", "FrozenDict",
     "platform_choices",
-    "Device", "Model", "Parallel", "Quant", "Attention", "KvCache", "Offload", "StepCache", "Graph", "Vae",
+    "Device", "Model", "Parallel", "Quant", "Attention", "Kernels", "KvCache", "Offload", "StepCache", "Graph", "Vae",
     "Serving", "Defaults", "Recipe",
     "apply_patches", "parse_recipe", "load_recipe", "list_recipes", "field_paths", "schema_rows",
 ]

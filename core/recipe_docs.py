@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .memory_estimate import (DTYPE_BYTES, RESERVE_GIB, Estimate, Part, estimate, kv_heads_per_rank,
                               released_config)
+from .model_registry import entry
 from .parallel.mesh import Degrees, MeshError, expert_layout
 from .recipe import RECIPES_PACKAGE, GiB, Recipe, list_recipes, load_recipe
 
@@ -53,7 +54,7 @@ def _gb(n: float) -> str:
 
 def command_lines(recipe: Recipe) -> list[str]:
     serve = f"omni-run --platform {recipe.platform} --recipe {recipe.name}"
-    if recipe.model.flavor != "hunyuan_image3_tiny":
+    if entry(recipe.model.flavor).needs_weights:
         serve += " --model /ckpt/HunyuanImage-3"
     lines = [f"{serve}    # serve on {recipe.serving.host}:{recipe.serving.port}"]
     if recipe.parallel.world_size == 1:
@@ -83,7 +84,7 @@ def layout_lines(recipe: Recipe, cfg) -> list[str]:
     if layout.expert_tp > 1 and d.ep == 1:
         lines.append(f"- Routed experts: all {E} on every rank, each split by its intermediate dim "
                      f"({I // layout.expert_tp} of {I}).")
-    return lines + [""] + plan_lines(d)
+    return lines + [""] + plan_lines(d, *entry(recipe.model.flavor).parallel_plans())
 
 
 def _axis_words(cfg, d: Degrees, layout) -> dict[str, str]:
@@ -108,21 +109,20 @@ def _axis_words(cfg, d: Degrees, layout) -> dict[str, str]:
     }
 
 
-def plan_lines(d: Degrees) -> list[str]:
-    """The model's parallel plan (models/hunyuan_image3/parallel.py) as applied to these degrees."""
-    from omni.models.hunyuan_image3.parallel import SP_PLAN, TP_PLAN
+def plan_lines(d: Degrees, tp_plan: dict, sp_plan: dict) -> list[str]:
+    """The model's parallel plans (``ModelFlavor.parallel_plans()``) as applied to these degrees."""
     from omni.parallel.styles import Replicate
 
     lines = []
     if d.tp > 1 or d.ep > 1:
         lines += ["Tensor/expert-parallel plan (`models/hunyuan_image3/parallel.py`):", "",
                   "| module | treatment |", "|---|---|"]
-        for glob, style in TP_PLAN.items():
+        for glob, style in tp_plan.items():
             what = f"replicated: {style.why}" if isinstance(style, Replicate) else f"sharded: `{style!r}`"
             lines.append(f"| `{glob}` | {what} |")
         lines.append("")
     if d.sp > 1:
-        lines += ["Sequence-parallel plan: " + "; ".join(f"`{g}`: `{s!r}`" for g, s in SP_PLAN.items())
+        lines += ["Sequence-parallel plan: " + "; ".join(f"`{g}`: `{s!r}`" for g, s in sp_plan.items())
                   + "; every other module works per token.", ""]
     return lines
 
@@ -232,7 +232,7 @@ def recipe_notes(name: str) -> list[str]:
 
 def render_recipe(recipe: Recipe, cfg=None, notes: list[str] = ()) -> str:
     """The markdown page of one recipe; ``notes``: the recipe file's opening comments."""
-    cfg = (cfg or released_config()) if recipe.model.flavor == "hunyuan_image3" else None  # None: tiny model
+    cfg = _config(recipe, cfg)
     out = [*_title_lines(recipe),
            "## Command", "", "```sh", *command_lines(recipe), "```", "",
            "Check it against the platform on the target machine: "
@@ -244,6 +244,12 @@ def render_recipe(recipe: Recipe, cfg=None, notes: list[str] = ()) -> str:
     if notes:
         out += ["## Notes from the recipe file", "", "```text", *notes, "```", ""]
     return "\n".join(out)
+
+
+def _config(recipe: Recipe, cfg=None):
+    """The released config to estimate ``recipe`` with (``cfg`` if given); None for the embedded tiny model."""
+    released = entry(recipe.model.flavor).released_config()
+    return None if released is None else (cfg or released)
 
 
 def _title_lines(recipe: Recipe) -> list[str]:
@@ -289,7 +295,8 @@ def render_index(recipes: list[Recipe], cfg=None) -> str:
 
 
 def _index_row(r: Recipe, cfg) -> str:
-    est = estimate(r, cfg) if r.model.flavor == "hunyuan_image3" else None
+    cfg = _config(r, cfg)
+    est = estimate(r, cfg) if cfg is not None else None
     return (f"| [{r.name}]({r.name}.md) | {r.platform} | {r.device.count} x {r.device.kind} | "
             f"{Degrees.from_recipe(r.parallel).label()} | {r.model.dtype} / {r.quant.scheme} | "
             f"{r.kv_cache.mode} | {r.offload.mode} | {_index_memory(est)} | {est.verdict if est else '-'} | "

@@ -30,12 +30,13 @@ from .recipe_fields import (
     parse_size,
     platform_choices,
 )
+from .model_registry import flavor_choices
 
-FLAVORS = ("hunyuan_image3", "hunyuan_image3_tiny")
-TINY_FLAVOR = "hunyuan_image3_tiny"  # the only flavor that runs without --model (embedded weights)
+TINY_FLAVOR = "hunyuan_image3_tiny"  # the default: the embedded checkpoint, runs without --model
 DTYPES = ("float32", "bfloat16", "float16")
 QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_row", "mxfp8", "nvfp4", "w8a8")  # == omni.specs.QUANT_SCHEMES (tested)
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "fa3", "flex", "fia", "aiter")
+MEMORY_BOUND = ("auto", "triton", "torch")  # == omni.specs.MEMORY_BOUND (tested)
 GiB = 1 << 30
 
 
@@ -62,8 +63,8 @@ class Device(_Validated):
 class Model(_Validated):
     """Which model, where its weights are, and in which precision it runs."""
 
-    flavor: str = _opt(TINY_FLAVOR, "model definition: hunyuan_image3 (released 80B MoE) or the tiny test model",
-                       choices=FLAVORS)
+    flavor: str = _opt(TINY_FLAVOR, "model flavor registered under omni.models (omni-run models lists them), "
+                                    "or auto: read from the checkpoint's config.json", choices=flavor_choices)
     path: str | None = _opt(None, "Hugging Face-format directory with safetensors; null = embedded tiny weights "
                                   "(a released flavor then needs --model PATH)", rule=_NONEMPTY)
     dtype: str = _opt("bfloat16", "dtype of transformer weights and activations", choices=DTYPES)
@@ -108,6 +109,16 @@ class Attention(_Validated):
     backend: str = _opt("auto", "auto (the platform picks); sdpa; varlen (torch varlen); fa3 (FlashAttention-3); "
                                 "flex (FlexAttention); fia (Ascend fused infer attention); aiter (AMD)",
                         choices=ATTENTION_BACKENDS)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Kernels(_Validated):
+    """Kernel choices of the platform (a demand the platform cannot meet is refused with a reason)."""
+
+    memory_bound: str = _opt("auto", "memory-bound steps around the GEMMs (fp8 activation quantization, MoE gather, "
+                                     "SwiGLU, combine): auto (Triton where the platform has it, else torch ops); "
+                                     "triton (demand it: refused where absent); torch (plain torch ops)",
+                             choices=MEMORY_BOUND)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -220,6 +231,7 @@ class Recipe(_Validated):
     parallel: Parallel = _section(Parallel)
     quant: Quant = _section(Quant)
     attention: Attention = _section(Attention)
+    kernels: Kernels = _section(Kernels)
     kv_cache: KvCache = _section(KvCache)
     offload: Offload = _section(Offload)
     step_cache: StepCache = _section(StepCache)

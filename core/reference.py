@@ -20,6 +20,7 @@ from .specs import (AttentionSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformI
                     VarlenMeta)
 
 REFERENCE_QUANT = ("none", "fp8_tensor", "fp8_row", "w8a8")
+NO_TRITON = "reference: kernels.memory_bound=triton cannot be met: the reference runs plain torch ops (no Triton)"
 
 
 def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
@@ -200,6 +201,8 @@ class ReferencePlatform:
 
     @hookimpl(trylast=True)
     def omni_linear_impl(self, spec: GemmSpec, reject):
+        if spec.memory_bound == "triton":
+            return reject(NO_TRITON)
         if spec.quant not in REFERENCE_QUANT:
             return reject(f"reference: quant {spec.quant!r} has no reference semantics yet")
         return ReferenceLinear(spec)
@@ -212,6 +215,8 @@ class ReferencePlatform:
 
     @hookimpl(trylast=True)
     def omni_moe_impl(self, spec: MoESpec, reject):
+        if spec.memory_bound == "triton":
+            return reject(NO_TRITON)
         if spec.quant not in REFERENCE_QUANT:
             return reject(f"reference: quant.scheme={spec.quant!r} has no reference semantics yet "
                           f"(reference schemes: {', '.join(REFERENCE_QUANT)})")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +22,7 @@ class ImageRequest:
     system_prompt: str | None = None
     cot_text: str | None = None
     step_cache: float | None = None  # TeaCache threshold; None = the recipe's, 0 = off
+    return_latents: bool = False  # also hand back the final latents (parity checks, debugging)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
@@ -52,3 +54,13 @@ class ImageResult:
     width: int
     steps: int
     times: StageTimes
+    latents: object = None  # fp32 CPU tensor [1, C, h, w] when the request asked for it
+
+
+@dataclass(frozen=True)
+class GenerateJob:
+    """One ``omni-run generate``: what to draw and where to write it (flags with recipe defaults filled)."""
+
+    request: ImageRequest
+    output: Path
+    latents: Path | None = None  # also write the final latents here (safetensors)

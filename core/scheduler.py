@@ -19,6 +19,14 @@ iteration. A request that can never fit (more pages than the whole pool) is
 rejected at submit. One that needs more packed tokens than
 ``max_batch_tokens`` is admitted only when nothing else runs (it runs alone).
 
+Decode off the critical path: a request whose last step ran gives its KV
+pages back at once and, when the pipeline says ``concurrent_decode`` (its
+decode touches nothing the steps use and needs no lock-step with other
+ranks), is decoded on the scheduler's own decode thread while the engine
+thread goes on stepping the others; it is reported finished by the first
+``step()`` after its decode ended. Otherwise (``decode_thread=False``, or a
+multi-rank replica whose tiles are spread over its ranks) it decodes inline.
+
 Failure isolation: an exception while admitting, prefilling, stepping or
 decoding one request fails only that request (its pages freed). A packed
 step that raises is retried one request at a time from a snapshot of each
@@ -38,7 +46,8 @@ both).
 The pipeline protocol: ``pool`` (a KVPool), ``pages_needed(req)``,
 ``admit(req) -> state``, ``prefill(states)``, ``denoise_step(states)``,
 ``decode(state) -> uint8 [H, W, 3]``, ``release(state)``; optional
-``step_tokens(req)`` (else derived from ``build_rows`` / ``rows_here``). A state has
+``step_tokens(req)`` (else derived from ``build_rows`` / ``rows_here``) and
+``concurrent_decode`` (default False). A state has
 ``.done``, ``.request``, ``.seed``, ``.times`` (StageTimes), and
 ``denoise_step`` must rebind, not mutate in place, what it advances (the
 snapshot is a shallow copy of the state's attributes).
@@ -146,7 +155,7 @@ class Scheduler:
     """FIFO step-level batching under a KV-page and a packed-token budget (see module docstring)."""
 
     def __init__(self, pipeline, *, max_running: int = 8, max_queue: int | None = None,
-                 max_batch_tokens: int | None = None, pack_prefill: bool = False,
+                 max_batch_tokens: int | None = None, pack_prefill: bool = False, decode_thread: bool = False,
                  clock: Callable[[], float] = time.perf_counter):
         self.pipeline, self.pool = pipeline, pipeline.pool
         self.max_running, self.max_queue = max_running, max_queue
@@ -158,12 +167,16 @@ class Scheduler:
         self.initial_free_pages = self.pool.free_pages
         self.stats = collections.Counter()  # steps, step_tokens, admitted, finished, failed, cancelled, rejected
         self._service_s: float | None = None  # moving average of admitted -> finished seconds
+        threaded = decode_thread and getattr(pipeline, "concurrent_decode", False)
+        self._decoder = concurrent.futures.ThreadPoolExecutor(1, "omni-decode") if threaded else None
+        self._decoded: collections.deque[Ticket] = collections.deque()  # settled on the decode thread
 
     @classmethod
     def from_recipe(cls, pipeline, recipe, **overrides) -> "Scheduler":
         """The scheduler ``recipe.serving`` describes (max_running, max_queue, max_batch_tokens)."""
         s = recipe.serving
-        kw = dict(max_running=s.max_running, max_queue=s.max_queue, max_batch_tokens=s.max_batch_tokens)
+        kw = dict(max_running=s.max_running, max_queue=s.max_queue, max_batch_tokens=s.max_batch_tokens,
+                  decode_thread=True)
         sched = cls(pipeline, **(kw | overrides))
         w, h = recipe.defaults.width_height
         need = sched.cost(ImageRequest(prompt="x", height=h, width=w, guidance=recipe.defaults.guidance)).step_tokens
@@ -232,7 +245,7 @@ class Scheduler:
 
     def step(self) -> list[Ticket]:
         """One engine iteration; returns the tickets resolved in it (done, failed or cancelled)."""
-        finished: list[Ticket] = []
+        finished: list[Ticket] = self._drain_decoded()
         self._reap_cancelled(finished)
         admitted = self._admit(finished)
         if admitted:
@@ -242,6 +255,11 @@ class Scheduler:
             self._denoise(finished)
             self._finish_done(finished)
         return finished
+
+    def close(self) -> None:
+        """Wait for the decodes in flight (their requests resolve); the scheduler steps no more."""
+        if self._decoder is not None:
+            self._decoder.shutdown(wait=True)
 
     def fail_all(self, error: BaseException) -> None:
         """Resolve every waiting and running ticket with ``error`` and free their pages."""
@@ -320,8 +338,24 @@ class Scheduler:
     def _finish_done(self, finished: list[Ticket]) -> None:
         for t in [t for t in self.running if t.state.done]:
             self.running.remove(t)
-            if self._try(t, finished, "decode", lambda: self._decode(t)):
-                finished.append(t)
+            if self._decoder is None:
+                if self._try(t, finished, "decode", lambda: self._decode(t)):
+                    finished.append(t)
+                continue
+            self._release(t)  # on the engine thread (a multi-rank release is mirrored); decode needs no pages
+            self._decoder.submit(self._decode_off_thread, t)
+
+    def _decode_off_thread(self, t: Ticket) -> None:
+        done: list[Ticket] = []
+        if self._try(t, done, "decode", lambda: self._decode(t)):
+            done.append(t)
+        self._decoded.extend(done)
+
+    def _drain_decoded(self) -> list[Ticket]:
+        drained = []
+        while self._decoded:
+            drained.append(self._decoded.popleft())
+        return drained
 
     def _decode(self, t: Ticket) -> None:
         image = self.pipeline.decode(t.state)
@@ -329,10 +363,12 @@ class Scheduler:
         self._release(t)
         t.finished_at = self.clock()
         took = t.finished_at - t.admitted_at
-        self._service_s = took if self._service_s is None else 0.8 * self._service_s + 0.2 * took
-        self.stats["finished"] += 1
+        with self._lock:  # the decode thread and the engine thread both finish requests
+            self._service_s = took if self._service_s is None else 0.8 * self._service_s + 0.2 * took
+            self.stats["finished"] += 1
+        latents = s.latents_1Chw.detach().cpu() if r.return_latents else None
         _settle(t.future, result=ImageResult(r.request_id, image.numpy(), s.seed, image.shape[0], image.shape[1],
-                                             r.steps, s.times))
+                                             r.steps, s.times, latents))
 
     def _try(self, t: Ticket, finished: list[Ticket], stage: str, fn: Callable[[], None]) -> bool:
         """Run ``fn`` for one request; on an exception fail that request only. True if it succeeded."""
@@ -345,7 +381,8 @@ class Scheduler:
 
     def _fail(self, t: Ticket, error: Exception, stage: str, finished: list[Ticket]) -> None:
         self._release(t)
-        self.stats["failed"] += 1
+        with self._lock:
+            self.stats["failed"] += 1
         log.error("request %s failed in %s: %s: %s", t.request_id, stage, type(error).__name__, error,
                   exc_info=error)
         if isinstance(error, KVPoolExhausted):  # pages_needed disagreed with admit: a pipeline bug, still isolated

@@ -19,6 +19,9 @@ Reject = Callable[[str], None]
 """Callback a plugin calls with a human-readable reason when it declines."""
 
 QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_row", "mxfp8", "nvfp4", "w8a8")
+# How the memory-bound steps around the GEMMs run (``kernels.memory_bound``): auto = Triton where the platform
+# has it, else torch ops; triton = demanded (a platform without it refuses); torch = plain torch ops.
+MEMORY_BOUND = ("auto", "triton", "torch")
 
 
 # ----------------------------------------------------------------- detection
@@ -108,6 +111,11 @@ class AttentionImpl(Protocol):
     def __call__(self, q_TNH: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta) -> torch.Tensor: ...
 
 
+def _check_memory_bound(spec: str, value: str) -> None:
+    if value not in MEMORY_BOUND:
+        raise ValueError(f"{spec}.memory_bound (kernels.memory_bound) must be one of {MEMORY_BOUND}, got {value!r}")
+
+
 # ----------------------------------------------------------------- GEMM
 
 
@@ -120,10 +128,12 @@ class GemmSpec:
     dtype: torch.dtype  # activation/output dtype
     quant: str = "none"  # one of QUANT_SCHEMES
     bias: bool = False
+    memory_bound: str = "auto"  # one of MEMORY_BOUND: the activation quantization of fp8 schemes
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"GemmSpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
+        _check_memory_bound("GemmSpec", self.memory_bound)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,10 +203,12 @@ class MoESpec:
     dtype: torch.dtype  # activation / output dtype
     quant: str = "none"  # one of QUANT_SCHEMES, for both expert GEMMs
     renormalize: bool = True
+    memory_bound: str = "auto"  # one of MEMORY_BOUND: gather (+ quantize), SwiGLU (+ quantize), combine
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"MoESpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
+        _check_memory_bound("MoESpec", self.memory_bound)
         if not 0 < self.topk <= self.num_experts:
             raise ValueError(f"MoESpec.topk must be in 1..{self.num_experts}, got {self.topk}")
 

@@ -2,7 +2,7 @@
 
 generate/serve/bench hand over to modules written elsewhere; here they are
 replaced by recording fakes in ``sys.modules`` so the tests check the CLI's
-contract (exit codes, resolved args, final recipe) and never run a model.
+contract (exit codes, the frozen Deployment and job handed over) and never run a model.
 """
 import argparse
 import logging
@@ -23,9 +23,10 @@ CLI_SURFACE = {
     "": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe", "--trace",
          "--version", "-h"],
     "platforms": ["--help", "--log-level", "--trace", "-h"],
+    "models": ["--help", "--log-level", "--trace", "-h"],
     "recipes": ["--check", "--docs", "--help", "--log-level", "--platform", "--schema", "--trace", "-h"],
-    "generate": ["--guidance", "--help", "--log-level", "--model", "--negative-prompt", "--output", "--platform",
-                 "--prompt", "--recipe", "--seed", "--size", "--steps", "--trace", "-h", "-o"],
+    "generate": ["--guidance", "--help", "--latents", "--log-level", "--model", "--negative-prompt", "--output",
+                 "--platform", "--prompt", "--recipe", "--seed", "--size", "--steps", "--trace", "-h", "-o"],
     "serve": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe",
               "--trace", "-h"],
     "bench": [],  # everything after `bench` goes to the benchmark client
@@ -187,23 +188,26 @@ def test_recipes_schema(capsys):
 # ------------------------------------------------------------------ generate
 
 
-def test_generate_hands_over_resolved_args_and_final_recipe(handover, capsys):
+def test_generate_hands_over_the_deployment_and_a_resolved_job(handover, capsys):
     calls = handover("omni.generate", "generate_main")
     assert main(["generate", "--prompt", "a red fox", "--seed", "7", "--trace"]) == 0
-    ((args, recipe),) = calls
-    assert recipe == load_recipe("cpu_tiny")
-    assert (args.prompt, args.seed, args.platform, args.trace, args.output) == ("a red fox", 7, "cpu", True, "out.png")
-    assert (args.size, args.width, args.height, args.steps, args.guidance) == ("1024x1024", 1024, 1024, 20, 5.0)
-    assert args.negative_prompt is None  # None: the official <cfg>-token unconditional row
+    ((deployment, job),) = calls
+    assert deployment.recipe == load_recipe("cpu_tiny") and deployment.trace
+    req = job.request
+    assert (req.prompt, req.seed, str(job.output), job.latents) == ("a red fox", 7, "out.png", None)
+    assert (req.width, req.height, req.steps, req.guidance) == (1024, 1024, 20, 5.0)
+    assert req.negative_prompt is None  # None: the official <cfg>-token unconditional row
 
 
 def test_generate_flags_win_over_recipe_defaults(handover, tmp_path):
     calls = handover("omni.generate", "generate_main")
     assert main(["generate", "--prompt", "x", "--size", "768x512", "--steps", "3", "--guidance", "0",
-                 "--model", str(tmp_path), "-o", "y.png"]) == 0
-    ((args, recipe),) = calls
-    assert (args.width, args.height, args.steps, args.guidance, args.output) == (768, 512, 3, 0.0, "y.png")
-    assert recipe.model.path == args.model == os.path.abspath(tmp_path)
+                 "--model", str(tmp_path), "-o", "y.png", "--latents", "z.safetensors"]) == 0
+    ((deployment, job),) = calls
+    req = job.request
+    assert (req.width, req.height, req.steps, req.guidance, str(job.output)) == (768, 512, 3, 0.0, "y.png")
+    assert str(job.latents) == "z.safetensors" and req.return_latents
+    assert deployment.recipe.model.path == os.path.abspath(tmp_path)
 
 
 def test_generate_exit_status_and_runtime_errors(handover, capsys):
@@ -218,6 +222,7 @@ def test_generate_exit_status_and_runtime_errors(handover, capsys):
     (["--model", "/nonexistent/ckpt"], "model path '/nonexistent/ckpt' is not a directory"),
     (["--recipe", "nope"], "unknown recipe 'nope'; packaged recipes:"),
     (["--recipe", "h200_fp8"], "recipe h200_fp8 runs hunyuan_image3, which needs its weights: pass --model PATH"),
+    (["--recipe", "h200_fp8", "--platform", "cuda"], "recipe h200_fp8 runs hunyuan_image3, which needs its weights"),
     (["--recipe", "h200_fp8", "--platform", "cpu"], "recipe h200_fp8 is for platform cuda; --platform cpu conflicts"),
     (["--platform", "tpu"], "recipe cpu_tiny is for platform cpu; --platform tpu conflicts"),
 ])
@@ -249,8 +254,8 @@ def test_auto_recipe_takes_the_platform_flag(handover, tmp_path):
     calls = handover("omni.generate", "generate_main")
     auto = recipe_file(tmp_path, "platform: auto\nmodel: {dtype: float32}\n", "any_tiny.yaml")
     assert main(["generate", "--prompt", "x", "--recipe", auto, "--platform", "cpu"]) == 0
-    ((args, recipe),) = calls
-    assert recipe.platform == args.platform == "cpu", "the recipe handed over names the concrete platform"
+    ((deployment, _),) = calls
+    assert deployment.recipe.platform == "cpu", "the recipe handed over names the concrete platform"
 
 
 def test_unmet_requirement_exits_2(handover, tmp_path, capsys):
@@ -272,16 +277,17 @@ def test_missing_handover_module_is_a_runtime_error(monkeypatch, capsys):
 def test_bare_form_serves(handover):
     calls = handover("omni.serving.server", "serve_main")
     assert main(["--platform", "cpu", "--recipe", "cpu_tiny", "--port", "9001"]) == 0
-    ((args, recipe),) = calls
-    assert (args.command, args.platform, args.host, args.port, args.api_key) == (None, "cpu", "127.0.0.1", 9001, None)
-    assert recipe.serving.port == 9001 and recipe.name == "cpu_tiny"
+    ((deployment, endpoint),) = calls
+    assert (deployment.recipe.platform, endpoint.host, endpoint.port, endpoint.api_key) == \
+        ("cpu", "127.0.0.1", 9001, None)
+    assert deployment.recipe.serving.port == 9001 and deployment.recipe.name == "cpu_tiny"
 
 
 def test_serve_command(handover):
     calls = handover("omni.serving.server", "serve_main")
     assert main(["serve", "--host", "0.0.0.0", "--api-key", "k", "--log-level", "warning"]) == 0
-    ((args, recipe),) = calls
-    assert (args.host, args.api_key, recipe.serving.host) == ("0.0.0.0", "k", "0.0.0.0")
+    ((deployment, endpoint),) = calls
+    assert (endpoint.host, endpoint.api_key, deployment.recipe.serving.host) == ("0.0.0.0", "k", "0.0.0.0")
     assert logging.getLogger("omni").level == logging.WARNING
 
 
@@ -293,7 +299,7 @@ def test_serve_reads_the_key_from_the_named_environment_variable(handover, tmp_p
     assert "serving.api_key_env names OMNI_TEST_API_KEY, which is not set" in capsys.readouterr().err
     monkeypatch.setenv("OMNI_TEST_API_KEY", "secret")
     assert main(["serve", "--recipe", keyed]) == 0
-    assert calls[-1][0].api_key == "secret"
+    assert calls[-1][1].api_key == "secret"
 
 
 def test_serve_rejects_a_bad_port(handover, capsys):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from omni.attention_context import DenseContext, dense_meta
+from omni.build_options import BuildOptions
 from omni.platform_manager import select
 from omni.specs import VarlenMeta
 from omni.models.hunyuan_image3.config import TINY_GOLDEN, HunyuanImage3Config
@@ -56,7 +57,7 @@ def weights(golden):
 @pytest.fixture(scope="module")
 def model(golden, weights):
     cfg = HunyuanImage3Config.from_json_dict(golden[0]["tiny_config"])
-    m = HunyuanImage3Transformer(cfg, select("cpu"), dtype=torch.float32)
+    m = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=torch.float32))
     load_state(m, weights)
     m.finalize()
     return m.eval()
@@ -194,7 +195,7 @@ def test_load_state_covers_checkpoint_and_names_problems(model, weights):
     bad["model.ln_f.weight"] = torch.ones(3)
     del bad["lm_head.weight"]
     bad["model.layers.0.extra.weight"] = torch.ones(1)
-    fresh = HunyuanImage3Transformer(model.cfg, select("cpu"))
+    fresh = HunyuanImage3Transformer(model.cfg, select("cpu"), BuildOptions(dtype=torch.float32))
     with pytest.raises(ValueError) as err:
         load_state(fresh, bad)
     msg = str(err.value)
@@ -288,7 +289,7 @@ def test_text_logits_causal(model, g):
 
 def test_bfloat16_model_tracks_fp32_golden(golden, weights, g):
     """Smoke test of the dtype plumbing (fp32 router and norms, fp32 heads' outputs), loose tolerance."""
-    m = HunyuanImage3Transformer(TINY_GOLDEN, select("cpu"), dtype=torch.bfloat16)
+    m = HunyuanImage3Transformer(TINY_GOLDEN, select("cpu"), BuildOptions(dtype=torch.bfloat16))
     load_state(m, weights)
     m.finalize()
     with torch.no_grad():

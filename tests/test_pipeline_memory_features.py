@@ -58,9 +58,9 @@ def test_streamed_offload_builds_one_layer_at_a_time(baseline, ckpt, monkeypatch
 
     monkeypatch.setattr(StreamingLoad, "load", spy)
     img, _, pipe = generate({"offload.mode": "experts", "offload.resident_layers": 1}, ckpt)
-    n = len(pipe.model.model.layers)
+    n = len(pipe.model.transformer.model.layers)
     assert seen[:n] == [[j > i for j in range(n)] for i in range(n)]
-    assert pipe.vae.encoder is None  # text-to-image never encodes
+    assert pipe.model.vae.encoder is None  # text-to-image never encodes
     assert torch.equal(img, baseline)
 
 

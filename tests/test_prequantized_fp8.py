@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from omni import quant
+from omni.build_options import BuildOptions
 from omni.layers import GroupedLinear, Linear
 from omni.platform_manager import select
 from omni.weights import LoadTarget, load_checkpoint
@@ -36,7 +37,7 @@ def cfg():
 def build(cfg, scheme, dtype=torch.float32):
     from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
 
-    return HunyuanImage3Transformer(cfg, select("cpu"), dtype=dtype, quant=scheme)
+    return HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=dtype, quant=scheme))
 
 
 def source_weights(cfg) -> dict[str, torch.Tensor]:
@@ -176,8 +177,8 @@ def _tp_rank_job(ctx, path: str, x: torch.Tensor):
 
     cfg_ = _tiny_cfg()
     recipe = load_recipe("cpu_tiny").replace_paths({"quant.scheme": "fp8_row"})
-    model, target = build_transformer(cfg_, ctx.platform, dtype=torch.float32, quant="fp8_row", device="cpu",
-                                      parallel=ParallelRuntime(ctx.mesh, ctx.platform))
+    model, target = build_transformer(cfg_, ctx.platform, BuildOptions(dtype=torch.float32, quant="fp8_row"),
+                                      device="cpu", parallel=ParallelRuntime(ctx.mesh, ctx.platform))
     prequantized(Path(path), recipe, model)
     load_checkpoint(path, [target], progress=False, skip_prefixes=("vae.",))
     model.finalize()

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from omni.build_options import BuildOptions
 from omni.image_quality import psnr, ssim
 from omni.platform_manager import select
 
@@ -36,7 +37,7 @@ def golden_preds(golden_data):
     g, weights = golden_data[1], golden_data[2]
     out = {}
     for q in ("none", "fp8_row", "fp8_tensor"):
-        m = HunyuanImage3Transformer(cfg, select("cpu"), dtype=torch.bfloat16, quant=q)
+        m = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=torch.bfloat16, quant=q))
         load_state(m, weights)
         m.finalize()
         with torch.no_grad():
@@ -74,7 +75,7 @@ def test_fp8_image_psnr_ssim_through_the_engine():
     assert p >= IMAGE_PSNR_DB and s >= IMAGE_SSIM
 
     # quant.experts_only: the routed experts alone are e4m3; attention and the shared expert keep bf16
-    layer = pipes["experts_only"].model.model.layers[0]
+    layer = pipes["experts_only"].model.transformer.model.layers[0]
     assert layer.self_attn.qkv_proj.spec.quant == layer.mlp.shared_mlp.down_proj.spec.quant == "none"
     assert layer.mlp.experts.down_proj.spec.quant == "fp8_row"
     assert layer.mlp.experts.down_proj.weight.dtype == torch.float8_e4m3fn

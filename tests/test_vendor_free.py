@@ -1,4 +1,5 @@
-"""core/ and models/ stay vendor-free: no vendor imports, no platform imports, no vendor branches.
+"""core/ and models/ stay vendor-free: no vendor imports, no platform imports, no vendor branches;
+and core/ imports no model package (models register through the ``omni.models`` entry points).
 
 Vendor code lives in platforms/<name>/ behind the hooks of core/hookspecs.py.
 The check reads the source with ``ast`` (docstrings and comments may mention
@@ -17,6 +18,7 @@ CHECKED = {"core": "omni", "models": "omni.models"}  # folder -> import package 
 VENDOR_MODULES = ("torch_npu", "intel_extension_for_pytorch", "torch_musa", "aiter", "flash_attn",
                   "flash_attn_interface", "fa3_fwd_interface", "flashinfer")
 PLATFORM_PACKAGE = "omni.platforms"
+MODEL_PACKAGE = "omni.models"
 VENDOR_ATTRIBUTES = ("torch.cuda", "torch.npu", "torch.xpu", "torch.musa", "torch.version.hip", "torch.version.cuda")
 VENDOR_PREDICATES = ("is_rocm", "is_npu", "is_xpu", "is_musa", "is_cuda", "is_hip")
 VENDOR_DEVICE_STRINGS = ("cuda", "hip", "rocm", "npu", "xpu", "musa")
@@ -29,6 +31,7 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 class _Checker(ast.NodeVisitor):
     def __init__(self, module: str, is_package: bool):
         self.package = module if is_package else module.rpartition(".")[0]
+        self.in_core = not _under(module, (MODEL_PACKAGE, PLATFORM_PACKAGE))
         self.aliases: dict[str, str] = {}  # local name -> dotted module/attribute it stands for
         self.problems: list[tuple[int, str]] = []
 
@@ -42,6 +45,8 @@ class _Checker(ast.NodeVisitor):
             self.flag(node, f"imports platform package {name} (use the hooks through omni.platform_manager)")
         elif _under(name, VENDOR_ATTRIBUTES):
             self.flag(node, f"imports {name} (a vendor branch; ask the platform contract)")
+        elif self.in_core and _under(name, (MODEL_PACKAGE,)):
+            self.flag(node, f"imports model package {name} (core reaches models through omni.model_registry)")
 
     def visit_Import(self, node: ast.Import) -> None:
         for a in node.names:
@@ -135,6 +140,17 @@ def test_core_and_models_are_vendor_free():
     assert not problems, "vendor code in core/ or models/:\n" + "\n".join(problems)
 
 
+def test_core_imports_no_model_package():
+    """Every file of core/, lazy imports inside functions included: models are entry points, never imports."""
+    problems = []
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        module, is_package = _module_name(path)
+        problems += [f"{path.relative_to(ROOT)}:{line}: {message}"
+                     for line, message in check_source(path.read_text(encoding="utf-8"), module, is_package)
+                     if "model package" in message]
+    assert not problems, "core/ imports a model:\n" + "\n".join(problems)
+
+
 def test_common_platform_code_is_vendor_free():
     """platforms/common/ serves every device: torch and omni only, no vendor module, attribute or branch."""
     problems = []
@@ -175,6 +191,9 @@ def test_the_walk_sees_the_tree():
     ("if is_cuda(): pass", "is_cuda()"),
     ("def is_npu(): return True", "defines is_npu()"),
     ("if x.device.type == 'cuda': pass", "'cuda'"),
+    ("from omni.models.hunyuan_image3.build import build_pipeline", "model package omni.models.hunyuan_image3"),
+    ("def f():\n    from .models.hunyuan_image3 import resolution", "model package omni.models.hunyuan_image3"),
+    ("import importlib\nimportlib.import_module('omni.models.hunyuan_image3')", "model package omni.models"),
 ])
 def test_checker_flags_offending_source(source, expected):
     problems = check_source(source, "omni.layers")
@@ -187,6 +206,11 @@ def test_checker_resolves_relative_imports_from_models():
     assert check_source("from ...platforms import npu", "omni.models.hunyuan_image3", is_package=True)
     assert not check_source("from ..platforms import npu", "omni.models.hunyuan_image3", is_package=True)
     assert not check_source("from ...specs import AttentionSpec", "omni.models.hunyuan_image3.transformer")
+
+
+def test_models_may_import_their_own_package():
+    assert not check_source("from .pipeline import HunyuanImage3Pipeline", "omni.models.hunyuan_image3.build")
+    assert not check_source("from omni.models.hunyuan_image3 import resolution", "omni.models.hunyuan_image3.flavors")
 
 
 def test_checker_accepts_generic_device_code():

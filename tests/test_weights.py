@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from omni.build_options import BuildOptions
 from omni.platform_manager import select
 from omni.weights import CheckpointError, LoadTarget, StreamingLoad, checkpoint_files, load_checkpoint, materialize_meta_
 from omni.models.hunyuan_image3.config import HunyuanImage3Config
@@ -23,7 +24,7 @@ def ckpt(tmp_path_factory):
 
 def fresh(ckpt, dtype=torch.float32):
     cfg = HunyuanImage3Config.from_file(ckpt / "config.json")
-    model = HunyuanImage3Transformer(cfg, select("cpu"), dtype=dtype)
+    model = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=dtype))
     vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae))
     return model, vae, [LoadTarget("", model, model.param_name_for), LoadTarget("vae.", vae)]
 
@@ -87,7 +88,7 @@ def test_directory_without_safetensors_is_refused(tmp_path):
 def meta_model(ckpt):
     cfg = HunyuanImage3Config.from_file(ckpt / "config.json")
     with torch.device("meta"):
-        model = HunyuanImage3Transformer(cfg, select("cpu"), dtype=torch.float32)
+        model = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=torch.float32))
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae))
     return model, vae, [LoadTarget("", model, model.param_name_for), LoadTarget("vae.", vae)]
 

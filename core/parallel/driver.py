@@ -6,7 +6,7 @@ runs model work (``admit``, ``prefill``, ``denoise_step``, ``release``) it
 broadcasts the call over the replica's host-side control group (gloo), and
 ``follow`` on every other rank of the replica replays it on its own
 pipeline, so all ranks enter the same forwards with the same requests in
-the same order. Pure queries (``pages_needed``, ``build_rows``) stay local;
+the same order. Pure queries (``pages_needed``, ``step_tokens``) stay local;
 ``decode`` (VAE) runs on the driver only, unless VAE tiling spreads the
 tiles over the replica, in which case every rank decodes its tiles.
 
@@ -68,7 +68,7 @@ class DriverPipeline:
         self.pipeline, self.control = pipeline, control
         self.pool = pipeline.pool
 
-    def __getattr__(self, name):  # build_rows, step_tokens, cfg, ...: local and side-effect free
+    def __getattr__(self, name):  # step_tokens, concurrent_decode, ...: local and side-effect free
         return getattr(self.pipeline, name)
 
     def _send(self, op: str, payload=None) -> None:

@@ -1,17 +1,22 @@
-"""The per-worker parallel runtime: what the pipeline builder and the pipeline ask of the mesh.
+"""The per-worker runtime: what the pipeline builder and the step engine ask of the devices.
 
-Model code never imports torch.distributed; it receives this object (or
-None on a single device) and calls plain methods:
+Model code never imports torch.distributed; it receives one of these objects
+and calls plain methods, the same on one device (``SingleDevice``) as on a
+mesh (``ParallelRuntime``), so no caller branches on which it has:
 
-    build time   shard_model(model, plan, ...)  -> PlanResult (apply the plan, cut the checkpoint)
+    build time   shard_model(model, plan, ...)  -> PlanResult (ParallelRuntime only: apply the plan)
                  pool_kv_heads(K)               -> kv heads this rank's KV pool stores
     run time     cfg_rows(n)                    -> which rows of a request this rank computes
                  exchange_predictions(...)      -> every row's velocity after a step
                  run_backbone(...)              -> the backbone over one packed forward
                  tiled_decode(...)              -> VAE tiles spread over the replica's ranks
+                 replica_size                   -> ranks that run this pipeline in lock-step
 """
 from __future__ import annotations
 
+from typing import Protocol
+
+from omni.build_options import BuildOptions
 from omni.kv_pool import PoolContext
 from omni.vae_tiling import tiled_decode
 
@@ -19,6 +24,47 @@ from .cfg import CfgSplit
 from .sequence import SequenceParallelRunner
 from .tp import PlanResult, apply_plan
 from .ulysses import kv_heads_per_rank
+
+
+class Runtime(Protocol):
+    """What the step engine needs of the devices it runs on (see the module docstring)."""
+
+    @property
+    def replica_size(self) -> int: ...
+
+    def pool_kv_heads(self, num_kv_heads: int, num_heads: int) -> int: ...
+
+    def cfg_rows(self, num_rows: int) -> list[int]: ...
+
+    def exchange_predictions(self, local: list, num_rows: list[int]) -> list: ...
+
+    def run_backbone(self, model, x_TD, cos_TH, sin_TH, *, pool, runs, mask: str, paged: bool, device): ...
+
+    def tiled_decode(self, decode, z_BChw, *, tile: int, overlap: int, factor: int, lanes=None): ...
+
+
+class SingleDevice:
+    """One worker alone: every row here, nothing to exchange, the backbone and the tiles in this process."""
+
+    replica_size = 1
+
+    def __repr__(self) -> str:
+        return "SingleDevice()"
+
+    def pool_kv_heads(self, num_kv_heads: int, num_heads: int) -> int:
+        return num_kv_heads
+
+    def cfg_rows(self, num_rows: int) -> list[int]:
+        return list(range(num_rows))
+
+    def exchange_predictions(self, local: list, num_rows: list[int]) -> list:
+        return local
+
+    def run_backbone(self, model, x_TD, cos_TH, sin_TH, *, pool, runs, mask: str, paged: bool, device):
+        return model.backbone(x_TD, cos_TH, sin_TH, PoolContext(pool, runs, mask=mask, paged=paged, device=device))
+
+    def tiled_decode(self, decode, z_BChw, *, tile: int, overlap: int, factor: int, lanes=None):
+        return tiled_decode(decode, z_BChw, tile=tile, overlap=overlap, factor=factor, lanes=lanes)
 
 
 class ParallelRuntime:
@@ -32,9 +78,8 @@ class ParallelRuntime:
 
     # ------------------------------------------------------------ build time
 
-    def shard_model(self, model, plan, *, cfg, module_kw: dict, kernel_kw: dict) -> PlanResult:
-        return apply_plan(model, plan, mesh=self.mesh, platform=self.platform, cfg=cfg, module_kw=module_kw,
-                          kernel_kw=kernel_kw)
+    def shard_model(self, model, plan, *, cfg, opts: BuildOptions) -> PlanResult:
+        return apply_plan(model, plan, mesh=self.mesh, platform=self.platform, cfg=cfg, opts=opts)
 
     def pool_kv_heads(self, num_kv_heads: int, num_heads: int) -> int:
         tp = self.mesh.size("tp")
@@ -44,6 +89,10 @@ class ParallelRuntime:
         return local
 
     # ------------------------------------------------------------ run time
+
+    @property
+    def replica_size(self) -> int:
+        return self.mesh.size("replica")
 
     def cfg_rows(self, num_rows: int) -> list[int]:
         return self.cfg.rows(num_rows)

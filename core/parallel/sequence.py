@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from omni.build_options import BuildOptions
 from omni.kv_pool import PoolContext
 from omni.specs import AttentionSpec
 
@@ -29,8 +30,7 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def install_sp_kernels(attention: torch.nn.Module, style, *, mesh, platform, cfg, dtype, paged: bool,
-                       page_size: int, backend: str = "auto") -> None:
+def install_sp_kernels(attention: torch.nn.Module, style, *, mesh, platform, cfg, opts: BuildOptions) -> None:
     """Replace an attention module's kernels (dict mask -> kernel) by their Ulysses or ring wrappers."""
     tp = mesh.size("tp")
     n, k = getattr(cfg, style.heads) // tp, getattr(cfg, style.kv_heads) // tp
@@ -39,13 +39,13 @@ def install_sp_kernels(attention: torch.nn.Module, style, *, mesh, platform, cfg
     if mesh.sp_kind == "ulysses":
         u = mesh.size("ulysses")
         kv = kv_heads_per_rank(n, k, u)
-        kernels = {m: UlyssesAttention(platform.attention(AttentionSpec(
-            num_heads=n // u, num_kv_heads=kv, head_dim=head_dim, dtype=dtype, mask=m, paged=paged,
-            page_size=page_size, backend=backend))) for m in masks}
+        kernels = {m: UlyssesAttention(platform.attention(opts.attention_spec(n // u, kv, head_dim, m)))
+                   for m in masks}
     else:
+        # one unpaged dense kernel serves every mask: the ring builds a mask for each rotating K/V chunk
         inner = resolve_lse_kernel(platform, AttentionSpec(num_heads=n, num_kv_heads=k, head_dim=head_dim,
-                                                           dtype=dtype, mask="dense", return_lse=True,
-                                                           backend=backend))
+                                                           dtype=opts.dtype, mask="dense", return_lse=True,
+                                                           backend=opts.attn_backend))
         kernels = {m: RingAttention(inner) for m in masks}
     setattr(attention, style.kernels, kernels)
 

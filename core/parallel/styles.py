@@ -51,7 +51,7 @@ class Rowwise:
 class Heads:
     """An attention layer rebuilt with 1/tp of its query and KV heads (whole KV groups per rank).
 
-    The module is constructed again as ``type(m)(local_cfg, m.layer_idx, **module_kw)``
+    The module is constructed again as ``type(m)(local_cfg, m.layer_idx, platform=..., opts=...)``
     where ``local_cfg`` has the named config fields divided by tp; its
     kernels are therefore resolved for the local head counts. The children's
     Colwise/Rowwise entries say how their checkpoint tensors are sliced.

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from omni.build_options import BuildOptions
 from omni.layers import GroupedLinear, Linear
 from omni.weights import SCALE_SUFFIXES, LoadTarget
 
@@ -107,21 +108,20 @@ class PlanResult:
         return LoadTarget(prefix, self.model, self.name_map, self.read)
 
 
-def apply_plan(model: nn.Module, plan: dict | list[dict], *, mesh, platform, cfg, module_kw: dict,
-               kernel_kw: dict) -> PlanResult:
+def apply_plan(model: nn.Module, plan: dict | list[dict], *, mesh, platform, cfg,
+               opts: BuildOptions) -> PlanResult:
     """Shard ``model`` in place for this rank (see the module docstring); returns the load rules.
 
     ``plan``: one dict or several (a glob may appear in more than one, e.g.
     ``Heads`` in the TP plan and ``SequenceParallel`` in the SP plan).
-    ``module_kw``: the keyword arguments the model's layer modules are built
-    with (``Heads`` rebuilds with them); ``kernel_kw``: ``dtype``, ``paged``,
-    ``page_size`` and ``backend`` of the attention kernels (``SequenceParallel``).
+    ``opts``: the options the model was built with; ``Heads`` modules and the
+    ``SequenceParallel`` attention kernels are built again from them.
     """
     entries = _match(model, [plan] if isinstance(plan, dict) else plan)
     sizes = {name: _shape(m) for name, m in model.named_modules() if isinstance(m, (Linear, GroupedLinear))}
     check_plan(entries, cfg, mesh, sizes)
     result = PlanResult(model)
-    _rebuild_heads(model, entries, cfg, mesh.size("tp"), module_kw)
+    _rebuild_heads(model, entries, cfg, mesh.size("tp"), platform, opts)
     held = _expert_ranges(entries, cfg, mesh)
     for name, style in entries:
         if isinstance(style, (Colwise, Rowwise)):
@@ -138,11 +138,11 @@ def apply_plan(model: nn.Module, plan: dict | list[dict], *, mesh, platform, cfg
         for name, style in entries:
             if isinstance(style, SequenceParallel):
                 install_sp_kernels(model.get_submodule(name), style, mesh=mesh, platform=platform, cfg=cfg,
-                                   **kernel_kw)
+                                   opts=opts)
     return result
 
 
-def _rebuild_heads(model, entries, cfg, tp: int, module_kw: dict) -> None:
+def _rebuild_heads(model, entries, cfg, tp: int, platform, opts: BuildOptions) -> None:
     """``Heads``: the module built again from a config with tp-local head counts."""
     if tp == 1:
         return
@@ -151,7 +151,7 @@ def _rebuild_heads(model, entries, cfg, tp: int, module_kw: dict) -> None:
             local = dataclasses.replace(cfg, **{style.heads: getattr(cfg, style.heads) // tp,
                                                 style.kv_heads: getattr(cfg, style.kv_heads) // tp})
             old = model.get_submodule(name)
-            _replace(model, name, type(old)(local, old.layer_idx, **module_kw))
+            _replace(model, name, type(old)(local, old.layer_idx, platform=platform, opts=opts))
 
 
 def _expert_ranges(entries, cfg, mesh) -> dict[str, tuple[range, int]]:
@@ -285,7 +285,8 @@ def _rebuild(old, in_f: int, out_f: int, num_experts: int | None, platform):
     s = old.spec
     if isinstance(old, GroupedLinear):
         return GroupedLinear(num_experts, in_f, out_f, platform=platform, dtype=s.dtype, quant=s.quant)
-    return Linear(in_f, out_f, platform=platform, dtype=s.dtype, bias=s.bias, quant=s.quant)
+    return Linear(in_f, out_f, platform=platform, dtype=s.dtype, bias=s.bias, quant=s.quant,
+                  memory_bound=s.memory_bound)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -1,4 +1,4 @@
-"""The HTTP surface: ``create_app`` routes a FastAPI app to the handlers over an ``EngineLoop``.
+"""The HTTP surface: ``create_app`` routes a FastAPI app to the handlers over an ``EngineHandle``.
 
 Routes: OpenAI Images (/v1/images/generations), vLLM-Omni chat
 (/v1/chat/completions), /v1/models, /health and /metrics. The handlers live in
@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from omni.engine_loop import EngineLoop
+from omni.engine_handle import EngineHandle
 
 from .endpoints import Api
 from .errors import APIError, ClientGone
@@ -20,11 +20,11 @@ from .options import FALLBACK_DEFAULTS, ModelHelpers, ServingOptions
 __all__ = ["APIError", "ClientGone", "FALLBACK_DEFAULTS", "ModelHelpers", "ServingOptions", "create_app"]
 
 
-def create_app(engine: EngineLoop, options: ServingOptions) -> FastAPI:
+def create_app(engine: EngineHandle, options: ServingOptions) -> FastAPI:
     """The app serving ``engine``; its metrics registry is its own (``app.state.metrics``)."""
     app = FastAPI(title="omni-run", version="0.1.0", docs_url=None, redoc_url=None)
     api = Api(engine, options, Metrics(engine))
-    engine.on_step = lambda finished, dt: api.metrics.step.observe(dt)
+    engine.observe_steps(lambda finished, dt: api.metrics.step.observe(dt))
     app.state.metrics, app.state.engine, app.state.api = api.metrics, engine, api
 
     @app.get("/health")

@@ -17,12 +17,12 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from omni.engine_loop import EngineLoop
+from omni.engine_handle import EngineHandle
 
 from .errors import APIError, ClientGone, error_response, internal_error
 from .generation import Generator
 from .metrics import Metrics
-from .options import ModelHelpers, ServingOptions
+from .options import ServingOptions
 from .schemas import ChatCompletionRequest, GenerationParams, ImageGenerationRequest
 from .validation import RequestBuilder, chat_prompt, parse_body
 
@@ -33,9 +33,9 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # a client's X-Request-Id is e
 
 
 class Api:
-    def __init__(self, engine: EngineLoop, options: ServingOptions, metrics: Metrics):
+    def __init__(self, engine: EngineHandle, options: ServingOptions, metrics: Metrics):
         self.engine, self.opt, self.metrics = engine, options, metrics
-        self.builder = RequestBuilder(options, options.helpers or ModelHelpers.hunyuan_image3())
+        self.builder = RequestBuilder(options, options.helpers)
         self.generator = Generator(engine, options.request_timeout_s)
         self.created = int(time.time())
 

@@ -12,7 +12,7 @@ import time
 
 from fastapi import Request
 
-from omni.engine_loop import EngineLoop
+from omni.engine_handle import EngineHandle
 from omni.request import ImageRequest, ImageResult
 from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
 
@@ -26,7 +26,7 @@ log = logging.getLogger("omni.serving")
 class Generator:
     """Hands requests to ``engine`` and turns their futures into encoded images, or an ``APIError``."""
 
-    def __init__(self, engine: EngineLoop, request_timeout_s: float):
+    def __init__(self, engine: EngineHandle, request_timeout_s: float):
         self.engine, self.timeout_s = engine, request_timeout_s
 
     async def generate(self, request: Request, reqs: list[ImageRequest],

@@ -11,25 +11,21 @@ FALLBACK_DEFAULTS = SimpleNamespace(steps=50, guidance=5.0, size="1024x1024", sh
 
 @dataclass(frozen=True)
 class ModelHelpers:
-    """Model-specific answers the API needs: size snapping and system-prompt modes."""
+    """Model-specific answers the API needs: size parsing and snapping, system-prompt modes.
+
+    A model flavour supplies its own (``ModelFlavor.serving_helpers()``);
+    ``plain()`` is the model-free default: sizes as asked, prompts as given.
+    """
 
     parse_size: Callable[[str], tuple[int, int]]  # "WxH" -> (height, width); ValueError if malformed
     snap: Callable[[int, int], tuple[int, int]]  # requested (h, w) -> generated (h, w)
     system_prompt: Callable[[str | None], str | None]  # mode name or text -> text
 
     @classmethod
-    def hunyuan_image3(cls) -> "ModelHelpers":
-        from omni.models.hunyuan_image3 import resolution, system_prompts
+    def plain(cls) -> "ModelHelpers":
         from omni.recipe import parse_size  # "WxH" -> (width, height); RecipeError is a ValueError
 
-        modes = {"None", "dynamic", "custom", *system_prompts.SYSTEM_PROMPTS}
-
-        def system_prompt(value: str | None) -> str | None:
-            if value is None or value not in modes:
-                return value  # None, or the text itself
-            return system_prompts.resolve_system_prompt(value, bot_task="image")
-
-        return cls(lambda size: parse_size(size)[::-1], lambda h, w: resolution.snap(h, w)[1:], system_prompt)
+        return cls(lambda size: parse_size(size)[::-1], lambda h, w: (h, w), lambda value: value)
 
 
 @dataclass(frozen=True)
@@ -40,10 +36,14 @@ class ServingOptions:
     request_timeout_s: float = 600.0
     max_prompt_chars: int = 8000
     max_queue: int | None = None  # n above this can never be queued: a 400, not a 429
-    helpers: ModelHelpers | None = None
+    helpers: ModelHelpers = field(default_factory=ModelHelpers.plain)
 
     @classmethod
     def from_recipe(cls, recipe, *, model_id: str, api_key: str | None = None, **kw) -> "ServingOptions":
+        """The options ``recipe.serving`` describes, with its model flavour's helpers (from the registry)."""
+        from omni import model_registry
+
         s = recipe.serving
+        kw.setdefault("helpers", model_registry.get(recipe.model.flavor).serving_helpers())
         return cls(model_id=model_id, defaults=recipe.defaults, api_key=api_key,
                    request_timeout_s=s.request_timeout_s, max_queue=s.max_queue + s.max_running, **kw)

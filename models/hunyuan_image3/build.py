@@ -8,7 +8,10 @@ import torch
 from tqdm.auto import tqdm
 
 from omni import quant
+from omni.build_options import DTYPES, BuildOptions
 from omni.kv_pool import KVPool
+from omni.parallel.runtime import SingleDevice
+from omni.step_engine import StepEngine
 from omni.step_graphs import StepGraphs
 from omni.vae_tiling import TileLanes
 from omni.layers import finalize_all
@@ -17,14 +20,13 @@ from omni.weights import LoadTarget, StreamingLoad, materialize_meta_
 
 from .config import HunyuanImage3Config
 from .parallel import PLANS
-from .pipeline import HunyuanImage3Pipeline
+from .pipeline import HunyuanImage3T2I
 from .tiny import ensure_tiny_checkpoint
 from .tokenizer import Tokenizer
 from .transformer import HunyuanImage3Transformer
 from .vae import AutoencoderKLConv3D, VAEConfig
 
 log = logging.getLogger("omni.hunyuan_image3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Image understanding / editing inputs are not used by text-to-image, nor is the VAE encoder.
 T2I_UNUSED = ("vision_model.", "vision_aligner.", "vae.encoder.")
 
@@ -38,9 +40,8 @@ def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) 
     return ensure_tiny_checkpoint(cache_dir)
 
 
-def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str = "none", paged_kv: bool = False,
-                      page_size: int = 0, attn_backend: str = "auto", device="cpu", parallel=None,
-                      capturable: bool = False, experts_only: bool = False) -> tuple[HunyuanImage3Transformer, LoadTarget]:
+def build_transformer(cfg: HunyuanImage3Config, platform, opts: BuildOptions, *, device="cpu",
+                      parallel=None) -> tuple[HunyuanImage3Transformer, LoadTarget]:
     """The transformer on ``device`` and the load target that fills it.
 
     With ``parallel`` (an ``omni.parallel.runtime.ParallelRuntime``) the model
@@ -48,34 +49,24 @@ def build_transformer(cfg: HunyuanImage3Config, platform, *, dtype, quant: str =
     ``parallel.py``, then allocated; its load target reads only this rank's
     slices of the checkpoint.
     """
-    kw = dict(dtype=dtype, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend,
-              experts_only=experts_only)
-    if capturable:  # graph.mode: capture -- the denoising step's attention must be recordable
-        if parallel is not None:
-            raise ValueError("graph.mode=capture with parallel degrees > 1 is not supported yet "
-                             "(collectives inside captured graphs are not validated); use graph.mode=eager")
-        kw["capturable"] = True
+    if opts.capturable and parallel is not None:  # graph.mode: capture records the denoising step's attention
+        raise ValueError("graph.mode=capture with parallel degrees > 1 is not supported yet "
+                         "(collectives inside captured graphs are not validated); use graph.mode=eager")
     if parallel is None:
         with torch.device(device):
-            model = HunyuanImage3Transformer(cfg, platform, **kw)
+            model = HunyuanImage3Transformer(cfg, platform, opts)
         return model.eval(), LoadTarget("", model, model.param_name_for)
     with torch.device("meta"):  # nothing is allocated before every module has its local size
-        model = HunyuanImage3Transformer(cfg, platform, **kw)
-        plan = parallel.shard_model(model, PLANS, cfg=cfg, module_kw=dict(platform=platform, **kw),
-                                    kernel_kw=dict(dtype=dtype, paged=paged_kv, page_size=page_size,
-                                                   backend=attn_backend))
+        model = HunyuanImage3Transformer(cfg, platform, opts)
+        plan = parallel.shard_model(model, PLANS, cfg=cfg, opts=opts)
     model.to_empty(device=device)
     model.requires_grad_(False)
     return model.eval(), plan.load_target()
 
 
 def build_modules(cfg: HunyuanImage3Config, platform, recipe, device, parallel=None):
-    paged = recipe.kv_cache.mode == "paged"
-    model, target = build_transformer(cfg, platform, dtype=DTYPES[recipe.model.dtype], quant=recipe.quant.scheme,
-                                      paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0,
-                                      device=device, parallel=parallel, attn_backend=recipe.attention.backend,
-                                      capturable=recipe.graph.mode == "capture",
-                                      experts_only=recipe.quant.experts_only)
+    model, target = build_transformer(cfg, platform, BuildOptions.from_recipe(recipe), device=device,
+                                      parallel=parallel)
     with torch.device(device):
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae), with_encoder=False)
     return model, vae.eval(), target
@@ -142,7 +133,7 @@ def _offloaders(recipe, model, vae, services) -> list[LayerOffloader]:
 
 
 def build_pipeline(recipe, platform, *, model_path: str | None = None, local_rank: int = 0,
-                   progress: bool = True, cache_dir: Path | None = None, parallel=None) -> HunyuanImage3Pipeline:
+                   progress: bool = True, cache_dir: Path | None = None, parallel=None) -> StepEngine:
     """Everything one worker needs to generate images for ``recipe`` on ``platform``.
 
     ``parallel``: this worker's ``omni.parallel.runtime.ParallelRuntime`` when
@@ -155,19 +146,20 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     root = checkpoint_dir(recipe, model_path, cache_dir)
     cfg = HunyuanImage3Config.from_file(root / "config.json")
     model, vae, offloaders = load_weights(recipe, cfg, platform, root, services, parallel, progress)
-    kv_heads = cfg.num_key_value_heads if parallel is None else \
-        parallel.pool_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads)
+    runtime = SingleDevice() if parallel is None else parallel
     pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
-                              page_size=recipe.kv_cache.page_tokens, num_kv_heads=kv_heads,
+                              page_size=recipe.kv_cache.page_tokens,
+                              num_kv_heads=runtime.pool_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads),
                               head_dim=cfg.head_dim, dtype=DTYPES[recipe.model.dtype], device=services.device)
     log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages, pool.page_size)
-    pipe = HunyuanImage3Pipeline(model=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"),
-                                config=cfg, pool=pool, device=services.device,
-                                paged=recipe.kv_cache.mode == "paged", vae_dtype=DTYPES[recipe.model.vae_dtype],
-                                parallel=parallel, step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
-                                vae_tiles=(recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None,
-                                vae_lanes=TileLanes(services, recipe.vae.streams), offloaders=offloaders)
-    if recipe.graph.mode == "capture":  # refused here, with the platform's reasons, where it cannot capture
-        pipe.step_graphs = StepGraphs(platform, services.device.type)
-        pipe.vae_graphs = StepGraphs(platform, services.device.type, name="vae_decode", max_graphs=2 * recipe.vae.streams)
-    return pipe
+    t2i = HunyuanImage3T2I(transformer=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"),
+                           config=cfg, device=services.device, vae_dtype=DTYPES[recipe.model.vae_dtype])
+    capture = recipe.graph.mode == "capture"  # refused here, with the platform's reasons, where it cannot capture
+    return StepEngine(
+        t2i, pool=pool, runtime=runtime, device=services.device, paged=recipe.kv_cache.mode == "paged",
+        step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
+        step_graphs=StepGraphs(platform, services.device.type) if capture else None,
+        vae_graphs=StepGraphs(platform, services.device.type, name="vae_decode",
+                              max_graphs=2 * recipe.vae.streams) if capture else None,
+        vae_tiles=(recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None,
+        vae_lanes=TileLanes(services, recipe.vae.streams), offloaders=offloaders)

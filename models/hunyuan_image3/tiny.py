@@ -65,6 +65,7 @@ def official_tensors(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Ten
 
 def write_tiny_checkpoint(dest: Path) -> Path:
     """Generate the tiny checkpoint into ``dest`` (atomically) and return it."""
+    from omni.build_options import BuildOptions
     from omni.platform_manager import select
 
     from .config import HunyuanImage3Config
@@ -72,7 +73,7 @@ def write_tiny_checkpoint(dest: Path) -> Path:
     from .vae import AutoencoderKLConv3D, VAEConfig
 
     cfg = HunyuanImage3Config.from_json_dict(TINY_CONFIG)
-    model = HunyuanImage3Transformer(cfg, select("cpu"), dtype=torch.float32)
+    model = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=torch.float32))
     vae = AutoencoderKLConv3D(VAEConfig.from_dict(TINY_CONFIG["vae"]))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():

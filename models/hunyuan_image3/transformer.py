@@ -37,10 +37,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from omni.build_options import BuildOptions
 from omni.weights import LoadTarget, load_state_dict
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
                          finalize_experts)
-from omni.specs import AttentionSpec, MoESpec, PreparedMoE, PreparedWeight
+from omni.specs import MoESpec, PreparedMoE, PreparedWeight
 
 from .config import HunyuanImage3Config
 from .image_io import TimestepEmbedder, UNetDown, UNetUp
@@ -73,20 +74,16 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA attention; RoPE first, then per-head RMSNorm on q and k."""
 
-    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size,
-                 attn_backend="auto", capturable=False, experts_only=False):
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, opts: BuildOptions):
         super().__init__()
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.layer_idx, self.shape_NKH = layer_idx, (N, K, H)
-        quant = "none" if experts_only else quant  # quant.experts_only: attention keeps model.dtype
-        self.qkv_proj = Linear(D, (N + 2 * K) * H, platform=platform, dtype=dtype, quant=quant)
-        self.o_proj = Linear(N * H, D, platform=platform, dtype=dtype, quant=quant)
-        self.query_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.key_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype)
-        self.attn = {mask: platform.attention(AttentionSpec(
-            num_heads=N, num_kv_heads=K, head_dim=H, dtype=dtype, mask=mask, paged=paged_kv, page_size=page_size,
-            backend=attn_backend, capturable=capturable and mask == "none"))
-            for mask in MASKS}
+        kw = dict(platform=platform, dtype=opts.dtype, quant=opts.dense_quant, memory_bound=opts.memory_bound)
+        self.qkv_proj = Linear(D, (N + 2 * K) * H, **kw)
+        self.o_proj = Linear(N * H, D, **kw)
+        self.query_layernorm = RMSNorm(H, cfg.rms_norm_eps, opts.dtype)
+        self.key_layernorm = RMSNorm(H, cfg.rms_norm_eps, opts.dtype)
+        self.attn = {mask: platform.attention(opts.attention_spec(N, K, H, mask)) for mask in MASKS}
 
     def split_qkv(self, qkv_TO: torch.Tensor):
         """The packed rows of KV group g are [q heads g*N/K .. (g+1)*N/K - 1, k head g, v head g]."""
@@ -115,10 +112,11 @@ def swiglu(x_T2I: torch.Tensor) -> torch.Tensor:
 class SwiGLU(nn.Module):
     """The shared expert: ``down(swiglu(gate_and_up(x)))``."""
 
-    def __init__(self, dim: int, inner: int, *, platform, dtype, quant):
+    def __init__(self, dim: int, inner: int, *, platform, dtype, quant, memory_bound):
         super().__init__()
-        self.gate_and_up_proj = Linear(dim, 2 * inner, platform=platform, dtype=dtype, quant=quant)
-        self.down_proj = Linear(inner, dim, platform=platform, dtype=dtype, quant=quant)
+        kw = dict(platform=platform, dtype=dtype, quant=quant, memory_bound=memory_bound)
+        self.gate_and_up_proj = Linear(dim, 2 * inner, **kw)
+        self.down_proj = Linear(inner, dim, **kw)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return self.down_proj(swiglu(self.gate_and_up_proj(x_TD)))
@@ -153,18 +151,20 @@ class RoutedExperts(KernelOwner):
     with the MoE kernel and the forward hands them to it.
     """
 
-    def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, topk: int = 1):
+    def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, memory_bound,
+                 topk: int = 1):
         super().__init__()
         self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, platform=platform, dtype=dtype, quant=quant)
         self.down_proj = GroupedLinear(num_experts, inner, dim, platform=platform, dtype=dtype, quant=quant)
-        self.platform, self.topk = platform, topk
+        self.platform, self.topk, self.memory_bound = platform, topk, memory_bound
         self.moe = platform.moe(self._spec())
 
     def _spec(self) -> MoESpec:
         """From the weights' current sizes: a parallel plan may keep fewer experts or a slice of ``inner``."""
         g13 = self.gate_and_up_proj.spec
         return MoESpec(num_experts=g13.num_experts, topk=min(self.topk, g13.num_experts), hidden=g13.in_features,
-                       inner=self.down_proj.spec.in_features, dtype=g13.dtype, quant=g13.quant)
+                       inner=self.down_proj.spec.in_features, dtype=g13.dtype, quant=g13.quant,
+                       memory_bound=self.memory_bound)
 
     @property
     def num_experts(self) -> int:  # read off the weights: a plan may keep only some experts on a rank
@@ -191,14 +191,13 @@ class RoutedExperts(KernelOwner):
 class MoE(nn.Module):
     """``shared_mlp(x) + sum_k w_k expert_k(x)`` (the shared expert is always added)."""
 
-    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, experts_only=False):
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, opts: BuildOptions):
         super().__init__()
         D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[layer_idx], cfg.num_experts
+        kw = dict(platform=platform, dtype=opts.dtype, memory_bound=opts.memory_bound)
         self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform)
-        self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, dtype=dtype,
-                                 quant="none" if experts_only else quant)  # the routed experts alone quantize
-        self.experts = RoutedExperts(E, D, inner, platform=platform, dtype=dtype, quant=quant,
-                                     topk=cfg.moe_topk[layer_idx])
+        self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], quant=opts.dense_quant, **kw)
+        self.experts = RoutedExperts(E, D, inner, quant=opts.quant, topk=cfg.moe_topk[layer_idx], **kw)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         weights_Tk, experts_Tk = self.gate(x_TD)
@@ -209,15 +208,12 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, dtype, quant, paged_kv, page_size,
-                 attn_backend="auto", capturable=False, experts_only=False):
+    def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, opts: BuildOptions):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant,
-                                   paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend,
-                                   capturable=capturable, experts_only=experts_only)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MoE(cfg, layer_idx, platform=platform, dtype=dtype, quant=quant, experts_only=experts_only)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
+        self.self_attn = Attention(cfg, layer_idx, platform=platform, opts=opts)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
+        self.mlp = MoE(cfg, layer_idx, platform=platform, opts=opts)
 
     def forward(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
         h_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_TH, sin_TH, ctx)
@@ -227,25 +223,23 @@ class DecoderLayer(nn.Module):
 class Decoder(nn.Module):
     """The ``model.`` part of the checkpoint: ``wte``, ``layers``, ``ln_f``."""
 
-    def __init__(self, cfg: HunyuanImage3Config, **kw):
+    def __init__(self, cfg: HunyuanImage3Config, *, platform, opts: BuildOptions):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id, dtype=kw["dtype"])
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **kw) for i in range(cfg.num_hidden_layers))
-        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kw["dtype"])
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id, dtype=opts.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, platform=platform, opts=opts)
+                                    for i in range(cfg.num_hidden_layers))
+        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
 
 
 class HunyuanImage3Transformer(nn.Module):
     """Backbone, text head and image I/O heads; inference only (no grads)."""
 
-    def __init__(self, cfg: HunyuanImage3Config, platform, dtype: torch.dtype = torch.float32, quant: str = "none",
-                 paged_kv: bool = False, page_size: int = 0, attn_backend: str = "auto", capturable: bool = False,
-                 experts_only: bool = False):
+    def __init__(self, cfg: HunyuanImage3Config, platform, opts: BuildOptions):
         super().__init__()
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype = cfg, opts.dtype
         D, C, hidden = cfg.hidden_size, cfg.latent_channels, cfg.patch_embed_hidden_dim
-        kw = dict(platform=platform, dtype=dtype)
-        self.model = Decoder(cfg, quant=quant, paged_kv=paged_kv, page_size=page_size, attn_backend=attn_backend,
-                             capturable=capturable, experts_only=experts_only, **kw)
+        kw = dict(platform=platform, dtype=opts.dtype)
+        self.model = Decoder(cfg, platform=platform, opts=opts)
         self.lm_head = Linear(D, cfg.vocab_size, **kw)  # kept unquantized: logits quality
         self.timestep_emb = TimestepEmbedder(D, **kw)  # replaces the <timestep> token
         self.time_embed = TimestepEmbedder(D, **kw)  # conditions patch_embed

@@ -14,6 +14,8 @@ the vendor's package, in modules of one shape:
     moe           optional: ``resolve_moe(spec, caps, reject)``, a fused MoE; without it
                   ``omni_moe_impl`` composes the platform's grouped GEMMs (``omni.moe.ComposedMoE``).
 
+``omni.platform_parts`` states these shapes as typed Protocols (one per module).
+
 ``torch.<device_type>`` is read inside hooks only (``set_device``,
 ``current_device``, graphs). ``omni_platform_configure`` is the one hook with
 a process-wide effect. A subclass that overrides a hook marks it
@@ -22,10 +24,9 @@ the device's graph class.
 """
 from __future__ import annotations
 
-from types import ModuleType
-
 from omni.hookspecs import hookimpl
 from omni.moe import composed_moe
+from omni.platform_parts import AttentionModule, CapabilitiesModule, GemmModule, MoEModule
 from omni.specs import AttentionSpec, CaptureSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo
 
 from .graphs import DeviceGraphRunner, GraphApi, GraphPools
@@ -36,10 +37,11 @@ class DevicePlatform:
 
     name: str  # the platform's name and the prefix of its refusal reasons
     graphs: GraphApi  # its device module (``torch.<graphs.device_type>``) and graph class
-    capabilities: ModuleType
-    attention: ModuleType
-    gemm: ModuleType
-    moe: ModuleType | None = None
+    capabilities: CapabilitiesModule
+    attention: AttentionModule
+    gemm: GemmModule
+    moe: MoEModule | None = None
+    triton_kernels: bool = False  # its gemm/moe modules honour kernels.memory_bound=triton themselves
 
     def __init__(self, caps=None):
         self._caps = caps  # read lazily from the current device; tests may pass a made-up one
@@ -81,8 +83,17 @@ class DevicePlatform:
     def omni_attention_impl(self, spec: AttentionSpec, reject):
         return self.attention.resolve(spec, self.device_caps(), reject)
 
+    def triton_refusal(self, spec: GemmSpec | MoESpec) -> str | None:
+        """A ``kernels.memory_bound=triton`` demand this platform's kernels cannot meet (None: no demand, or met)."""
+        if spec.memory_bound != "triton" or self.triton_kernels:
+            return None
+        return f"{self.name}: kernels.memory_bound=triton, but this platform has no Triton kernels (use auto or torch)"
+
     @hookimpl
     def omni_linear_impl(self, spec: GemmSpec, reject):
+        refusal = self.triton_refusal(spec)
+        if refusal is not None:
+            return reject(refusal)
         return self.gemm.resolve_linear(spec, self.device_caps(), reject)
 
     @hookimpl
@@ -91,6 +102,9 @@ class DevicePlatform:
 
     @hookimpl
     def omni_moe_impl(self, spec: MoESpec, reject):
+        refusal = self.triton_refusal(spec)
+        if refusal is not None:
+            return reject(refusal)
         if self.moe is not None:
             return self.moe.resolve_moe(spec, self.device_caps(), reject)
         return composed_moe(spec, lambda g, r: self.gemm.resolve_grouped(g, self.device_caps(), r), reject)

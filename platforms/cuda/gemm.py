@@ -56,18 +56,6 @@ def _unwrap(y):
 # ----------------------------------------------------------------- dense
 
 
-def _triton_row_quant():
-    """The fused per-row e4m3 quantization of ``moe_triton`` when Triton is here (None: torch ops)."""
-    import importlib.util
-    import os
-
-    if os.environ.get("OMNI_MOE_TRITON", "1") == "0" or importlib.util.find_spec("triton") is None:
-        return None
-    from .moe_triton import TritonKernels
-
-    return TritonKernels().quant_rows
-
-
 class CudaLinear:
     name = "cuda-linear"
 
@@ -84,22 +72,21 @@ class CudaLinear:
 class Fp8Linear:
     """``torch._scaled_mm`` with e4m3 weights and dynamic per-tensor / per-token activations."""
 
-    def __init__(self, spec: GemmSpec, caps: Caps):
-        self.spec, self.per_row = spec, spec.quant == "fp8_row"
-        self.name = f"cuda-scaled-mm[{spec.quant}]"
+    def __init__(self, spec: GemmSpec, caps: Caps, kernels):
+        self.spec, self.per_row, self.kernels = spec, spec.quant == "fp8_row", kernels
+        self.name = f"cuda-scaled-mm[{spec.quant},{kernels.name}]" if self.per_row else f"cuda-scaled-mm[{spec.quant}]"
         # row-wise on other than sm90 + cuBLAS >= 12.9 runs a CUTLASS kernel that writes bf16 only
         any_out = not self.per_row or (caps.sm[0] == 9 and caps.cuda_version >= (12, 9))
         self.out_dtype = spec.dtype if any_out else torch.bfloat16
         self.fuse_bias = self.out_dtype in (torch.bfloat16, torch.float16)
-        self.row_quant = _triton_row_quant() if self.per_row else None
 
     def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
         return quant.prepare_weight(w_OI.contiguous(), self.spec.quant)
 
     def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
         lead, x = x_TI.shape[:-1], x_TI.reshape(-1, self.spec.in_features).to(self.spec.dtype)
-        if self.row_quant is not None and x.is_cuda:  # one Triton pass instead of five torch ones
-            xq, x_scale = self.row_quant(x)
+        if self.per_row and x.is_cuda:  # the memory-bound kernels: with Triton, one pass instead of five torch ops
+            xq, x_scale = self.kernels.quant_rows(x)
         else:
             xq, x_scale = quant.quantize_fp8(x, per_row=self.per_row)
         w_scale = w.scale.view(1, -1) if self.per_row else w.scale
@@ -112,6 +99,11 @@ class Fp8Linear:
 
 
 def resolve_linear(spec: GemmSpec, caps: Caps, reject):
+    from .moe import memory_kernels  # moe.py builds on this module's grouped GEMMs
+
+    kernels = memory_kernels(spec.memory_bound, reject)
+    if kernels is None:
+        return None
     if spec.quant == "none":
         return CudaLinear(spec)
     if spec.quant in LATER:
@@ -122,7 +114,7 @@ def resolve_linear(spec: GemmSpec, caps: Caps, reject):
         return reject(f"cuda: {spec.quant} needs compute capability >= 8.9 (fp8 tensor cores), not {caps.sm_name}")
     if spec.in_features % 16 or spec.out_features % 16:
         return reject(f"cuda: torch._scaled_mm needs features divisible by 16, got {_dims(spec)}")
-    return Fp8Linear(spec, caps)
+    return Fp8Linear(spec, caps, kernels)
 
 
 # ----------------------------------------------------------------- grouped

@@ -11,11 +11,13 @@ the host, so the whole layer is capturable.
     GEMM 2      as GEMM 1 -> y [R, D] bf16
     combine     out[t] = sum_j w[t, j] * y[row of (t, j)], fp32 accumulate, one pass (Triton)
 
-The three memory-bound steps run as Triton kernels when ``triton`` imports
-(``moe_triton.py``), else as torch ops computing the same function
-(``TorchKernels``); ``OMNI_MOE_TRITON=0`` forces the latter. Weights keep
-the grouped-GEMM layouts of ``gemm.py`` (``[E, O, I]`` e4m3 with ``[E, O, 1]``
-fp32 row scales), so a checkpoint's prepared experts are the same either way.
+The three memory-bound steps run as Triton kernels (``moe_triton.py``) or as
+torch ops computing the same function (``TorchKernels``), as the spec's
+``memory_bound`` (``kernels.memory_bound``) says: ``auto`` takes Triton when
+it imports, ``torch`` the torch ops, ``triton`` demands Triton (refused
+where it does not import). Weights keep the grouped-GEMM layouts of
+``gemm.py`` (``[E, O, I]`` e4m3 with ``[E, O, 1]`` fp32 row scales), so a
+checkpoint's prepared experts are the same either way.
 ``fp8_tensor`` (one activation scale per expert group) quantizes after the
 gather with the group scales of ``gemm.group_tensor_scales``; ``fp8_row`` is
 the fast path.
@@ -23,7 +25,6 @@ the fast path.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -46,6 +47,9 @@ class TorchKernels:
         xq, s = quant.quantize_fp8(x_TD, per_row=True)  # per-token scales commute with the gather
         return xq[token_R], s[token_R]
 
+    def quant_rows(self, x_TD):
+        return quant.quantize_fp8(x_TD, per_row=True)
+
     def swiglu(self, h_R2I, quantize: bool):
         a = torch_swiglu(h_R2I)
         return quant.quantize_fp8(a, per_row=True) if quantize else (a, None)
@@ -56,21 +60,27 @@ class TorchKernels:
         return torch.einsum("tkd,tk->td", y_TkD, w_Tk.float()).to(dtype)
 
 
-def memory_kernels(device_type: str = "cuda"):
-    """Triton kernels when usable here, else the torch ones."""
-    if device_type == "cuda" and os.environ.get("OMNI_MOE_TRITON", "1") != "0" \
-            and importlib.util.find_spec("triton") is not None:
-        from .moe_triton import TritonKernels
+def triton_found() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
-        return TritonKernels()
-    return TorchKernels()
+
+def memory_kernels(choice: str, reject):
+    """The memory-bound kernels ``spec.memory_bound`` asks for; None after ``reject`` when a demand cannot be met."""
+    if choice == "torch" or (choice == "auto" and not triton_found()):
+        return TorchKernels()
+    if not triton_found():
+        return reject("cuda: kernels.memory_bound=triton, but triton does not import here "
+                      "(install it, or set kernels.memory_bound: auto | torch)")
+    from .moe_triton import TritonKernels  # imports triton: only once it is known to be there
+
+    return TritonKernels()
 
 
 class CudaMoE:
     """Routed experts over ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` (see the module docstring)."""
 
-    def __init__(self, spec: MoESpec, kernels=None):
-        self.spec, self.kernels = spec, kernels or memory_kernels()
+    def __init__(self, spec: MoESpec, kernels):
+        self.spec, self.kernels = spec, kernels
         kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant)
         g13 = GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw)
         g2 = GroupedGemmSpec(in_features=spec.inner, out_features=spec.hidden, **kw)
@@ -146,4 +156,5 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
             return reject(f"cuda-moe: torch._grouped_mm needs a torch that has it and sm80+ ({caps.sm_name})")
         if spec.hidden % 8 or spec.inner % 8:
             return reject(f"cuda-moe: torch._grouped_mm needs 16-byte aligned rows, got {spec.hidden}/{spec.inner}")
-    return CudaMoE(spec)
+    kernels = memory_kernels(spec.memory_bound, reject)
+    return None if kernels is None else CudaMoE(spec, kernels)

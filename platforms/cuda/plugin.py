@@ -22,6 +22,7 @@ class CudaPlatform(DevicePlatform):
     name = "cuda"
     graphs = GraphApi(device_type="cuda", graph_class="CUDAGraph", label="cuda-graph")
     capabilities, attention, gemm, moe = capabilities, attention, gemm, moe  # what the shared hooks call
+    triton_kernels = True  # gemm and moe pick Triton or torch ops from kernels.memory_bound themselves
 
 
 plugin = CudaPlatform()

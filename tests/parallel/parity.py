@@ -44,13 +44,17 @@ def build(platform, parallel=None, paged: bool = True):
     """The recording pipeline over the golden weights (sharded for this rank when ``parallel``)."""
     from omni.kv_pool import KVPool
     from omni.weights import load_checkpoint
+    from omni.build_options import BuildOptions
     from omni.models.hunyuan_image3.build import build_transformer
     from omni.models.hunyuan_image3.config import TINY_GOLDEN as cfg
-    from omni.models.hunyuan_image3.pipeline import HunyuanImage3Pipeline
+    from omni.models.hunyuan_image3.pipeline import HunyuanImage3T2I
     from omni.models.hunyuan_image3.tokenizer import Tokenizer
+    from omni.parallel.runtime import SingleDevice
+    from omni.step_engine import StepEngine
 
-    model, target = build_transformer(cfg, platform, dtype=torch.float32, paged_kv=paged,
-                                      page_size=PAGE if paged else 0, device="cpu", parallel=parallel)
+    model, target = build_transformer(cfg, platform, BuildOptions(dtype=torch.float32, paged_kv=paged,
+                                                                  page_size=PAGE if paged else 0),
+                                      device="cpu", parallel=parallel)
     load_checkpoint(GOLDEN_DIR, [target], skip_prefixes=SKIP, progress=False, files=[GOLDEN_TENSORS])
     model.finalize()
     kv = cfg.num_key_value_heads if parallel is None else \
@@ -59,14 +63,15 @@ def build(platform, parallel=None, paged: bool = True):
                   head_dim=cfg.head_dim, dtype=torch.float32, device="cpu")
     vae = types.SimpleNamespace(cfg=types.SimpleNamespace(latent_channels=cfg.latent_channels))
 
-    class Recording(HunyuanImage3Pipeline):
-        def _update(self, s, v_BChw):
-            self.trace.setdefault(s.request.request_id, []).append(v_BChw.clone())
-            super()._update(s, v_BChw)
+    trace = {}
 
-    pipe = Recording(model=model, vae=vae, tokenizer=Tokenizer.tiny(), config=cfg, pool=pool, device="cpu",
-                     paged=paged, parallel=parallel)
-    pipe.trace = {}
+    def record(s, v_BChw):  # every row's velocity of a request after each step, as the sampler receives it
+        trace.setdefault(s.request.request_id, []).append(v_BChw.clone())
+
+    t2i = HunyuanImage3T2I(transformer=model, vae=vae, tokenizer=Tokenizer.tiny(), config=cfg, device="cpu")
+    pipe = StepEngine(t2i, pool=pool, runtime=SingleDevice() if parallel is None else parallel, device="cpu",
+                      paged=paged, on_velocity=record)
+    pipe.trace = trace
     return pipe
 
 

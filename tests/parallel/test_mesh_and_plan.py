@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from omni.build_options import BuildOptions
 from omni.parallel.comm import Comm
 from omni.parallel.mesh import (
     AXES, Degrees, Mesh, MeshError, axis_groups, coords_of, dispatch_groups, expert_layout, rank_of,
@@ -90,25 +91,26 @@ def test_split_sizes_are_contiguous_and_even():
 
 def test_plan_covers_every_parameter():
     """Each parameter sits under an entry of the plan (sharded or explicitly replicated): the plan is complete."""
-    model = HunyuanImage3Transformer(TINY_GOLDEN, select("cpu"), dtype=torch.float32)
+    model = HunyuanImage3Transformer(TINY_GOLDEN, select("cpu"), BuildOptions(dtype=torch.float32))
     for name, _ in model.named_parameters():
         owners = [name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)]
         assert any(glob_matches(g, o) for g in TP_PLAN for o in owners), f"{name} is not in TP_PLAN"
     assert all(isinstance(s, Replicate) for g, s in TP_PLAN.items() if g.endswith("layernorm") or g == "model.wte")
 
 
+PAGED_FP32 = BuildOptions(dtype=torch.float32, paged_kv=True, page_size=4)
+
+
 def _meta_model():
     with torch.device("meta"):
-        return HunyuanImage3Transformer(TINY_GOLDEN, select("cpu"), dtype=torch.float32, paged_kv=True, page_size=4)
+        return HunyuanImage3Transformer(TINY_GOLDEN, select("cpu"), PAGED_FP32)
 
 
 def _shard(degrees: Degrees, rank: int = 0):
     model = _meta_model()
-    kw = dict(dtype=torch.float32, quant="none", paged_kv=True, page_size=4, attn_backend="auto")
     with torch.device("meta"):
         plan = ParallelRuntime(fake_mesh(degrees, rank), select("cpu")).shard_model(
-            model, PLANS, cfg=TINY_GOLDEN, module_kw=dict(platform=select("cpu"), **kw),
-            kernel_kw=dict(dtype=torch.float32, paged=True, page_size=4))
+            model, PLANS, cfg=TINY_GOLDEN, opts=PAGED_FP32)
     return model, plan
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import workers
+from omni.deployment import prepare
 from omni.parallel.dp import ReplicaRouter, start_replicas
 from omni.parallel.launch import WorkerError, launch
 from omni.parallel.mesh import Degrees
@@ -125,7 +126,8 @@ def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, t
     recipe = tmp_path / "cpux2_dp2.yaml"
     recipe.write_text(text)
     assert load_recipe(recipe).parallel.dp == 2
-    router = start_replicas(str(recipe), platform="cpu", model_path=checkpoint, connect_timeout_s=120)
+    deployment = prepare(str(recipe), platform="cpu", overrides={"model.path": checkpoint})
+    router = start_replicas(deployment, connect_timeout_s=120)
     try:
         router.start()
         assert router.wait_ready(120) and router.status == "ready"

@@ -1,0 +1,54 @@
+"""The choices a model is built with, read off the recipe once: ``BuildOptions``.
+
+Every layer module takes ``(cfg, layer_idx, *, platform, opts)``: the config
+says the shapes, the options say precision, KV layout and kernel choices, and
+the platform answers the specs built from both. The parallel plan rebuilds
+modules and attention kernels from the same options, so a shard is built
+exactly as the whole model was.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .specs import AttentionSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # recipe name -> dtype
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuildOptions:
+    """How every layer of one model is built (frozen: one object shared by all modules).
+
+    Values are checked where they are used, by the specs built from them
+    (``omni.specs``), and before that by the recipe schema.
+    """
+
+    dtype: torch.dtype  # ``model.dtype``: weights and activations (the router runs in fp32)
+    quant: str = "none"  # ``quant.scheme``: the linear layers' scheme, one of ``omni.specs.QUANT_SCHEMES``
+    experts_only: bool = False  # ``quant.experts_only``: attention and the shared expert keep ``dtype``
+    paged_kv: bool = False  # ``kv_cache.mode == "paged"``: attention reads keys/values through block tables
+    page_size: int = 0  # ``kv_cache.page_tokens`` when paged, else 0
+    attn_backend: str = "auto"  # ``attention.backend``: the attention kernel the platform should prefer
+    capturable: bool = False  # ``graph.mode == "capture"``: the denoising step is recorded into a device graph
+    memory_bound: str = "auto"  # ``kernels.memory_bound``: auto | triton | torch (``omni.specs.MEMORY_BOUND``)
+
+    @classmethod
+    def from_recipe(cls, recipe) -> BuildOptions:
+        paged = recipe.kv_cache.mode == "paged"
+        return cls(dtype=DTYPES[recipe.model.dtype], quant=recipe.quant.scheme, experts_only=recipe.quant.experts_only,
+                   paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0,
+                   attn_backend=recipe.attention.backend, capturable=recipe.graph.mode == "capture",
+                   memory_bound=recipe.kernels.memory_bound)
+
+    @property
+    def dense_quant(self) -> str:
+        """The scheme of the layers outside the routed experts (attention, shared expert)."""
+        return "none" if self.experts_only else self.quant
+
+    def attention_spec(self, N: int, K: int, H: int, mask: str) -> AttentionSpec:
+        """The attention kernel's spec for N query heads, K kv heads of width H under ``mask``."""
+        return AttentionSpec(num_heads=N, num_kv_heads=K, head_dim=H, dtype=self.dtype, mask=mask,
+                             paged=self.paged_kv, page_size=self.page_size, backend=self.attn_backend,
+                             capturable=self.capturable and mask == "none")  # only the denoising step is captured

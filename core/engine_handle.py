@@ -1,0 +1,88 @@
+"""The one engine handle the callers of a deployment use, whatever runs behind it.
+
+``EngineHandle`` is what the HTTP app, ``omni-run generate`` and the bench
+client talk to. Three classes implement it:
+
+    omni.engine_loop.EngineLoop     the engine thread of this process (world size 1, or a replica's driver)
+    omni.parallel.replica_link.RemoteReplica  one replica in other processes, over a connection
+    omni.parallel.dp.ReplicaRouter  least-loaded routing over replicas (what a multi-rank deployment serves)
+
+``open_engine(deployment)`` picks between the first and the last; none of
+them gets attributes attached after construction.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Callable, Protocol, runtime_checkable
+
+from .request import ImageRequest
+
+StepListener = Callable[[list, float], None]  # (tickets resolved in the step, its seconds)
+
+
+@runtime_checkable
+class TicketHandle(Protocol):
+    """One submitted request: ``future`` resolves to an ``ImageResult`` or the request's error."""
+
+    request: ImageRequest
+    future: concurrent.futures.Future
+
+    @property
+    def request_id(self) -> str: ...
+
+    def result(self, timeout: float | None = None): ...
+
+
+@runtime_checkable
+class EngineHandle(Protocol):
+    """Submit, cancel, watch readiness; ``status`` is starting, ready, dead or stopped (``error`` says why dead)."""
+
+    status: str
+    error: BaseException | None
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def scheduler(self):
+        """The local ``Scheduler`` (metrics read it at scrape time); None when requests run elsewhere."""
+
+    def start(self) -> "EngineHandle": ...
+
+    def stop(self, timeout: float | None = 30.0) -> None: ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+    def unavailable_reason(self) -> str: ...
+
+    def submit_many(self, reqs: list[ImageRequest]) -> list[TicketHandle]:
+        """Queue ``reqs`` together or not at all (QueueFull, RequestTooLarge, EngineUnavailable)."""
+
+    def cancel(self, ticket: TicketHandle) -> None: ...
+
+    def load(self) -> int:
+        """Outstanding requests (waiting + running): what the router balances."""
+
+    def observe_steps(self, listener: StepListener) -> None:
+        """Call ``listener`` after every engine step this handle runs in this process (none for remote ones)."""
+
+
+def open_engine(deployment, *, progress: bool = False) -> EngineHandle:
+    """The handle for ``deployment`` (not started): this process's engine loop, or launched replicas.
+
+    World size 1: an ``EngineLoop`` whose thread builds the pipeline and the
+    scheduler ``recipe.serving`` describes. World size > 1: every rank of the
+    mesh is launched on this host (``omni.parallel.dp.start_replicas``) and
+    the router over its dp replicas is returned once they connected.
+    """
+    from .engine_loop import EngineLoop
+    from .scheduler import Scheduler
+
+    if deployment.world_size > 1:
+        from .parallel.dp import start_replicas
+
+        return start_replicas(deployment)
+    def build() -> Scheduler:
+        return Scheduler.from_recipe(deployment.build_pipeline(progress=progress), deployment.recipe)
+
+    return EngineLoop(build)

@@ -1,0 +1,280 @@
+"""The packed denoise engine over a paged KV pool (DESIGN.md, "The model").
+
+Per request: build its rows (``StepModel.build_rows``), run their prefixes
+once (causal prefill, K/V kept in the pool), then at every denoising step run
+only each row's step block against its cached prefix. The blocks of all
+active requests (any resolution, step count, guidance) pack into one
+forward; its output is split back per request, turned into velocities by the
+model and, after guidance, into one sampler step. This is the scheduler's
+pipeline protocol (``omni.scheduler``); what is specific to a model lives
+behind ``omni.step_model.StepModel``.
+
+Around the forward: the step cache (``omni.step_cache``) skips the backbone
+of requests whose input barely moved; under ``graph.mode: capture`` the
+packed backbone is replayed from a graph per batch signature
+(``omni.step_graphs``), and so is the VAE per latent shape. The runtime
+(``omni.parallel.runtime``: one device or a mesh) says which rows this
+worker computes (CFG parallel), runs each packed forward (sequence
+parallel), exchanges the rows' predictions after a step and spreads VAE
+tiles over the replica. This file never touches torch.distributed itself.
+
+Shape suffixes: T packed tokens, D hidden, H head dim (rope tables), B rows,
+C latent channels, h/w latent grid, 3HW pixels.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .kv_pool import KVPool, PoolContext, Run
+from .request import ImageRequest, StageTimes
+from .step_cache import StepCache, after_step, plan_skips
+from .step_graphs import StepGraphs, step_key
+from .step_model import RowSpec, StepModel
+from .vae_tiling import TileLanes
+
+if TYPE_CHECKING:
+    from .parallel.runtime import Runtime
+
+
+@dataclass
+class Row:
+    """One row of a request on this worker and the KV pages holding its keys."""
+
+    seq: RowSpec
+    pages: list[int]
+    block_len: int
+    block_rope: tuple | None = None  # (cos_TH, sin_TH) of the step block, built once on the device
+
+    @property
+    def tokens(self) -> int:  # prefix + step block: what the pages hold
+        return self.seq.prefix_len + self.block_len
+
+
+@dataclass
+class RequestState:
+    request: ImageRequest
+    rows: list[Row]  # the rows this worker computes
+    latents_1Chw: torch.Tensor  # fp32
+    sigmas: torch.Tensor  # [steps + 1] fp32, on the host
+    seed: int
+    total_rows: int  # rows of the request on all workers
+    step: int = 0
+    times: StageTimes = field(default_factory=StageTimes)
+    cache: StepCache = field(default_factory=lambda: StepCache(0.0))
+
+    @property
+    def done(self) -> bool:
+        return self.step >= len(self.sigmas) - 1
+
+    @property
+    def sigma(self) -> float:
+        return float(self.sigmas[self.step])
+
+    @property
+    def edge(self) -> bool:
+        """The first or the last step: always computed, never served by the step cache."""
+        return self.step == 0 or self.step == len(self.sigmas) - 2
+
+
+@dataclass
+class StepBlock:
+    """The input of one packed step forward: tokens, per-row rope tables and attention runs, in order."""
+
+    x_TD: torch.Tensor
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos_TH, sin_TH) per row
+    runs: list[Run]
+
+    @classmethod
+    def pack(cls, blocks: list["StepBlock"]) -> "StepBlock":
+        return cls(torch.cat([b.x_TD for b in blocks]), [t for b in blocks for t in b.ropes],
+                   [r for b in blocks for r in b.runs])
+
+    def rope_TH(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat([c for c, _ in self.ropes]), torch.cat([s for _, s in self.ropes])
+
+
+class StepEngine:
+    """Packed prefill and denoising steps of one worker over its KV pool; no scheduling policy.
+
+    ``model``: the model side (``StepModel``). ``runtime``: ``SingleDevice``
+    or this rank's ``ParallelRuntime``. ``step_graphs`` / ``vae_graphs``: ``StepGraphs`` under ``graph.mode: capture``
+    (None: eager). ``vae_tiles``: ``(tile, overlap)`` latents, None decodes
+    whole. ``offloaders``: ``omni.offload.LayerOffloader`` objects (their hooks
+    do the work; kept here for their stats). ``on_velocity(state, v_BChw)``:
+    called with every row's velocity of a request after each step (tests
+    record them).
+    """
+
+    def __init__(self, model: StepModel, *, pool: KVPool, runtime: Runtime, device, paged: bool,
+                 step_cache: float = 0.0, step_graphs: StepGraphs | None = None,
+                 vae_graphs: StepGraphs | None = None, vae_tiles: tuple[int, int] | None = None,
+                 vae_lanes: TileLanes | None = None, offloaders=(),
+                 on_velocity: Callable[[RequestState, torch.Tensor], None] | None = None):
+        self.model, self.pool, self.runtime = model, pool, runtime
+        self.device, self.paged, self.step_cache = torch.device(device), paged, step_cache
+        self.step_graphs, self.vae_graphs = step_graphs, vae_graphs
+        self.vae_tiles, self.vae_lanes = vae_tiles, vae_lanes or TileLanes()  # lanes: tiles on several streams
+        self.offloaders, self.on_velocity = list(offloaders), on_velocity
+
+    @property
+    def concurrent_decode(self) -> bool:
+        """Whether ``decode`` may run on another thread while this one runs steps of other requests.
+
+        Not when VAE tiles are spread over the ranks of a multi-rank replica
+        (that decode is a collective, mirrored on every rank in lock-step with
+        the steps), nor under graph capture: a capture must not overlap other
+        work of the device, and step and VAE graphs draw on the platform's
+        graph memory pools by the same ids.
+        """
+        spread = self.vae_tiles is not None and self.runtime.replica_size > 1
+        return not spread and self.step_graphs is None and self.vae_graphs is None
+
+    # ---------------------------------------------------------------- admission
+    def _here(self, seqs: list[RowSpec]) -> list[RowSpec]:
+        """The rows this worker computes: all of them, unless CFG parallel puts rows on other ranks."""
+        return [seqs[i] for i in self.runtime.cfg_rows(len(seqs))]
+
+    def step_tokens(self, req: ImageRequest) -> int:
+        return sum(self.model.block_len(s) for s in self._here(self.model.build_rows(req)))
+
+    def pages_needed(self, req: ImageRequest) -> int:
+        rows = self._here(self.model.build_rows(req))
+        return sum(self.pool.pages_for(s.prefix_len + self.model.block_len(s)) for s in rows)
+
+    def admit(self, req: ImageRequest) -> RequestState:
+        """Allocate pages for every row here (all or nothing) and draw the initial noise."""
+        seqs = self.model.build_rows(req)
+        rows = self._allocate(self._here(seqs))
+        seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        cache = StepCache(self.step_cache if req.step_cache is None else req.step_cache)
+        return RequestState(req, rows, self.model.noise(seed, seqs[0]), self.model.sigmas(req), seed,
+                            total_rows=len(seqs), cache=cache)
+
+    def _allocate(self, seqs: list[RowSpec]) -> list[Row]:
+        rows: list[Row] = []
+        try:
+            for s in seqs:
+                n = self.model.block_len(s)
+                rows.append(Row(s, self.pool.allocate(s.prefix_len + n), n))
+        except Exception:
+            self._release_rows(rows)
+            raise
+        return rows
+
+    def release(self, state: RequestState) -> None:
+        self._release_rows(state.rows)
+        state.rows = []
+
+    def _release_rows(self, rows: list[Row]) -> None:
+        for r in rows:
+            self.pool.release(r.pages)
+
+    # ---------------------------------------------------------------- forwards
+    @torch.inference_mode()
+    def prefill(self, states: list[RequestState]) -> None:
+        """Causal forward over every row's prefix; only its K/V are kept."""
+        t0 = time.perf_counter()
+        rows = [r for s in states for r in s.rows]
+        ids = [i for r in rows for i in r.seq.ids[: r.seq.prefix_len]]
+        pos = [p for r in rows for p in r.seq.pos_yx[: r.seq.prefix_len]]
+        runs = [Run(tuple(r.pages), 0, r.seq.prefix_len, r.seq.prefix_len) for r in rows]
+        self._backbone(self.model.embed(ids), *self.model.rope(pos), runs, "causal")
+        for s in states:
+            s.times.prefill += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def denoise_step(self, states: list[RequestState]) -> None:
+        """One sampler step for every state; the rows of all computed requests share one forward."""
+        t0 = time.perf_counter()
+        blocks = [self._block(s) for s in states]
+        skip = plan_skips([s.cache for s in states], [b.x_TD for b in blocks], [s.edge for s in states])
+        computed = [i for i, k in enumerate(skip) if not k]
+        h_TD = self._forward([blocks[i] for i in computed], [states[i] for i in computed])
+        preds = self.runtime.exchange_predictions(self._velocities(states, blocks, skip, h_TD),
+                                                  [s.total_rows for s in states])
+        for s, v_BChw in zip(states, preds):
+            self._update(s, v_BChw)
+            s.times.denoise += time.perf_counter() - t0
+            s.times.steps_skipped = s.cache.skipped
+
+    def _block(self, s: RequestState) -> StepBlock:
+        """This request's step input over its rows here, at its current noise level."""
+        for r in s.rows:
+            if r.block_rope is None:  # positions never change: build the tables once per request
+                r.block_rope = self.model.rope(r.seq.pos_yx[r.seq.prefix_len: r.tokens])
+        runs = [Run(tuple(r.pages), q0, q1, q1) for r in s.rows for q0, q1 in self.model.block_spans(r.seq)]
+        x_TD = self.model.block_input(s.latents_1Chw, s.sigma, [r.seq for r in s.rows])
+        return StepBlock(x_TD, [r.block_rope for r in s.rows], runs)
+
+    def _forward(self, blocks: list[StepBlock], states: list[RequestState]) -> torch.Tensor | None:
+        """The packed backbone over ``blocks``; replayed from the graph of their signature under capture."""
+        if not blocks:
+            return None
+        b = StepBlock.pack(blocks)
+        cos_TH, sin_TH = b.rope_TH()
+        if self.step_graphs is None:
+            return self._backbone(b.x_TD, cos_TH, sin_TH, b.runs, "none")
+        return self.step_graphs.run(step_key(states), b.x_TD, self.model.backbone,
+                                    lambda: (cos_TH, sin_TH, self._context(b.runs, "none")))
+
+    def _backbone(self, x_TD, cos_TH, sin_TH, runs: list[Run], mask: str) -> torch.Tensor:
+        """The model over one packed forward whose attention reads and writes the KV pool."""
+        return self.runtime.run_backbone(self.model, x_TD, cos_TH, sin_TH, pool=self.pool, runs=runs, mask=mask,
+                                         paged=self.paged, device=self.device)
+
+    def _context(self, runs: list[Run], mask: str) -> PoolContext:
+        return PoolContext(self.pool, runs, mask=mask, paged=self.paged, device=self.device)
+
+    def _velocities(self, states, blocks, skip, h_TD) -> list[torch.Tensor]:
+        """Per request, ``v_BChw`` of its rows here; a skipped request's output comes from its step cache."""
+        offset, preds = 0, []
+        for s, b, k in zip(states, blocks, skip):
+            n = 0 if k else b.x_TD.shape[0]
+            h_req = after_step(s.cache, b.x_TD, None if k else h_TD[offset: offset + n])
+            offset += n
+            preds.append(self.model.velocity(h_req, [r.seq for r in s.rows], s.sigma))
+        return preds
+
+    def _update(self, s: RequestState, v_BChw: torch.Tensor) -> None:
+        """Guidance over every row of the request, then one sampler step."""
+        if self.on_velocity is not None:
+            self.on_velocity(s, v_BChw)
+        s.latents_1Chw = self.model.sample_step(s.latents_1Chw, v_BChw, s.sigmas[s.step], s.sigmas[s.step + 1],
+                                                s.request.guidance)
+        s.step += 1
+
+    # ---------------------------------------------------------------- output
+    @torch.inference_mode()
+    def decode(self, s: RequestState) -> torch.Tensor:
+        """Latents -> uint8 ``[H, W, 3]`` on the host (quantized to uint8 on the device, laid out on the host)."""
+        t0 = time.perf_counter()
+        x_13HW = self._decode_latents(s.latents_1Chw)
+        img = ((x_13HW[0] / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        out = img.cpu().permute(1, 2, 0).contiguous()  # move 1 byte/pixel, then lay out HWC on the host
+        s.times.vae += time.perf_counter() - t0
+        return out
+
+    def _decode_latents(self, z_1Chw: torch.Tensor) -> torch.Tensor:
+        decode = self._vae_decoder()
+        if self.vae_tiles is None:
+            return decode(z_1Chw)
+        tile, overlap = self.vae_tiles
+        return self.runtime.tiled_decode(decode, z_1Chw, tile=tile, overlap=overlap,
+                                         factor=self.model.pixels_per_latent, lanes=self.vae_lanes)
+
+    def _vae_decoder(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """latents -> pixels; replayed from a graph per latent shape under graph.mode: capture.
+
+        A replay returns the graph's static output, which the next replay
+        overwrites: callers consume it (blend a tile, quantize) before that.
+        Tiles decoding at once on several lanes each replay their own graph.
+        """
+        eager = self.model.decode_latents
+        if self.vae_graphs is None:
+            return eager
+        lanes = self.vae_lanes
+        return lambda z: self.vae_graphs.run(((tuple(z.shape), lanes.current), ()), z, eager, lambda: ())

@@ -1,0 +1,87 @@
+"""The HunyuanImage-3.0 flavours, registered under ``omni.models`` (pyproject.toml) as a third party would.
+
+    hunyuan_image3                  the base checkpoint: text-to-image, pretrain template
+    hunyuan_image3_instruct         HunyuanImage-3.0-Instruct (same parameter names; editing, text, CoT)
+    hunyuan_image3_instruct_distil  HunyuanImage-3.0-Instruct-Distil (CFG-distilled 8-step meanflow)
+    hunyuan_image3_tiny             the embedded tiny checkpoint of the base architecture (no download)
+
+Which checkpoint is which is read from config.json: the Distil flags
+``cfg_distilled`` and ``use_meanflow``; the Instruct release writes
+``model_version: HunyuanImage-3.0-Instruct`` (the base config has no
+Instruct version string). The shapes are the same for all three.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _is_distil(config: dict) -> bool:
+    return bool(config.get("cfg_distilled")) and bool(config.get("use_meanflow"))
+
+
+def _is_instruct(config: dict) -> bool:
+    return "instruct" in str(config.get("model_version", "")).lower()
+
+
+@dataclass(frozen=True)
+class HunyuanImage3Flavor:
+    name: str
+    description: str
+    needs_weights: bool = True
+    missing: str | None = None  # why this version cannot build it yet
+
+    def unavailable(self) -> str | None:
+        return self.missing
+
+    def claims(self, config: dict) -> bool:
+        if not self.needs_weights:
+            return False  # the embedded checkpoint is chosen by name, never detected
+        kind = "distil" if _is_distil(config) else "instruct" if _is_instruct(config) else "base"
+        return kind == {"hunyuan_image3": "base", "hunyuan_image3_instruct": "instruct",
+                        "hunyuan_image3_instruct_distil": "distil"}[self.name]
+
+    def build_pipeline(self, recipe, platform, *, local_rank: int = 0, parallel=None, progress: bool = True):
+        from .build import build_pipeline
+
+        return build_pipeline(recipe, platform, local_rank=local_rank, parallel=parallel, progress=progress)
+
+    def serving_helpers(self):
+        from omni.recipe import parse_size  # "WxH" -> (width, height); RecipeError is a ValueError
+        from omni.serving.options import ModelHelpers
+
+        from . import resolution, system_prompts
+
+        modes = {"None", "dynamic", "custom", *system_prompts.SYSTEM_PROMPTS}
+
+        def system_prompt(value: str | None) -> str | None:
+            if value is None or value not in modes:
+                return value  # None, or the text itself
+            return system_prompts.resolve_system_prompt(value, bot_task="image")
+
+        return ModelHelpers(lambda size: parse_size(size)[::-1], lambda h, w: resolution.snap(h, w)[1:],
+                            system_prompt)
+
+    def released_config(self):
+        if not self.needs_weights:
+            return None  # the tiny model is a few MB: nothing to estimate
+        from .config import HunyuanImage3Config
+
+        return HunyuanImage3Config.released()
+
+    def parallel_plans(self) -> tuple[dict, dict]:
+        from .parallel import SP_PLAN, TP_PLAN
+
+        return TP_PLAN, SP_PLAN
+
+
+base = HunyuanImage3Flavor("hunyuan_image3", "HunyuanImage-3.0 base checkpoint (80B MoE): text-to-image")
+instruct = HunyuanImage3Flavor(
+    "hunyuan_image3_instruct", "HunyuanImage-3.0-Instruct: editing, text answers, think/recaption",
+    missing="the Instruct flavour (instruct defaults, conditioning images, text generation) is not "
+            "implemented in this version; serve the base checkpoint with model.flavor: hunyuan_image3")
+instruct_distil = HunyuanImage3Flavor(
+    "hunyuan_image3_instruct_distil", "HunyuanImage-3.0-Instruct-Distil: CFG-distilled 8-step meanflow",
+    missing="the Distil flavour (guidance and timestep_r tokens, the meanflow schedule) is not implemented in "
+            "this version; running its checkpoint as the base model would draw wrong images, so it is refused")
+tiny = HunyuanImage3Flavor("hunyuan_image3_tiny", "embedded tiny checkpoint of the base architecture (CPU, no "
+                           "download; random weights)", needs_weights=False)

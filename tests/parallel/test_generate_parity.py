@@ -1,0 +1,49 @@
+"""``omni-run generate`` with world size 2 launches its ranks and draws the single-process image.
+
+Both runs go through the real CLI in a subprocess on the embedded tiny model
+(gloo, two CPU ranks for tp2). tp2 sums row-parallel partial products in
+another order, so the final latents agree within fp32 rounding (1e-5) and
+the uint8 images within one grey level where a value sits on a rounding edge.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.torch import load_file
+
+ARGS = ("--prompt", "a red cat on green grass", "--steps", "2", "--seed", "5")
+
+
+def generate(tmp_path, tag: str, *extra: str) -> tuple[subprocess.CompletedProcess, np.ndarray, object]:
+    png, latents = tmp_path / f"{tag}.png", tmp_path / f"{tag}.safetensors"
+    proc = subprocess.run([sys.executable, "-m", "omni.cli", "generate", *ARGS, *extra, "-o", str(png),
+                           "--latents", str(latents)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, np.asarray(Image.open(png)).astype(np.int16), load_file(str(latents))["latents"]
+
+
+def tp2_recipe(tmp_path) -> str:
+    text = resources.files("omni.recipes").joinpath("cpu_tiny.yaml").read_text()
+    text = (text.replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}", "parallel: {tp: 2}")
+            .replace("count: 1", "count: 2").replace("name: cpu_tiny", "name: cpu_tiny_tp2"))
+    assert "parallel: {tp: 2}" in text and "count: 2" in text
+    path = tmp_path / "cpu_tiny_tp2.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.timeout(900)
+def test_tp2_generate_launches_ranks_and_matches_one_process(tmp_path):
+    one, image_1, latents_1 = generate(tmp_path, "one")
+    two, image_2, latents_2 = generate(tmp_path, "tp2", "--recipe", tp2_recipe(tmp_path))
+    assert "world 1" in one.stdout and "world 2" in two.stdout, "the tp2 run must launch two ranks"
+    assert latents_1.shape == latents_2.shape
+    assert (latents_1 - latents_2).abs().max().item() <= 1e-5
+    assert image_1.shape == image_2.shape == (1024, 1024, 3)
+    diff = np.abs(image_1 - image_2)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3

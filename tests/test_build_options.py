@@ -1,0 +1,182 @@
+"""BuildOptions: the recipe read once into what every module is built with, and the kernels.memory_bound choice.
+
+- ``BuildOptions.from_recipe`` maps every field; the object is frozen;
+- ``kernels.memory_bound`` is validated by the recipe (and by the specs), errors name the field;
+- the reference refuses a ``triton`` demand with a reason; the cuda plugin's memory-bound kernels follow
+  the spec (checked on CPU: the selection function and the resolvers against a made-up H100).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+
+from omni.build_options import BuildOptions
+from omni.platform_manager import PlatformError, select
+from omni.platforms.cuda import gemm, moe
+from omni.platforms.cuda.capabilities import Caps
+from omni.recipe import RecipeError, load_recipe, parse_recipe
+from omni.specs import GemmSpec, MoESpec
+
+H100 = Caps(sm=(9, 0), cuda_version=(13, 0), has_scaled_mm=True, has_grouped_mm=True, has_scaled_grouped_mm=True)
+MOE = MoESpec(num_experts=8, topk=2, hidden=64, inner=32, dtype=torch.bfloat16, quant="fp8_row")
+FP8_ROW = GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="fp8_row")
+
+
+# ----------------------------------------------------------------- from the recipe
+
+
+def test_from_recipe_maps_every_field():
+    recipe = load_recipe("cpu_tiny").replace_paths({
+        "model.dtype": "bfloat16", "quant.scheme": "fp8_row", "quant.experts_only": True, "kv_cache.mode": "paged",
+        "kv_cache.page_tokens": 32, "attention.backend": "sdpa", "graph.mode": "capture",
+        "kernels.memory_bound": "torch"})
+    opts = BuildOptions.from_recipe(recipe)
+    assert opts == BuildOptions(dtype=torch.bfloat16, quant="fp8_row", experts_only=True, paged_kv=True, page_size=32,
+                                attn_backend="sdpa", capturable=True, memory_bound="torch")
+    defaults = BuildOptions(dtype=torch.float32)
+    unchanged = [f.name for f in dataclasses.fields(BuildOptions) if getattr(opts, f.name) == getattr(defaults, f.name)]
+    assert not unchanged, f"fields the test does not move off their defaults: {unchanged}"
+
+
+def test_from_recipe_contiguous_kv_has_no_pages():
+    recipe = load_recipe("cpu_tiny").replace_paths({"kv_cache.mode": "contiguous", "kv_cache.page_tokens": 32})
+    opts = BuildOptions.from_recipe(recipe)
+    assert (opts.paged_kv, opts.page_size, opts.memory_bound, opts.capturable) == (False, 0, "auto", False)
+
+
+def test_options_are_frozen():
+    opts = BuildOptions(dtype=torch.float32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.quant = "fp8_row"
+
+
+def test_derived_helpers():
+    opts = BuildOptions(dtype=torch.bfloat16, quant="fp8_row", experts_only=True, paged_kv=True, page_size=16,
+                        attn_backend="sdpa", capturable=True)
+    assert opts.dense_quant == "none" and dataclasses.replace(opts, experts_only=False).dense_quant == "fp8_row"
+    spec = opts.attention_spec(8, 2, 64, "none")
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype) == (8, 2, 64, torch.bfloat16)
+    assert (spec.mask, spec.paged, spec.page_size, spec.backend, spec.capturable) == ("none", True, 16, "sdpa", True)
+    assert not opts.attention_spec(8, 2, 64, "causal").capturable  # only the denoising step is captured
+
+
+# ----------------------------------------------------------------- the recipe field
+
+
+def test_kernels_section_is_validated():
+    assert parse_recipe("name: x\nkernels: {memory_bound: triton}").kernels.memory_bound == "triton"
+    with pytest.raises(RecipeError, match=r"kernels\.memory_bound: 'cuda' is not allowed; allowed values: auto, "
+                                          r"triton, torch"):
+        parse_recipe("name: x\nkernels: {memory_bound: cuda}")
+    with pytest.raises(RecipeError, match=r"kernels\.memory: unknown key 'memory'; allowed: memory_bound"):
+        parse_recipe("name: x\nkernels: {memory: torch}")
+
+
+def test_memory_bound_choices_match_the_platform_contract():
+    from omni import recipe, specs
+
+    assert recipe.MEMORY_BOUND == specs.MEMORY_BOUND
+
+
+@pytest.mark.parametrize("make", [lambda: dataclasses.replace(MOE, memory_bound="fast"),
+                                  lambda: dataclasses.replace(FP8_ROW, memory_bound="fast")], ids=["moe", "gemm"])
+def test_specs_refuse_an_unknown_choice_naming_the_field(make):
+    with pytest.raises(ValueError, match=r"memory_bound \(kernels\.memory_bound\) must be one of"):
+        make()
+
+
+# ----------------------------------------------------------------- the reference
+
+
+@pytest.mark.parametrize("choice", ["auto", "torch"])
+def test_reference_ignores_auto_and_torch(choice):
+    cpu = select("cpu")
+    assert cpu.moe(dataclasses.replace(MOE, memory_bound=choice)).name.startswith("reference-moe")
+    assert cpu.linear(dataclasses.replace(FP8_ROW, memory_bound=choice)).name.startswith("reference-linear")
+
+
+def test_reference_refuses_a_triton_demand_with_a_reason():
+    cpu = select("cpu")
+    for resolve, spec in ((cpu.moe, MOE), (cpu.linear, FP8_ROW)):
+        with pytest.raises(PlatformError, match=r"reference: kernels\.memory_bound=triton cannot be met"):
+            resolve(dataclasses.replace(spec, memory_bound="triton"))
+
+
+def test_a_model_built_with_a_triton_demand_on_the_reference_fails_at_build():
+    from omni.models.hunyuan_image3.config import TINY_GOLDEN
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+
+    with torch.device("meta"), pytest.raises(PlatformError, match=r"kernels\.memory_bound=triton"):
+        HunyuanImage3Transformer(TINY_GOLDEN, select("cpu"), BuildOptions(dtype=torch.float32, memory_bound="triton"))
+
+
+# ----------------------------------------------------------------- the cuda plugin (on CPU)
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    monkeypatch.setattr(moe, "triton_found", lambda: False)
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    """Triton "installed": a stand-in for ``moe_triton`` (the real one needs triton and a GPU)."""
+    fake = types.ModuleType("omni.platforms.cuda.moe_triton")
+    fake.TritonKernels = type("TritonKernels", (), {"name": "triton", "quant_rows": None})
+    monkeypatch.setitem(sys.modules, "omni.platforms.cuda.moe_triton", fake)
+    monkeypatch.setattr(moe, "triton_found", lambda: True)
+
+
+@pytest.mark.parametrize("choice,found,expected", [
+    ("auto", True, "triton"), ("auto", False, "torch"), ("torch", True, "torch"), ("torch", False, "torch"),
+    ("triton", True, "triton"),
+])
+def test_cuda_memory_kernels_follow_the_choice(request, choice, found, expected):
+    request.getfixturevalue("fake_triton" if found else "no_triton")
+    assert moe.memory_kernels(choice, pytest.fail).name == expected
+
+
+def test_cuda_refuses_a_triton_demand_without_triton(no_triton):
+    reasons: list[str] = []
+    assert moe.memory_kernels("triton", reasons.append) is None
+    assert len(reasons) == 1 and reasons[0].startswith("cuda: kernels.memory_bound=triton"), reasons
+
+
+@pytest.mark.parametrize("choice,expected", [("auto", "torch"), ("torch", "torch")])
+def test_cuda_resolvers_take_the_spec_choice(no_triton, choice, expected):
+    fused = moe.resolve_moe(dataclasses.replace(MOE, memory_bound=choice), H100, pytest.fail)
+    linear = gemm.resolve_linear(dataclasses.replace(FP8_ROW, memory_bound=choice), H100, pytest.fail)
+    assert fused.kernels.name == expected and fused.name == f"cuda-fused-moe[fp8_row,{expected}]"
+    assert linear.kernels.name == expected and linear.name == f"cuda-scaled-mm[fp8_row,{expected}]"
+
+
+def test_cuda_resolvers_refuse_a_triton_demand_without_triton(no_triton):
+    for resolve, spec in ((moe.resolve_moe, MOE), (gemm.resolve_linear, FP8_ROW),
+                          (gemm.resolve_linear, dataclasses.replace(FP8_ROW, quant="none"))):
+        reasons: list[str] = []
+        assert resolve(dataclasses.replace(spec, memory_bound="triton"), H100, reasons.append) is None
+        assert any("kernels.memory_bound=triton" in r for r in reasons), reasons
+
+
+def test_cuda_resolvers_honour_a_triton_demand_with_triton(fake_triton):
+    fused = moe.resolve_moe(dataclasses.replace(MOE, memory_bound="triton"), H100, pytest.fail)
+    assert fused.name == "cuda-fused-moe[fp8_row,triton]"
+
+
+@pytest.mark.parametrize("name", ["rocm", "npu", "xpu", "musa"])
+def test_vendors_without_triton_kernels_refuse_a_triton_demand(name):
+    """Their gemm/moe modules have no Triton path: the shared hooks refuse before resolving (the reference answers
+    with its own refusal, so the NoImplementationError lists both reasons)."""
+    import importlib
+
+    plugin = importlib.import_module(f"omni.platforms.{name}.plugin").plugin
+    for spec in (MOE, FP8_ROW):
+        reason = plugin.triton_refusal(dataclasses.replace(spec, memory_bound="triton"))
+        assert reason == f"{name}: kernels.memory_bound=triton, but this platform has no Triton kernels (use auto or torch)"
+        assert plugin.triton_refusal(dataclasses.replace(spec, memory_bound="auto")) is None
+    cuda = importlib.import_module("omni.platforms.cuda.plugin").plugin
+    assert cuda.triton_refusal(dataclasses.replace(MOE, memory_bound="triton")) is None  # cuda decides in its modules
