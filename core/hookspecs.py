@@ -303,11 +303,14 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
 
     Capture safety: ``__call__`` must not read routing on the host (no
     ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends
-    on values) on a platform that advertises ``graphs``.
+    on values) on a platform that advertises ``graphs``; with
+    ``spec.capturable`` (the recipe captures the denoising step) an
+    implementation that cannot be recorded must refuse, so the build fails
+    with the reason instead of the first captured step.
     Refusing: ``reject("reason")`` and None (unsupported dtype or scheme).
     Default implementation: sort routed rows by expert, loop over experts with
     ``omni.quant``'s reference products, combine in fp32 (the oracle; reads
-    counts on the host, so never captured; refuses ``memory_bound="triton"``).
+    counts on the host, so it refuses ``capturable`` specs; refuses ``memory_bound="triton"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
     Versions: 0.3 (``memory_bound``).

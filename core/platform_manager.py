@@ -168,6 +168,8 @@ def _attributed(method, plugin: str):
     @functools.wraps(method)
     def call(*args):  # pluggy passes the hook's arguments positionally, in the order of the signature
         refusals = args[at]
+        if not isinstance(refusals, _Refusals):  # someone called pm.hook with a plain reject: pass it on
+            return method(*args)
         result = method(*args[:at], refusals.by(plugin), *args[at + 1:])
         if result is not None:
             refusals.answered_by = plugin

@@ -217,6 +217,8 @@ class ReferencePlatform:
     def omni_moe_impl(self, spec: MoESpec, reject):
         if spec.memory_bound == "triton":
             return reject(NO_TRITON)
+        if spec.capturable:
+            return reject("reference: not capturable (reads expert counts on the host)")
         if spec.quant not in REFERENCE_QUANT:
             return reject(f"reference: quant.scheme={spec.quant!r} has no reference semantics yet "
                           f"(reference schemes: {', '.join(REFERENCE_QUANT)})")

@@ -204,6 +204,7 @@ class MoESpec:
     quant: str = "none"  # one of QUANT_SCHEMES, for both expert GEMMs
     renormalize: bool = True
     memory_bound: str = "auto"  # one of MEMORY_BOUND: gather (+ quantize), SwiGLU (+ quantize), combine
+    capturable: bool = False  # the layer runs inside a captured denoising step (graph.mode: capture)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:

@@ -180,3 +180,16 @@ def test_vendors_without_triton_kernels_refuse_a_triton_demand(name):
         assert plugin.triton_refusal(dataclasses.replace(spec, memory_bound="auto")) is None
     cuda = importlib.import_module("omni.platforms.cuda.plugin").plugin
     assert cuda.triton_refusal(dataclasses.replace(MOE, memory_bound="triton")) is None  # cuda decides in its modules
+
+
+def test_a_capturable_moe_spec_is_refused_by_the_reference():
+    """Under graph.mode: capture the routed experts run inside the graph; the reference MoE reads expert counts
+    on the host, so it refuses at build time (a device platform without a capturable MoE then fails the build
+    with every reason, instead of its first captured step)."""
+    cpu = select("cpu")
+    plain = dataclasses.replace(MOE, quant="none", dtype=torch.float32)
+    assert cpu.moe(plain).name.startswith("reference-moe")
+    with pytest.raises(PlatformError, match=r"reference: not capturable \(reads expert counts on the host\)"):
+        cpu.moe(dataclasses.replace(plain, capturable=True))
+    opts = BuildOptions.from_recipe(load_recipe("cpu_tiny").replace_path("graph.mode", "capture"))
+    assert opts.capturable

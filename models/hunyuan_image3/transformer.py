@@ -152,11 +152,11 @@ class RoutedExperts(KernelOwner):
     """
 
     def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, memory_bound,
-                 topk: int = 1):
+                 topk: int = 1, capturable: bool = False):
         super().__init__()
         self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, platform=platform, dtype=dtype, quant=quant)
         self.down_proj = GroupedLinear(num_experts, inner, dim, platform=platform, dtype=dtype, quant=quant)
-        self.platform, self.topk, self.memory_bound = platform, topk, memory_bound
+        self.platform, self.topk, self.memory_bound, self.capturable = platform, topk, memory_bound, capturable
         self.moe = platform.moe(self._spec())
 
     def _spec(self) -> MoESpec:
@@ -164,7 +164,7 @@ class RoutedExperts(KernelOwner):
         g13 = self.gate_and_up_proj.spec
         return MoESpec(num_experts=g13.num_experts, topk=min(self.topk, g13.num_experts), hidden=g13.in_features,
                        inner=self.down_proj.spec.in_features, dtype=g13.dtype, quant=g13.quant,
-                       memory_bound=self.memory_bound)
+                       memory_bound=self.memory_bound, capturable=self.capturable)
 
     @property
     def num_experts(self) -> int:  # read off the weights: a plan may keep only some experts on a rank
@@ -197,7 +197,8 @@ class MoE(nn.Module):
         kw = dict(platform=platform, dtype=opts.dtype, memory_bound=opts.memory_bound)
         self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform)
         self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], quant=opts.dense_quant, **kw)
-        self.experts = RoutedExperts(E, D, inner, quant=opts.quant, topk=cfg.moe_topk[layer_idx], **kw)
+        self.experts = RoutedExperts(E, D, inner, quant=opts.quant, topk=cfg.moe_topk[layer_idx],
+                                     capturable=opts.capturable, **kw)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         weights_Tk, experts_Tk = self.gate(x_TD)

@@ -1,6 +1,8 @@
 """Scheduler policy on a model-free pipeline: admission, budgets, fairness, cancellation, isolation."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from omni.engine import Engine
@@ -182,3 +184,60 @@ def test_engine_run_wrapper_keeps_generate_working():
     assert [r.request_id for r in results] == ["b", "a"] and seen == [1, 2]
     with pytest.raises(RequestTooLarge):
         Engine(FakePipeline(num_pages=2)).run([req("big", size=256)])
+
+
+# ------------------------------------------------------------------ decode off the critical path
+
+
+class SlowDecode(FakePipeline):
+    """A decode that takes ``decode_s``; records when each decode and each step ran (monotonic seconds)."""
+
+    concurrent_decode = True
+
+    def __init__(self, decode_s: float, **kw):
+        super().__init__(**kw)
+        self.decode_s, self.decodes, self.steps_at, self.free_at_decode = decode_s, [], [], []
+
+    def denoise_step(self, states) -> None:
+        self.steps_at.append(time.monotonic())
+        super().denoise_step(states)
+
+    def decode(self, state):
+        t0 = time.monotonic()
+        self.free_at_decode.append(self.pool.free_pages)
+        time.sleep(self.decode_s)
+        self.decodes.append((t0, time.monotonic(), state.request.request_id))
+        return super().decode(state)
+
+
+def steps_inside_decodes(pipe: SlowDecode) -> int:
+    return sum(any(a < t < b for a, b, _ in pipe.decodes) for t in pipe.steps_at)
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_finished_request_decodes_while_the_others_step(threaded):
+    """With the decode thread, r1's steps run while r0 decodes and r0's pages are back before its decode ends;
+    inline (decode_thread=False, or a pipeline that does not allow it) no step overlaps a decode."""
+    pipe = SlowDecode(decode_s=0.3, step_delay_s=0.02)
+    engine = EngineLoop.around(Scheduler(pipe, max_running=2, decode_thread=threaded)).start()
+    assert engine.wait_ready(5)
+    short, long = engine.submit_many([req("r0", steps=1), req("r1", steps=12)])
+    assert short.result(10).steps == 1 and long.result(10).steps == 12
+    engine.stop()
+    overlapping = steps_inside_decodes(pipe)
+    assert (overlapping >= 5) if threaded else (overlapping == 0), (overlapping, pipe.decodes, pipe.steps_at)
+    held_while_r0_decodes = pipe.pool.num_pages - pipe.free_at_decode[0]
+    assert held_while_r0_decodes == long.cost.pages + (0 if threaded else short.cost.pages)
+    assert pipe.pool.free_pages == pipe.pool.num_pages and engine.scheduler.stats["finished"] == 2
+
+
+def test_a_decode_failure_on_the_decode_thread_fails_only_its_request():
+    pipe = SlowDecode(decode_s=0.05)
+    engine = EngineLoop.around(Scheduler(pipe, max_running=2, decode_thread=True)).start()
+    assert engine.wait_ready(5)
+    bad, good = engine.submit_many([req("bad", prompt=FAULT_IN_DECODE), req("good", steps=3)])
+    with pytest.raises(InjectedFault):
+        bad.result(10)
+    assert good.result(10).steps == 3
+    engine.stop()
+    assert engine.scheduler.stats["failed"] == 1 and pipe.pool.free_pages == pipe.pool.num_pages
