@@ -153,7 +153,10 @@ def device_problems(recipe: Recipe, info) -> list[str]:
         return []
     problems = []
     if info.device_count < recipe.device.count:
-        problems.append(f"device.count={recipe.device.count} but {info.name} sees {info.device_count} device(s)")
+        p = recipe.parallel
+        degrees = ", ".join(f"{k} {getattr(p, k)}" for k in ("dp", "cfg", "ulysses", "ring", "tp") if getattr(p, k) > 1)
+        problems.append(f"device.count={recipe.device.count} (parallel: {degrees or 'none'}) but {info.name} sees "
+                        f"{info.device_count} device(s): one process per device")
     have, need = info.memory_bytes / GiB, recipe.device.memory_gib
     if info.memory_bytes and have < need:
         problems.append(f"device.memory_gib={need:g} but each {info.device_name or info.name} has {have:.1f} GiB")

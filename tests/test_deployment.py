@@ -161,3 +161,16 @@ def test_every_engine_handle_implements_the_protocol():
     assert router.job is None and "job" in vars(router), "the launch job is a constructor argument"
     assert {f for f in LaunchJob.__dataclass_fields__} == {"thread", "cancel"}
     assert (local.load(), remote.load(), router.load()) == (0, 0, 0)
+
+
+def test_a_layout_the_host_cannot_hold_names_its_degrees():
+    """generate and serve exit 2 with this line (no single-process fallback) when the devices are missing."""
+    from omni.deployment import device_problems
+    from omni.specs import PlatformInfo
+
+    one_gpu = PlatformInfo(name="cuda", device_type="cuda", dist_backend="nccl", device_count=1,
+                           memory_bytes=141 << 30, device_name="NVIDIA H200")
+    tp2 = load_recipe("h200x2_tp2")
+    assert device_problems(tp2, one_gpu) == ["device.count=2 (parallel: tp 2) but cuda sees 1 device(s): "
+                                             "one process per device"]
+    assert device_problems(load_recipe("h200_fp8"), one_gpu) == []
