@@ -57,11 +57,11 @@ def command_lines(recipe: Recipe) -> list[str]:
     if entry(recipe.model.flavor).needs_weights:
         serve += " --model /ckpt/HunyuanImage-3"
     lines = [f"{serve}    # serve on {recipe.serving.host}:{recipe.serving.port}"]
-    if recipe.parallel.world_size == 1:
-        gen = serve.replace("omni-run --platform", "omni-run generate --platform")
-        return lines + [f'{gen} --prompt "a red fox in the snow" -o fox.png']
-    lines.append(f"# omni-run generate runs one process; this recipe has {recipe.parallel.world_size} ranks, "
-                 "so ask the server:")
+    gen = serve.replace("omni-run --platform", "omni-run generate --platform")
+    p = recipe.parallel
+    ranks = "" if p.world_size == 1 else f"    # launches {p.world_size // p.dp} ranks (one replica)"
+    lines.append(f'{gen} --prompt "a red fox in the snow" -o fox.png{ranks}')
+    lines.append("# or ask the running server:")
     lines.append(f"curl -s http://{recipe.serving.host}:{recipe.serving.port}/v1/images/generations "
                  "-H 'Content-Type: application/json' \\")
     lines.append("  -d '{\"prompt\": \"a red fox in the snow\", \"size\": \"1024x1024\", "

@@ -331,7 +331,9 @@ def test_generation_is_deterministic(tmp_path):
 def test_recipe_page_has_command_layout_estimate_and_validation():
     page = recipe_docs.expected_files(["a2_tp4"])["a2_tp4.md"]
     assert "omni-run --platform npu --recipe a2_tp4 --model" in page
-    assert "/v1/images/generations" in page, "multi-rank recipes are generated through the server"
+    assert "/v1/images/generations" in page
+    assert "omni-run generate --platform npu --recipe a2_tp4" in page and "launches 4 ranks" in page, \
+        "generate launches a multi-rank recipe's ranks, as serve does"
     assert "**tp=4** (tensor parallel)" in page and "| `model.wte` | replicated:" in page
     assert "quant.scheme: w8a8" in page and "kv_cache: paged, pages of 128 tokens" in page
     assert "**Verdict: fits**" in page and "Not yet validated on hardware" in page
