@@ -1,4 +1,4 @@
-"""Tiled VAE decode: bounded activation memory, tiles spread over ranks.
+"""Tiled VAE decode (and encode): bounded activation memory, tiles spread over ranks.
 
 The latent is cut into overlapping square tiles; each tile is decoded on its
 own and written into the image with a feathered weight that ramps linearly
@@ -15,6 +15,11 @@ them in order; each lane holds one tile's activations, so memory grows with
 the lane count. A lane starts its next tile only after the caller's stream
 has blended its previous one, so a decoder may return a buffer it reuses
 (a graph's static output) as long as it keeps one per lane (``lanes.current``).
+
+``tiled_encode`` is the mirror image on one process: the pixels are cut
+along the same latent-unit grid, each tile is encoded on its own, and the
+latent tiles are blended with the same feathered weights at latent
+resolution (ramp = ``overlap`` latents).
 
 Shape suffixes: B batch, C latent channels, h/w latent rows/cols, H/W pixels.
 """
@@ -135,6 +140,29 @@ def tiled_decode(decode: Callable[[torch.Tensor], torch.Tensor], z_BChw: torch.T
         lanes.consumed(k)
     if all_reduce is not None:
         acc, wsum = _reduce_partial(acc, wsum, B, h * factor, w * factor, z_BChw.device, all_reduce)
+    return acc / wsum
+
+
+def tiled_encode(encode: Callable[[torch.Tensor], torch.Tensor], x_B3HW: torch.Tensor, *, tile: int,
+                 overlap: int, factor: int) -> torch.Tensor:
+    """Encode ``x`` tile by tile with ``encode`` (pixels -> ``[B, C, H_t/factor, W_t/factor]``); fp32 result.
+
+    ``tile`` and ``overlap`` are in latents; H and W must be multiples of ``factor``.
+    Whatever ``encode`` returns per latent position (a mean, or stacked moments) is blended linearly.
+    """
+    B, _, H, W = x_B3HW.shape
+    if H % factor or W % factor:
+        raise ValueError(f"image {H}x{W} (HxW) is not a multiple of the VAE factor {factor}")
+    h, w = H // factor, W // factor
+    acc = wsum = None
+    for t in tile_grid(h, w, tile, overlap):
+        z_BCht = encode(x_B3HW[:, :, t.y0 * factor:t.y1 * factor, t.x0 * factor:t.x1 * factor])
+        if acc is None:
+            acc = x_B3HW.new_zeros(B, z_BCht.shape[1], h, w, dtype=torch.float32)
+            wsum = x_B3HW.new_zeros(1, 1, h, w, dtype=torch.float32)
+        wt = tile_weight(t, h, w, overlap, 1).to(z_BCht.device)
+        acc[:, :, t.y0:t.y1, t.x0:t.x1] += z_BCht.float() * wt
+        wsum[:, :, t.y0:t.y1, t.x0:t.x1] += wt
     return acc / wsum
 
 

@@ -43,6 +43,7 @@ class VAEConfig:
     ffactor_spatial: int = 16
     ffactor_temporal: int = 4
     scaling_factor: float = 0.562679178327931
+    only_encoder: bool = False  # Instruct conditioning: build the encoder alone (no decoder)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_out_channels", tuple(self.block_out_channels))
@@ -314,13 +315,16 @@ class AutoencoderKLConv3D(nn.Module):
 
     ``with_encoder=False`` builds the decoder alone: text-to-image only decodes,
     and the released encoder is 389M parameters (1.45 GiB in float32).
+    ``cfg.only_encoder`` builds the encoder alone (conditioning images only).
     """
 
     def __init__(self, cfg: VAEConfig, *, with_encoder: bool = True):
         super().__init__()
+        if cfg.only_encoder and not with_encoder:
+            raise ValueError("only_encoder=True with with_encoder=False leaves nothing to build")
         self.cfg = cfg
         self.encoder = Encoder(cfg) if with_encoder else None
-        self.decoder = Decoder(cfg)
+        self.decoder = None if cfg.only_encoder else Decoder(cfg)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the posterior ``(mean, logvar)``, with logvar clamped to [-30, 20].
@@ -345,6 +349,8 @@ class AutoencoderKLConv3D(nn.Module):
 
     def decode(self, z_BCThw: torch.Tensor) -> torch.Tensor:
         """Run the raw decoder: [B, C, T, h, w] to [B, 3, T*ft, H, W], keeping every frame."""
+        if self.decoder is None:
+            raise RuntimeError("this VAE was built without its decoder (only_encoder=True)")
         return self.decoder(z_BCThw)
 
     @torch.no_grad()
