@@ -22,7 +22,7 @@ def generate_main(deployment: Deployment, job: GenerateJob) -> int:
     t0 = time.perf_counter()
     engine = deployment.open_engine(progress=True)
     try:
-        result = _run_one(engine, job.request)
+        result = _run_one(engine, job.request, steps_here=deployment.world_size == 1)
     finally:
         engine.stop()
     _write(job, result)
@@ -32,9 +32,12 @@ def generate_main(deployment: Deployment, job: GenerateJob) -> int:
     return 0
 
 
-def _run_one(engine, req: ImageRequest):
-    bar = tqdm(total=req.steps, desc="denoising", unit="step")
+def _run_one(engine, req: ImageRequest, steps_here: bool):
+    """Submit ``req`` and wait; a step bar when the steps run in this process (the ranks' run elsewhere)."""
+    bar = tqdm(total=req.steps, desc="denoising", unit="step", disable=not steps_here)
     engine.observe_steps(lambda finished, dt: bar.update(1) if bar.n < bar.total else None)
+    if not steps_here:
+        log.info("the replica's ranks are running the request")
     try:
         engine.start()
         if not engine.wait_ready():
