@@ -40,8 +40,8 @@ def _run_one(engine, req: ImageRequest, steps_here: bool):
         log.info("the replica's ranks are running the request")
     try:
         engine.start()
-        if not engine.wait_ready():
-            raise RuntimeError(engine.unavailable_reason())
+        if not engine.wait_ready():  # the build's own error (a refusal stays a configuration error: exit 2)
+            raise engine.error or RuntimeError(engine.unavailable_reason())
         [ticket] = engine.submit_many([req])
         return ticket.result()
     finally:

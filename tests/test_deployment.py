@@ -174,3 +174,17 @@ def test_a_layout_the_host_cannot_hold_names_its_degrees():
     assert device_problems(tp2, one_gpu) == ["device.count=2 (parallel: tp 2) but cuda sees 1 device(s): "
                                              "one process per device"]
     assert device_problems(load_recipe("h200_fp8"), one_gpu) == []
+
+
+def test_a_refusal_at_build_time_is_a_configuration_error(tmp_path, capsys):
+    """The pipeline is built on the engine thread; its refusal still reaches the CLI as itself (exit 2)."""
+    from omni.cli import main
+
+    recipe = tmp_path / "cpu_capture.yaml"
+    recipe.write_text("platform: cpu\nmodel: {dtype: float32}\ngraph: {mode: capture}\n")
+    assert main(["generate", "--recipe", str(recipe), "--prompt", "x", "--steps", "1",
+                 "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "omni-run: error: no platform plugin implements attention" in err
+    assert "cpu: reference: not capturable (reads sequence lengths on the host)" in err
+    assert not (tmp_path / "x.png").exists()
