@@ -78,7 +78,7 @@ class T2ISequence:
 
 
 @dataclass(frozen=True)
-class _Text:
+class TextPiece:
     """A piece tokenised on its own; ``droppable`` pieces become <cfg> in the uncond row."""
 
     text: str
@@ -90,10 +90,10 @@ class _ImageBlock:
     """Placeholder for the image block inside the list of pieces."""
 
 
-_IMAGE = _ImageBlock()
+IMAGE_PIECE = _ImageBlock()
 
 
-def cot_pieces(cot_text: str | None, *, drop_think: bool = False) -> list[_Text]:
+def cot_pieces(cot_text: str | None, *, drop_think: bool = False) -> list[TextPiece]:
     """Split CoT text into marker pieces (kept) and content pieces (droppable).
 
     Mirrors the official ``get_cot_sections``: a ``<think>`` pair is split out
@@ -106,9 +106,9 @@ def cot_pieces(cot_text: str | None, *, drop_think: bool = False) -> list[_Text]
     for start, end in COT_MARKERS:
         if start in cot_text and end in cot_text:
             before, inner, after = _split_pair(cot_text, start, end)
-            kept = [] if drop_think and start == "<think>" else [_Text(start), _Text(inner, True), _Text(end)]
+            kept = [] if drop_think and start == "<think>" else [TextPiece(start), TextPiece(inner, True), TextPiece(end)]
             return cot_pieces(before, drop_think=drop_think) + kept + cot_pieces(after, drop_think=drop_think)
-    return [_Text(cot_text, True)]
+    return [TextPiece(cot_text, True)]
 
 
 def _split_pair(text: str, start: str, end: str) -> tuple[str, str, str]:
@@ -120,14 +120,14 @@ def _split_pair(text: str, start: str, end: str) -> tuple[str, str, str]:
     return text.split(start)[0], text.split(start)[1].split(end)[0], text.split(end)[1]
 
 
-def _assistant_pieces(cot_text: str | None, answer: tuple[str, str], drop_think: bool) -> list:
+def assistant_pieces(cot_text: str | None, answer: tuple[str, str], drop_think: bool) -> list:
     """CoT pieces, then the image block wrapped in the answer markers.
 
     CoT text with no marker pair stays one droppable piece without <answer>
     wrapping (base-era ``apply_general_template``, which made the golden data).
     """
     cot = cot_pieces(cot_text, drop_think=drop_think) if cot_text is not None else []
-    return cot + [_Text(answer[0]), _IMAGE, _Text(answer[1])]
+    return cot + [TextPiece(answer[0]), IMAGE_PIECE, TextPiece(answer[1])]
 
 
 def template_pieces(template: str, prompt: str, system_prompt: str | None,
@@ -138,10 +138,10 @@ def template_pieces(template: str, prompt: str, system_prompt: str | None,
     instruct = template == "instruct"
     sep = SEP if instruct else ""
     answer = ("<answer>", "</answer>") if instruct else ("", "")
-    pieces = [_Text(system_prompt), _Text(sep)] if system_prompt else []
-    pieces += [_Text("User: " if instruct else ""), _Text(prompt, True), _Text(sep)]
-    pieces += [_Text("Assistant: " if instruct else "")]
-    return pieces + _assistant_pieces(cot_text, answer, drop_think) + [_Text(sep)]
+    pieces = [TextPiece(system_prompt), TextPiece(sep)] if system_prompt else []
+    pieces += [TextPiece("User: " if instruct else ""), TextPiece(prompt, True), TextPiece(sep)]
+    pieces += [TextPiece("Assistant: " if instruct else "")]
+    return pieces + assistant_pieces(cot_text, answer, drop_think) + [TextPiece(sep)]
 
 
 def _image_block(tok: Tokenizer, ratio_k: int, n_image: int) -> list[int]:
@@ -158,7 +158,7 @@ def _encode_row(tok: Tokenizer, pieces: list, image_ids: list[int], uncond: bool
     """
     ids, boi_index = [tok.bos], -1
     for piece in pieces:
-        if piece is _IMAGE:
+        if piece is IMAGE_PIECE:
             boi_index = len(ids)
             ids += image_ids
             continue
