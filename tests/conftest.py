@@ -10,18 +10,29 @@ import torch
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
 
 
-@pytest.fixture(scope="session")
-def golden_data():
-    """(json description, golden tensors without the ``golden.`` prefix, model weights)."""
-    js, st = GOLDEN_DIR / "hunyuan_image3_tiny.json", GOLDEN_DIR / "hunyuan_image3_tiny.safetensors"
+def load_golden(stem: str) -> tuple[dict, dict]:
+    """(json description, every stored tensor) of ``../shared/golden/<stem>.*``; skips the test when absent."""
+    js, st = GOLDEN_DIR / f"{stem}.json", GOLDEN_DIR / f"{stem}.safetensors"
     if not (js.is_file() and st.is_file()):
-        pytest.skip(f"golden data not found in {GOLDEN_DIR} (expected ../shared/golden beside the repo)")
+        pytest.skip(f"golden data {stem} not found in {GOLDEN_DIR} (expected ../shared/golden beside the repo)")
     from safetensors.torch import load_file
 
-    tensors = load_file(str(st))
+    return json.loads(js.read_text()), load_file(str(st))
+
+
+@pytest.fixture(scope="session")
+def instruct_golden():
+    """The Instruct-era set: (json description, every stored tensor, ``golden.`` names included)."""
+    return load_golden("hunyuan_image3_instruct_tiny")
+
+
+@pytest.fixture(scope="session")
+def golden_data():
+    """The base-era set: (json description, golden tensors without the ``golden.`` prefix, model weights)."""
+    description, tensors = load_golden("hunyuan_image3_tiny")
     g = {k.removeprefix("golden."): v for k, v in tensors.items() if k.startswith("golden.")}
     w = {k: v for k, v in tensors.items() if not k.startswith("golden.")}
-    return json.loads(js.read_text()), g, w
+    return description, g, w
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ The tiled-encode tests at the end need no golden data.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,19 +20,13 @@ from omni.models.hunyuan_image3.resolution import INSTRUCT_EXTRA, instruct_size,
 from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig
 from omni.vae_tiling import tiled_encode
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
-GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.json"
-GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.safetensors"
 ATOL = 1e-5  # fp32 on the CPU; measured worst: 2.1e-6 (posterior), 1.7e-6 (latents), 2.4e-7 (eps)
 
 
 @pytest.fixture(scope="module")
-def golden():
-    """(json description, every stored tensor). Skips if the golden files are absent."""
-    if not (GOLDEN_JSON.is_file() and GOLDEN_TENSORS.is_file()):
-        pytest.skip(f"Instruct golden data not found in {GOLDEN_DIR} (expected ../shared/golden beside the repo)")
-    safetensors_torch = pytest.importorskip("safetensors.torch")
-    return json.loads(GOLDEN_JSON.read_text()), safetensors_torch.load_file(str(GOLDEN_TENSORS))
+def golden(instruct_golden):
+    """(json description, every stored tensor) of the Instruct-era set (tests/conftest.py loads it once)."""
+    return instruct_golden
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ by the official ``prepare_model_inputs`` (commit 6e9113a) over a tiny
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,21 +15,13 @@ from omni.models.hunyuan_image3.edit_sequence import CondImage, build_edit_pair,
 from omni.models.hunyuan_image3.rope import rope_cos_sin
 from omni.models.hunyuan_image3.tokenizer import Tokenizer
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
-GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.json"
-GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.safetensors"
 CASES = ["IT2I_1", "IT2I_2"]
 
 
 @pytest.fixture(scope="module")
-def golden():
-    """(json metadata, golden.IT2I_* tensors). Skips if the golden files are absent."""
-    if not (GOLDEN_JSON.is_file() and GOLDEN_TENSORS.is_file()):
-        pytest.skip(f"golden data not found in {GOLDEN_DIR} (expected ../shared/golden beside the repo)")
-    from safetensors import safe_open
-    with safe_open(str(GOLDEN_TENSORS), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith("golden.IT2I_")}
-    return json.loads(GOLDEN_JSON.read_text()), tensors
+def golden(instruct_golden):
+    """(json description, every stored tensor) of the Instruct-era set (tests/conftest.py loads it once)."""
+    return instruct_golden
 
 
 def vocab_tokenizer(vocab: dict[str, int]) -> Tokenizer:

@@ -12,8 +12,6 @@ M backbone width.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,20 +22,14 @@ from omni.weights import CheckpointError
 from omni.models.hunyuan_image3.vision import HunyuanVisionEncoder, VisionConfig, load_state
 from omni.models.hunyuan_image3.vision_preprocess import VisionInputs, preprocess, target_size
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
-GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.json"
-GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.safetensors"
 ATOL = 1e-5
 PIXEL_ATOL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def golden():
-    """(golden json, every stored tensor). Skips if the golden files are absent."""
-    if not (GOLDEN_JSON.is_file() and GOLDEN_TENSORS.is_file()):
-        pytest.skip(f"Instruct golden data not found in {GOLDEN_DIR} (expected ../shared/golden beside the repo)")
-    safetensors_torch = pytest.importorskip("safetensors.torch")
-    return json.loads(GOLDEN_JSON.read_text()), safetensors_torch.load_file(str(GOLDEN_TENSORS))
+def golden(instruct_golden):
+    """(json description, every stored tensor) of the Instruct-era set (tests/conftest.py loads it once)."""
+    return instruct_golden
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .resolution import BASE_SIZE, instruct_size, token_grid
-from .sequence import SEP, IMAGE_PIECE, assistant_pieces, TextPiece
+from .sequence import SEP, IMAGE_PIECE, T2ISequence, TextPiece, assistant_pieces
 from .tokenizer import Tokenizer
 
 JOINT_SEP = "<joint_img_sep>"
@@ -102,39 +102,19 @@ class CondSlots:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EditSequence:
-    """One row of an editing batch; T2I-compatible (``ids``, ``pos_yx``, ``prefix_len``, ``token_h/w``).
+class EditSequence(T2ISequence):
+    """One row of an editing batch: a ``T2ISequence`` (``ids``, ``pos_yx``, ``prefix_len``, ``token_h/w``) plus ``conds``.
 
-    The generated run is ``ids[image_start : image_start + token_h * token_w]``;
     ``conds`` lists the conditioning images in order. Everything before the
     generated block's ``<timestep>`` (conditioning blocks included) is the
     step-invariant prefix.
     """
 
-    ids: tuple[int, ...]
-    timestep_index: int
-    image_start: int
-    token_h: int
-    token_w: int
-    pos_yx: tuple[tuple[int, int], ...]
     conds: tuple[CondSlots, ...]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    @property
-    def prefix_len(self) -> int:
-        """Tokens strictly before the generated ``<timestep>``."""
-        return self.timestep_index
 
     @property
     def image_span(self) -> Span:
         return (self.image_start, self.image_start + self.token_h * self.token_w)
-
-    @property
-    def image_slice(self) -> slice:
-        """Positions of the generated ``<img>`` run (the latent tokens)."""
-        return slice(*self.image_span)
 
     @property
     def cond_timestep_indices(self) -> tuple[int, ...]:
