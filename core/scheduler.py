@@ -45,8 +45,8 @@ both).
 
 The pipeline protocol: ``pool`` (a KVPool), ``pages_needed(req)``,
 ``admit(req) -> state``, ``prefill(states)``, ``denoise_step(states)``,
-``decode(state) -> uint8 [H, W, 3]``, ``release(state)``; optional
-``step_tokens(req)`` (else derived from ``build_rows`` / ``rows_here``) and
+``decode(state) -> uint8 [H, W, 3]``, ``release(state)``, ``step_tokens(req)``
+(packed tokens one step of the request adds on this worker); optional
 ``concurrent_decode`` (default False). A state has
 ``.done``, ``.request``, ``.seed``, ``.times`` (StageTimes), and
 ``denoise_step`` must rebind, not mutate in place, what it advances (the
@@ -133,15 +133,6 @@ def _settle(future: concurrent.futures.Future, *, result=None, error: BaseExcept
         pass
 
 
-def _step_tokens(pipeline, req: ImageRequest) -> int:
-    """Packed tokens one denoising step of ``req`` adds on this worker (``<timestep>`` + image per row)."""
-    if hasattr(pipeline, "step_tokens"):
-        return pipeline.step_tokens(req)
-    rows = pipeline.build_rows(req)
-    rows = pipeline.rows_here(rows) if hasattr(pipeline, "rows_here") else rows  # cfg-parallel: this rank's rows
-    return sum(1 + s.token_h * s.token_w for s in rows)
-
-
 def snapshot_state(state) -> dict:
     return dict(vars(state))
 
@@ -190,7 +181,7 @@ class Scheduler:
 
     def cost(self, req: ImageRequest) -> Cost:
         """Pages and packed step tokens of ``req``; raises RequestTooLarge if it can never fit."""
-        cost = Cost(self.pipeline.pages_needed(req), _step_tokens(self.pipeline, req))
+        cost = Cost(self.pipeline.pages_needed(req), self.pipeline.step_tokens(req))
         if cost.pages > self.pool.num_pages:
             raise RequestTooLarge(
                 f"request needs {cost.pages} KV pages ({cost.pages * self.pool.page_size} tokens) but the whole "

@@ -126,18 +126,13 @@ def tiled_decode(decode: Callable[[torch.Tensor], torch.Tensor], z_BChw: torch.T
     B, _, h, w = z_BChw.shape
     lanes = lanes or TileLanes()
     lanes.begin()
-    acc = wsum = None
+    blend = _Blend((h * factor, w * factor))
     mine = [t for i, t in enumerate(tile_grid(h, w, tile, overlap)) if i % world == rank]
     for k, t in enumerate(mine):
         x_B3HW = lanes.decode(k, decode, z_BChw[:, :, t.y0:t.y1, t.x0:t.x1])
-        if acc is None:
-            acc = z_BChw.new_zeros(B, x_B3HW.shape[1], h * factor, w * factor, dtype=torch.float32)
-            wsum = z_BChw.new_zeros(1, 1, h * factor, w * factor, dtype=torch.float32)
-        wt = tile_weight(t, h, w, overlap, factor).to(x_B3HW.device)
-        ys, xs = slice(t.y0 * factor, t.y1 * factor), slice(t.x0 * factor, t.x1 * factor)
-        acc[:, :, ys, xs] += x_B3HW.float() * wt
-        wsum[:, :, ys, xs] += wt
+        blend.add(x_B3HW, t, tile_weight(t, h, w, overlap, factor), factor)
         lanes.consumed(k)
+    acc, wsum = blend.acc, blend.wsum
     if all_reduce is not None:
         acc, wsum = _reduce_partial(acc, wsum, B, h * factor, w * factor, z_BChw.device, all_reduce)
     return acc / wsum
@@ -150,20 +145,33 @@ def tiled_encode(encode: Callable[[torch.Tensor], torch.Tensor], x_B3HW: torch.T
     ``tile`` and ``overlap`` are in latents; H and W must be multiples of ``factor``.
     Whatever ``encode`` returns per latent position (a mean, or stacked moments) is blended linearly.
     """
-    B, _, H, W = x_B3HW.shape
+    H, W = x_B3HW.shape[-2:]
     if H % factor or W % factor:
         raise ValueError(f"image {H}x{W} (HxW) is not a multiple of the VAE factor {factor}")
     h, w = H // factor, W // factor
-    acc = wsum = None
+    blend = _Blend((h, w))
     for t in tile_grid(h, w, tile, overlap):
         z_BCht = encode(x_B3HW[:, :, t.y0 * factor:t.y1 * factor, t.x0 * factor:t.x1 * factor])
-        if acc is None:
-            acc = x_B3HW.new_zeros(B, z_BCht.shape[1], h, w, dtype=torch.float32)
-            wsum = x_B3HW.new_zeros(1, 1, h, w, dtype=torch.float32)
-        wt = tile_weight(t, h, w, overlap, 1).to(z_BCht.device)
-        acc[:, :, t.y0:t.y1, t.x0:t.x1] += z_BCht.float() * wt
-        wsum[:, :, t.y0:t.y1, t.x0:t.x1] += wt
-    return acc / wsum
+        blend.add(z_BCht, t, tile_weight(t, h, w, overlap, 1), 1)
+    return blend.acc / blend.wsum
+
+
+class _Blend:
+    """The feathered weighted sum of overlapping tile outputs over a ``size`` canvas (fp32), and its weights."""
+
+    def __init__(self, size: tuple[int, int]):
+        self.size = size
+        self.acc = self.wsum = None
+
+    def add(self, x_BCHW: torch.Tensor, t: Tile, weight: torch.Tensor, scale: int) -> None:
+        """Add tile ``t``'s output (``scale`` canvas pixels per tile-grid unit) with its feathered ``weight``."""
+        if self.acc is None:
+            self.acc = x_BCHW.new_zeros(x_BCHW.shape[0], x_BCHW.shape[1], *self.size, dtype=torch.float32)
+            self.wsum = x_BCHW.new_zeros(1, 1, *self.size, dtype=torch.float32)
+        wt = weight.to(x_BCHW.device)
+        ys, xs = slice(t.y0 * scale, t.y1 * scale), slice(t.x0 * scale, t.x1 * scale)
+        self.acc[:, :, ys, xs] += x_BCHW.float() * wt
+        self.wsum[:, :, ys, xs] += wt
 
 
 def _reduce_partial(acc, wsum, B, H, W, device, all_reduce):

@@ -150,7 +150,7 @@ def test_every_engine_handle_implements_the_protocol():
 
     from omni.engine_handle import EngineHandle
     from omni.engine_loop import EngineLoop
-    from omni.parallel.dp import LaunchJob, ReplicaRouter
+    from omni.parallel.dp import ReplicaRouter
     from omni.parallel.replica_link import RemoteReplica
 
     local = EngineLoop(lambda: None)
@@ -158,8 +158,7 @@ def test_every_engine_handle_implements_the_protocol():
     router = ReplicaRouter([local, remote])
     for handle in (local, remote, router):
         assert isinstance(handle, EngineHandle), type(handle).__name__
-    assert router.job is None and "job" in vars(router), "the launch job is a constructor argument"
-    assert {f for f in LaunchJob.__dataclass_fields__} == {"thread", "cancel"}
+    assert router.job is None, "the launch job is a constructor argument (None: replicas it did not start)"
     assert (local.load(), remote.load(), router.load()) == (0, 0, 0)
 
 
