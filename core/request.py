@@ -8,7 +8,14 @@ from pathlib import Path
 
 @dataclass(frozen=True, kw_only=True)
 class ImageRequest:
-    """One text-to-image request (one image; ``n`` images are ``n`` requests)."""
+    """One image to draw: text-to-image, or an edit of reference ``images`` (``n`` images are ``n`` requests).
+
+    ``images``: the reference (conditioning) images of an editing request,
+    each a C-contiguous uint8 numpy array ``[H, W, 3]`` (RGB), in prompt order;
+    empty for text-to-image. The serving layer and the CLI decode and check
+    them (count, pixels, mode) before a request is built; the model decides
+    how many it takes (``ModelHelpers.max_images``).
+    """
 
     prompt: str
     negative_prompt: str | None = None  # None: the official <cfg>-token unconditional row
@@ -23,6 +30,8 @@ class ImageRequest:
     cot_text: str | None = None
     step_cache: float | None = None  # TeaCache threshold; None = the recipe's, 0 = off
     return_latents: bool = False  # also hand back the final latents (parity checks, debugging)
+    # reference images for editing: uint8 numpy [H, W, 3] RGB arrays, in order (arrays have no ==)
+    images: tuple = field(default=(), compare=False)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
@@ -35,6 +44,7 @@ class StageTimes:
     """Wall seconds per stage, measured on the host at stage boundaries."""
 
     queue: float = 0.0
+    conditioning: float = 0.0  # reference images: ViT + VAE encoder + placing them in the prefix
     prefill: float = 0.0
     denoise: float = 0.0
     vae: float = 0.0

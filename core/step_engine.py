@@ -24,6 +24,7 @@ C latent channels, h/w latent grid, 3HW pixels.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
@@ -176,15 +177,33 @@ class StepEngine:
     # ---------------------------------------------------------------- forwards
     @torch.inference_mode()
     def prefill(self, states: list[RequestState]) -> None:
-        """Causal forward over every row's prefix; only its K/V are kept."""
-        t0 = time.perf_counter()
-        rows = [r for s in states for r in s.rows]
-        ids = [i for r in rows for i in r.seq.ids[: r.seq.prefix_len]]
-        pos = [p for r in rows for p in r.seq.pos_yx[: r.seq.prefix_len]]
-        runs = [Run(tuple(r.pages), 0, r.seq.prefix_len, r.seq.prefix_len) for r in rows]
-        self._backbone(self.model.embed(ids), *self.model.rope(pos), runs, "causal")
+        """Every row's prefix, segment by segment (``StepModel.prefix_segments``); only its K/V are kept.
+
+        Segment i of every row runs in one forward (per mask kind), after
+        segment i - 1 of every row: a segment's keys before it are in the pool.
+        A text-to-image prefix is one causal segment, so one forward.
+        """
+        phases: dict[tuple[int, str], list] = defaultdict(list)
         for s in states:
+            t_in = time.perf_counter()
+            xs = self.model.prefix_input(s.request, s.seed, [r.seq for r in s.rows])
+            s.times.conditioning += time.perf_counter() - t_in
+            for r, x_LD in zip(s.rows, xs):
+                for i, (a, b, mask) in enumerate(self.model.prefix_segments(r.seq)):
+                    if b > a:
+                        phases[(i, mask)].append((r, x_LD[a:b], a, b))
+        t0 = time.perf_counter()
+        for key in sorted(phases):
+            self._prefill_phase(phases[key], key[1])
+        for s in states:  # the forwards are shared: each request waited for all of them
             s.times.prefill += time.perf_counter() - t0
+
+    def _prefill_phase(self, items: list, mask: str) -> None:
+        """One forward over ``(row, x_LD, start, stop)`` segments: queries [start, stop) see keys [0, stop)."""
+        x_TD = torch.cat([x for _, x, _, _ in items])
+        pos = [p for r, _, a, b in items for p in r.seq.pos_yx[a:b]]
+        runs = [Run(tuple(r.pages), a, b, b) for r, _, a, b in items]
+        self._backbone(x_TD, *self.model.rope(pos), runs, mask)
 
     @torch.inference_mode()
     def denoise_step(self, states: list[RequestState]) -> None:

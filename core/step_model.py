@@ -2,8 +2,12 @@
 
 A *row* is one token sequence of a request (a CFG pair has two rows of the
 same length). Its first ``prefix_len`` tokens are the *prefix*: computed once
-by a causal prefill, their K/V kept in the pool. The ``block_len`` tokens
-after it are the *step block*: rebuilt from the latents at every denoising
+by the prefill, their K/V kept in the pool. The prefill runs the prefix's
+*segments* in order, each one forward over the segments of that index of
+every row: a ``causal`` segment sees the keys before it and itself causally,
+a ``none`` segment (a fully visible block, such as a reference image) sees
+the keys before it and all of itself. The ``block_len`` tokens after the
+prefix are the *step block*: rebuilt from the latents at every denoising
 step and run against the cached prefix. The latent grid ``token_h x
 token_w`` is the same for every row of a request, which shares one latent.
 
@@ -54,8 +58,12 @@ class StepModel(Protocol):
     def rope(self, pos_yx: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos_TH, sin_TH)`` of these positions, on the device in the model's dtype."""
 
-    def embed(self, ids: Sequence[int]) -> torch.Tensor:
-        """``x_TD``: the embeddings of packed prefix tokens."""
+    def prefix_input(self, req: ImageRequest, seed: int, rows: list[RowSpec]) -> list[torch.Tensor]:
+        """``x_LD`` per row: the input of each row's whole prefix (token embeddings, plus whatever the
+        model places there, such as encoded reference images; ``seed`` is the request's)."""
+
+    def prefix_segments(self, row: RowSpec) -> list[tuple[int, int, str]]:
+        """``(start, stop, mask)`` covering ``[0, prefix_len)`` in order; mask ``causal`` or ``none``."""
 
     def block_input(self, latents_1Chw: torch.Tensor, sigma: float, rows: list[RowSpec]) -> torch.Tensor:
         """``x_TD``: the step blocks of ``rows`` (one request's rows here) at noise level ``sigma``."""

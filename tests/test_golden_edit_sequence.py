@@ -163,5 +163,18 @@ def test_uncond_row_keeps_cond_blocks_and_system_prompt():
 def test_cond_image_validation():
     with pytest.raises(ValueError, match="ViT slots"):
         CondImage(vae_hw=(2, 2), ratio_index=0, vit_hw=(3, 3), vit_tokens=8)
-    with pytest.raises(ValueError, match="at least one"):
-        build_edit_pair(Tokenizer.tiny(), "x", [], height=1024, width=1024, downsample=256)
+
+
+@pytest.mark.parametrize("name", ["THINK", "THINK_drop_think"])
+def test_no_reference_image_is_the_instruct_text_to_image_row(golden, tok, name):
+    """Without reference images the same builder gives the official Instruct T2I rows (CoT included)."""
+    meta, t = golden
+    case = meta["cases"]["THINK"]
+    h, w = (int(v) for v in case["image_size"].split("x"))
+    rows = build_edit_pair(tok, case["prompt"], [], height=h, width=w, downsample=downsample(meta),
+                           system_prompt=case["system_prompt"], cot_text=case["cot_text"],
+                           base_size=meta["tiny_config"]["image_base_size"],
+                           drop_think=case["sequences"][name]["drop_think"])
+    want = t[f"golden.{name}.input_ids"]
+    assert torch.equal(torch.tensor([r.ids for r in rows]), want)
+    assert all(r.conds == () for r in rows)

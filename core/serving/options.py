@@ -20,6 +20,7 @@ class ModelHelpers:
     parse_size: Callable[[str], tuple[int, int]]  # "WxH" -> (height, width); ValueError if malformed
     snap: Callable[[int, int], tuple[int, int]]  # requested (h, w) -> generated (h, w)
     system_prompt: Callable[[str | None], str | None]  # mode name or text -> text
+    max_images: int = 0  # reference images a request may carry (0: the model does not edit)
 
     @classmethod
     def plain(cls) -> "ModelHelpers":

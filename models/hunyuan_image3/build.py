@@ -1,6 +1,7 @@
 """Build a ready pipeline from a recipe: config -> modules -> weights -> kernels -> KV pool."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -19,25 +20,33 @@ from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, park_on_host
 from omni.weights import LoadTarget, StreamingLoad, materialize_meta_
 
 from .config import HunyuanImage3Config
+from .instruct_pipeline import HunyuanImage3Instruct
 from .parallel import PLANS
 from .pipeline import HunyuanImage3T2I
 from .tiny import ensure_tiny_checkpoint
 from .tokenizer import Tokenizer
 from .transformer import HunyuanImage3Transformer
 from .vae import AutoencoderKLConv3D, VAEConfig
+from .vision import SKIPPED as VISION_UNUSED, HunyuanVisionEncoder, VisionConfig
 
 log = logging.getLogger("omni.hunyuan_image3")
 # Image understanding / editing inputs are not used by text-to-image, nor is the VAE encoder.
 T2I_UNUSED = ("vision_model.", "vision_aligner.", "vae.encoder.")
+EMBEDDED = {"hunyuan_image3_tiny": "base", "hunyuan_image3_instruct_tiny": "instruct"}  # flavour -> tiny kind
 
 
 def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) -> Path:
     path = override or recipe.model.path
     if path:
         return Path(path)
-    if recipe.model.flavor != "hunyuan_image3_tiny":
+    if recipe.model.flavor not in EMBEDDED:
         raise ValueError(f"recipe {recipe.name!r}: model.path is required for flavor {recipe.model.flavor!r}")
-    return ensure_tiny_checkpoint(cache_dir)
+    return ensure_tiny_checkpoint(cache_dir, kind=EMBEDDED[recipe.model.flavor])
+
+
+def is_instruct(root: Path) -> bool:
+    """An Instruct-era checkpoint (its config.json names the version): it edits and needs the vision parts."""
+    return "instruct" in str(json.loads((root / "config.json").read_text()).get("model_version", "")).lower()
 
 
 def build_transformer(cfg: HunyuanImage3Config, platform, opts: BuildOptions, *, device="cpu",
@@ -64,12 +73,27 @@ def build_transformer(cfg: HunyuanImage3Config, platform, opts: BuildOptions, *,
     return model.eval(), plan.load_target()
 
 
-def build_modules(cfg: HunyuanImage3Config, platform, recipe, device, parallel=None):
-    model, target = build_transformer(cfg, platform, BuildOptions.from_recipe(recipe), device=device,
-                                      parallel=parallel)
+def build_modules(cfg: HunyuanImage3Config, platform, recipe, device, parallel=None, instruct: bool = False):
+    """(transformer, VAE, vision encoder or None, the transformer's load target).
+
+    The VAE encoder and the vision encoder exist only for Instruct
+    checkpoints (reference images); both are replicated on every rank.
+    """
+    opts = BuildOptions.from_recipe(recipe)
+    model, target = build_transformer(cfg, platform, opts, device=device, parallel=parallel)
     with torch.device(device):
-        vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae), with_encoder=False)
-    return model, vae.eval(), target
+        vae = AutoencoderKLConv3D(VAEConfig.from_dict(cfg.vae), with_encoder=instruct)
+        vision = HunyuanVisionEncoder(VisionConfig.from_model_config(cfg), platform, opts) if instruct else None
+    return model, vae.eval(), vision, target
+
+
+def _targets(target: LoadTarget, vae, vision) -> tuple[list[LoadTarget], tuple[str, ...]]:
+    """Where each checkpoint prefix loads, and the prefixes this build skips unread."""
+    targets = [target, LoadTarget("vae.", vae)]
+    if vision is None:
+        return targets, T2I_UNUSED
+    targets += [LoadTarget("vision_model.", vision.vision_model), LoadTarget("vision_aligner.", vision.vision_aligner)]
+    return targets, VISION_UNUSED
 
 
 def prequantized(root: Path, recipe, model) -> str | None:
@@ -89,8 +113,9 @@ def prequantized(root: Path, recipe, model) -> str | None:
 STREAMED = {"layers": ALL, "experts": EXPERTS_ONLY}
 
 
-def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress: bool):
-    """The loaded, prepared transformer and VAE, placed as ``offload.mode`` says, and their offloaders.
+def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress: bool, instruct: bool = False):
+    """The loaded, prepared transformer, VAE and vision encoder (or None), placed as ``offload.mode`` says,
+    and their offloaders.
 
     Never the whole model in memory anywhere: the model is built on ``meta``
     (cut to this rank's shard under ``parallel``); each decoder layer in turn
@@ -102,9 +127,10 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
     what is streamed, already quantized.
     """
     o, dev, keep = recipe.offload, services.device, STREAMED.get(recipe.offload.mode)
-    model, vae, target = build_modules(cfg, platform, recipe, "meta", parallel)
+    model, vae, vision, target = build_modules(cfg, platform, recipe, "meta", parallel, instruct)
     prequantized(root, recipe, model)
-    stream = StreamingLoad(root, [target, LoadTarget("vae.", vae)], skip_prefixes=T2I_UNUSED)
+    targets, skipped = _targets(target, vae, vision)
+    stream = StreamingLoad(root, targets, skip_prefixes=skipped)
     layers = list(model.model.layers)
     for i, layer in enumerate(tqdm(layers, desc="loading layers", disable=not progress, leave=False)):
         materialize_meta_(layer, dev)
@@ -112,11 +138,14 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
         finalize_all(layer)
         if keep is not None and i >= o.resident_layers:
             park_on_host(layer, services, keep)
-    materialize_meta_(model, dev)
-    materialize_meta_(vae, dev)
+    for m in (model, vae, vision):
+        if m is not None:
+            materialize_meta_(m, dev)
     stream.finish()
     model.finalize()
-    return model, vae, _offloaders(recipe, model, vae, services)
+    if vision is not None:
+        vision.finalize()
+    return model, vae, vision, _offloaders(recipe, model, vae, services)
 
 
 def _offloaders(recipe, model, vae, services) -> list[LayerOffloader]:
@@ -124,7 +153,7 @@ def _offloaders(recipe, model, vae, services) -> list[LayerOffloader]:
     if o.mode in STREAMED:
         return [LayerOffloader(list(model.model.layers), services, resident=o.resident_layers,
                                window=o.prefetch_window, keep=STREAMED[o.mode])]
-    if o.mode == "vae":  # the decoder streams in once per decode; the encoder is not built for T2I
+    if o.mode == "vae":  # the decoder streams in once per decode (the encoder, Instruct only, stays)
         return [LayerOffloader([vae.decoder], services, window=1)]
     if o.mode == "text":  # embedding rows gathered on the host; lm_head runs there (text path only)
         for m in (model.model.wte, model.lm_head):
@@ -145,15 +174,18 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
         log.info("device memory capped at %g GiB (%.0f%% of the card)", recipe.device.memory_limit_gib, 100 * fraction)
     root = checkpoint_dir(recipe, model_path, cache_dir)
     cfg = HunyuanImage3Config.from_file(root / "config.json")
-    model, vae, offloaders = load_weights(recipe, cfg, platform, root, services, parallel, progress)
+    instruct = is_instruct(root)
+    model, vae, vision, offloaders = load_weights(recipe, cfg, platform, root, services, parallel, progress, instruct)
     runtime = SingleDevice() if parallel is None else parallel
     pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
                               page_size=recipe.kv_cache.page_tokens,
                               num_kv_heads=runtime.pool_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads),
                               head_dim=cfg.head_dim, dtype=DTYPES[recipe.model.dtype], device=services.device)
     log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages, pool.page_size)
-    t2i = HunyuanImage3T2I(transformer=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"),
-                           config=cfg, device=services.device, vae_dtype=DTYPES[recipe.model.vae_dtype])
+    kw = dict(transformer=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"), config=cfg,
+              device=services.device, vae_dtype=DTYPES[recipe.model.vae_dtype])
+    vae_tile = (recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None
+    t2i = HunyuanImage3Instruct(vision=vision, vae_encode_tile=vae_tile, **kw) if instruct else HunyuanImage3T2I(**kw)
     capture = recipe.graph.mode == "capture"  # refused here, with the platform's reasons, where it cannot capture
     return StepEngine(
         t2i, pool=pool, runtime=runtime, device=services.device, paged=recipe.kv_cache.mode == "paged",

@@ -248,7 +248,8 @@ def build_edit_pair(tok: Tokenizer, prompt: str, cond_images, *, height: int, wi
                     drop_think: bool = False) -> tuple[EditSequence, ...]:
     """The conditional row, then (when ``cfg``) the unconditional one, of an editing request.
 
-    ``cond_images``: ``CondImage``s in prompt order (at least one).
+    ``cond_images``: ``CondImage``s in prompt order; none gives the Instruct
+    text-to-image row (the instruct template, this size rule).
     ``height``/``width``: the requested output pixels, snapped by the
     Instruct size rule (``resolution.instruct_size``) over the table of
     ``base_size`` (the checkpoint's ``image_base_size``, also the
@@ -256,8 +257,6 @@ def build_edit_pair(tok: Tokenizer, prompt: str, cond_images, *, height: int, wi
     vae_downsample_factor * patch_size. ``system_prompt`` is the text itself.
     """
     cond_images = tuple(cond_images)
-    if not cond_images:
-        raise ValueError("an editing sequence needs at least one conditioning image (use build_t2i_pair)")
     h_px, w_px, ratio_k = instruct_size((height, width), base_size, downsample)
     token_h, token_w = token_grid(h_px, w_px, downsample)
     gen_ids = _head(tok, base_size, ratio_k) + [tok.img] * (token_h * token_w) + [tok.eoi]

@@ -4,6 +4,7 @@
     hunyuan_image3_instruct         HunyuanImage-3.0-Instruct (same parameter names; editing, text, CoT)
     hunyuan_image3_instruct_distil  HunyuanImage-3.0-Instruct-Distil (CFG-distilled 8-step meanflow)
     hunyuan_image3_tiny             the embedded tiny checkpoint of the base architecture (no download)
+    hunyuan_image3_instruct_tiny    the embedded tiny Instruct checkpoint (editing on the CPU, no download)
 
 Which checkpoint is which is read from config.json: the Distil flags
 ``cfg_distilled`` and ``use_meanflow``; the Instruct release writes
@@ -23,12 +24,17 @@ def _is_instruct(config: dict) -> bool:
     return "instruct" in str(config.get("model_version", "")).lower()
 
 
+MAX_REFERENCE_IMAGES = 3  # the Instruct release edits with up to 3 reference images
+
+
 @dataclass(frozen=True)
 class HunyuanImage3Flavor:
     name: str
     description: str
     needs_weights: bool = True
     missing: str | None = None  # why this version cannot build it yet
+    instruct: bool = False  # Instruct size rule, instruct template, reference images
+    base_size: int = 1024  # image_base_size of its checkpoints (the ratio table of the size rule)
 
     def unavailable(self) -> str | None:
         return self.missing
@@ -58,6 +64,10 @@ class HunyuanImage3Flavor:
                 return value  # None, or the text itself
             return system_prompts.resolve_system_prompt(value, bot_task="image")
 
+        if self.instruct:
+            return ModelHelpers(lambda size: parse_size(size)[::-1],
+                                lambda h, w: resolution.instruct_size((h, w), self.base_size)[:2], system_prompt,
+                                max_images=MAX_REFERENCE_IMAGES)
         return ModelHelpers(lambda size: parse_size(size)[::-1], lambda h, w: resolution.snap(h, w)[1:],
                             system_prompt)
 
@@ -76,12 +86,14 @@ class HunyuanImage3Flavor:
 
 base = HunyuanImage3Flavor("hunyuan_image3", "HunyuanImage-3.0 base checkpoint (80B MoE): text-to-image")
 instruct = HunyuanImage3Flavor(
-    "hunyuan_image3_instruct", "HunyuanImage-3.0-Instruct: editing, text answers, think/recaption",
-    missing="the Instruct flavour (instruct defaults, conditioning images, text generation) is not "
-            "implemented in this version; serve the base checkpoint with model.flavor: hunyuan_image3")
+    "hunyuan_image3_instruct", "HunyuanImage-3.0-Instruct: text-to-image and editing with up to 3 reference "
+    "images (instruct template)", instruct=True)
 instruct_distil = HunyuanImage3Flavor(
     "hunyuan_image3_instruct_distil", "HunyuanImage-3.0-Instruct-Distil: CFG-distilled 8-step meanflow",
     missing="the Distil flavour (guidance and timestep_r tokens, the meanflow schedule) is not implemented in "
             "this version; running its checkpoint as the base model would draw wrong images, so it is refused")
 tiny = HunyuanImage3Flavor("hunyuan_image3_tiny", "embedded tiny checkpoint of the base architecture (CPU, no "
                            "download; random weights)", needs_weights=False)
+instruct_tiny = HunyuanImage3Flavor(
+    "hunyuan_image3_instruct_tiny", "embedded tiny Instruct checkpoint: editing on the CPU, no download "
+    "(random weights, image_base_size 256)", needs_weights=False, instruct=True, base_size=256)

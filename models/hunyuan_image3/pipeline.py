@@ -71,6 +71,13 @@ class HunyuanImage3T2I:
     def embed(self, ids) -> torch.Tensor:
         return self.transformer.embed_tokens(torch.tensor(ids, device=self.device))
 
+    def prefix_input(self, req: ImageRequest, seed: int, rows: list[T2ISequence]) -> list[torch.Tensor]:
+        """Text only: each prefix is its token embeddings."""
+        return [self.embed(r.ids[: r.prefix_len]) for r in rows]
+
+    def prefix_segments(self, row: T2ISequence) -> list[tuple[int, int, str]]:
+        return [(0, row.prefix_len, "causal")]
+
     def block_input(self, latents_1Chw: torch.Tensor, sigma: float, rows: list[T2ISequence]) -> torch.Tensor:
         """``[<timestep>; image tokens]`` of the latents at ``sigma``, once per row (the rows share them)."""
         t_1 = self._t(sigma, 1)

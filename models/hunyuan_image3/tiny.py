@@ -1,4 +1,4 @@
-"""The embedded default: a tiny HunyuanImage-3.0 checkpoint generated deterministically.
+"""The embedded defaults: tiny HunyuanImage-3.0 checkpoints (base and Instruct) generated deterministically.
 
 Same architecture and checkpoint layout as the released model (official
 names, per-expert tensors, ``config.json``, ``tokenizer.json``, two shards
@@ -6,6 +6,11 @@ with ``model.safetensors.index.json``), with tiny widths so the whole
 text-to-image path runs on a CPU in seconds. Weights are random (seed 0):
 images look like coloured noise; the point is that every real code path runs
 with no download. The generator writes the directory once; later runs reuse it.
+
+The Instruct one adds what editing needs: a tiny SigLIP2 ViT and aligner
+(``vision_model.*``, ``vision_aligner.*``), the VAE encoder, the Instruct
+vocabulary and ``image_base_size`` 256 (so a reference image is VAE-encoded
+at about 256x256 pixels and the CPU path stays fast).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 FORMAT_VERSION = 2
+INSTRUCT_FORMAT_VERSION = 1
 TINY_CONFIG = {
     "architectures": ["HunyuanImage3ForCausalMM"], "model_type": "hunyuan_image_3_moe",
     "vocab_size": 64, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -36,9 +42,22 @@ TINY_CONFIG = {
             "upsample_match_channel": True, "scaling_factor": 0.562679178327931},
 }
 
+TINY_INSTRUCT_CONFIG = {
+    **TINY_CONFIG, "vocab_size": 79, "image_base_size": 256, "model_version": "HunyuanImage-3.0-Instruct",
+    "cond_image_type": "vae_vit", "cond_token_attn_type": "joint_full", "vit_type": "siglip2-so400m-patch16-naflex",
+    "vit": {"hidden_act": "gelu_pytorch_tanh", "hidden_size": 32, "intermediate_size": 64, "layer_norm_eps": 1e-6,
+            "num_attention_heads": 2, "num_channels": 3, "num_hidden_layers": 1, "num_patches": 16,
+            "patch_size": 16},
+    "vit_processor": {"max_num_patches": 64, "patch_size": 16},
+    "vit_aligner": {"projector_type": "mlp_gelu", "input_dim": 32, "n_embed": 64, "depth": 2},
+}
+KINDS = {"base": (TINY_CONFIG, "tiny_tokenizer.json", FORMAT_VERSION),
+         "instruct": (TINY_INSTRUCT_CONFIG, "tiny_instruct_tokenizer.json", INSTRUCT_FORMAT_VERSION)}
 
-def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "omni-run" / f"hunyuan_image3_tiny-v{FORMAT_VERSION}"
+
+def default_cache_dir(kind: str = "base") -> Path:
+    name = "hunyuan_image3_tiny" if kind == "base" else f"hunyuan_image3_{kind}_tiny"
+    return Path.home() / ".cache" / "omni-run" / f"{name}-v{KINDS[kind][2]}"
 
 
 def _init_(name: str, p: torch.Tensor, g: torch.Generator) -> None:
@@ -63,30 +82,43 @@ def official_tensors(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Ten
     return out
 
 
-def write_tiny_checkpoint(dest: Path) -> Path:
-    """Generate the tiny checkpoint into ``dest`` (atomically) and return it."""
+def _modules(kind: str) -> dict[str, torch.nn.Module]:
+    """The checkpoint's modules by official-name prefix, freshly built (random weights follow)."""
     from omni.build_options import BuildOptions
     from omni.platform_manager import select
 
     from .config import HunyuanImage3Config
     from .transformer import HunyuanImage3Transformer
     from .vae import AutoencoderKLConv3D, VAEConfig
+    from .vision import HunyuanVisionEncoder, VisionConfig
 
-    cfg = HunyuanImage3Config.from_json_dict(TINY_CONFIG)
-    model = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=torch.float32))
-    vae = AutoencoderKLConv3D(VAEConfig.from_dict(TINY_CONFIG["vae"]))
+    config, platform, opts = KINDS[kind][0], select("cpu"), BuildOptions(dtype=torch.float32)
+    modules = {"": HunyuanImage3Transformer(HunyuanImage3Config.from_json_dict(config), platform, opts),
+               "vae.": AutoencoderKLConv3D(VAEConfig.from_dict(config["vae"]))}
+    if kind == "instruct":
+        modules["vision."] = HunyuanVisionEncoder(VisionConfig.from_model_config(config), platform, opts)
+    return modules
+
+
+def write_tiny_checkpoint(dest: Path, kind: str = "base") -> Path:
+    """Generate the tiny checkpoint of ``kind`` (base | instruct) into ``dest`` (atomically) and return it."""
+    config, tokenizer_asset, _ = KINDS[kind]
+    modules = _modules(kind)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for prefix, m in (("", model), ("vae.", vae)):
+        for m in modules.values():
             for name, p in m.named_parameters():
                 _init_(name, p, g)
-    tensors = official_tensors({"": model, "vae.": vae})
+    vision = modules.pop("vision.", None)
+    tensors = official_tensors(modules)
+    if vision is not None:  # HunyuanVisionEncoder's own names are already the official ones
+        tensors.update({k: t.contiguous() for k, t in vision.state_dict().items()})
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _write_shards(tmp, tensors)
-    (tmp / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
-    tok = resources.files("omni.models.hunyuan_image3.assets").joinpath("tiny_tokenizer.json")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tok = resources.files("omni.models.hunyuan_image3.assets").joinpath(tokenizer_asset)
     (tmp / "tokenizer.json").write_text(tok.read_text())
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
@@ -107,9 +139,9 @@ def _write_shards(root: Path, tensors: dict[str, torch.Tensor]) -> None:
     (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
-    """The tiny checkpoint directory, generated on first use."""
-    dest = Path(cache_dir) if cache_dir else default_cache_dir()
+def ensure_tiny_checkpoint(cache_dir: Path | None = None, kind: str = "base") -> Path:
+    """The tiny checkpoint directory of ``kind`` (base | instruct), generated on first use."""
+    dest = Path(cache_dir) if cache_dir else default_cache_dir(kind)
     if not (dest / "model.safetensors.index.json").is_file():
-        write_tiny_checkpoint(dest)
+        write_tiny_checkpoint(dest, kind)
     return dest

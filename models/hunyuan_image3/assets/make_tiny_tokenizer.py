@@ -1,10 +1,15 @@
-"""Regenerate ``tiny_tokenizer.json`` from the golden data's 64-entry vocabulary.
+"""Regenerate ``tiny_tokenizer.json`` (and ``tiny_instruct_tokenizer.json``) from the golden vocabulary.
 
 The golden sequences were tokenised by a ``tokenizers`` WordLevel model over
 ``tiny_vocab`` with a whitespace-split pre-tokenizer. Every ``<...>`` entry is
 also registered as a special added token, as in the real checkpoint, so
 markers glued to text ("<recaption>a photo") still split out. No new ids are
 created: each added token already has its vocabulary id.
+
+``tiny_instruct_tokenizer.json`` (the embedded Instruct checkpoint) is the
+same vocabulary plus the Instruct-era specials it lacks (``<img_size_256>``,
+the 4 extra ratio rows, ``<timestep_r>``) and a few editing words, appended
+after the existing ids.
 
 Usage: python make_tiny_tokenizer.py [path/to/hunyuan_image3_tiny.json]
 """
@@ -32,9 +37,22 @@ def build(vocab: dict[str, int]) -> tokenizers.Tokenizer:
     return tok
 
 
+INSTRUCT_EXTRA = ["<img_size_256>", "<img_ratio_33>", "<img_ratio_34>", "<img_ratio_35>", "<img_ratio_36>",
+                  "<timestep_r>", "make", "it", "blue", "pink", "the", "petals", "neon", "and", "with"]
+
+
+def instruct_vocab(vocab: dict[str, int]) -> dict[str, int]:
+    """The base tiny vocabulary with ``INSTRUCT_EXTRA`` appended (existing ids unchanged)."""
+    out = dict(vocab)
+    for token in INSTRUCT_EXTRA:
+        out.setdefault(token, len(out))
+    return out
+
+
 def main(golden_json: Path) -> None:
     vocab = json.loads(golden_json.read_text())["tiny_vocab"]
     build(vocab).save(str(HERE / "tiny_tokenizer.json"), pretty=True)
+    build(instruct_vocab(vocab)).save(str(HERE / "tiny_instruct_tokenizer.json"), pretty=True)
 
 
 if __name__ == "__main__":
