@@ -1,0 +1,112 @@
+"""The editing parity scenario, run the same way on one process and on every rank of a parallel layout.
+
+Three Instruct requests on the golden Instruct tiny weights, packed into every forward:
+
+    E1  one reference image (golden IT2I_1: system prompt, CFG pair)
+    E2  two reference images of different sizes (golden IT2I_2: CoT, CFG pair)
+    T   Instruct text-to-image without guidance: one row, so the packed token
+        counts are odd and the sequence-parallel splits are uneven
+
+The pipeline is the deployment's own (``build_pipeline`` from a checkpoint
+directory holding the golden weights): the reference images' joint blocks
+are prefilled into the paged KV pool as fully visible segments between
+causal text segments (under sequence parallel too: each segment forward is
+split over the ranks), then two denoising steps run against that prefix.
+Every row's velocity and every request's latents are recorded per step.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+GOLDEN_DIR = Path(__file__).resolve().parents[3] / "shared" / "golden"
+GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.json"
+GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.safetensors"
+PAGE = 4  # small pages: rows span many pages, segments end mid-page
+NOT_INSTRUCT = ("golden.", "guidance_emb.", "timestep_r_emb.")  # golden tensors and the Distil model's extras
+
+
+def golden_available() -> bool:
+    return GOLDEN_TENSORS.is_file() and GOLDEN_JSON.is_file()
+
+
+def write_checkpoint(root: Path) -> Path:
+    """The golden Instruct weights as an HF-format checkpoint directory (config, safetensors, vocabulary)."""
+    from safetensors.torch import load_file, save_file
+
+    from omni.models.hunyuan_image3.assets.make_tiny_tokenizer import build
+
+    meta, t = json.loads(GOLDEN_JSON.read_text()), load_file(str(GOLDEN_TENSORS))
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(meta["tiny_config"]))
+    save_file({k: v.contiguous() for k, v in t.items() if not k.startswith(NOT_INSTRUCT)},
+              str(root / "model.safetensors"))
+    build(meta["tiny_vocab"]).save(str(root / "tokenizer.json"))
+    return root
+
+
+def requests():
+    from safetensors import safe_open
+
+    from omni.request import ImageRequest
+
+    meta = json.loads(GOLDEN_JSON.read_text())["cases"]
+    with safe_open(str(GOLDEN_TENSORS), framework="pt") as f:
+        img = {n: f.get_tensor(f"golden.IMG.{n}.source_rgb_uint8").numpy() for n in "AB"}
+    one, two = meta["IT2I_1"], meta["IT2I_2"]
+    return [ImageRequest(prompt=one["prompt"], system_prompt=one["system_prompt"], height=256, width=256,
+                         steps=4, guidance=5.0, seed=one["seed"], template="instruct", images=(img["A"],),
+                         request_id="E1"),
+            ImageRequest(prompt=two["prompt"], cot_text=two["cot_text"], height=320, width=192, steps=4,
+                         guidance=3.0, seed=two["seed"], template="instruct", images=(img["A"], img["B"]),
+                         request_id="E2"),
+            ImageRequest(prompt="a red cat", height=256, width=256, steps=4, guidance=1.0, seed=3,
+                         template="instruct", request_id="T")]
+
+
+def build(root: Path, platform, parallel=None, paged: bool = True):
+    """The deployment's Instruct pipeline over ``root`` (sharded for this rank when ``parallel``), recording."""
+    from omni.models.hunyuan_image3.build import build_pipeline
+    from omni.recipe import load_recipe
+
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({
+        "model.path": str(root), "kv_cache.mode": "paged" if paged else "contiguous", "kv_cache.page_tokens": PAGE})
+    pipe = build_pipeline(recipe, platform, parallel=parallel, progress=False)
+    pipe.trace = {}
+    pipe.on_velocity = lambda s, v_BChw: pipe.trace.setdefault(s.request.request_id, []).append(v_BChw.clone())
+    return pipe
+
+
+@torch.inference_mode()
+def run_scenario(pipe, steps: int = 2) -> dict:
+    """Prefill + ``steps`` denoising steps; {request id: {"pred": [per step], "latents": [per step]}}."""
+    states = [pipe.admit(r) for r in requests()]
+    out = {s.request.request_id: {"pred": [], "latents": [s.latents_1Chw.clone()]} for s in states}
+    pipe.prefill(states)
+    for _ in range(steps):
+        pipe.denoise_step(states)
+        for s in states:
+            out[s.request.request_id]["latents"].append(s.latents_1Chw.clone())
+    for rid, preds in pipe.trace.items():
+        out[rid]["pred"] = [p.clone() for p in preds]
+    for s in states:
+        pipe.release(s)
+    out["_pool_all_free"] = pipe.pool.free_pages == pipe.pool.num_pages
+    return out
+
+
+def layout_worker(ctx, root: str, layouts: list[tuple[str, bool]]) -> dict:
+    """Run the scenario under every layout (same world size) on this rank; results by layout label."""
+    from omni.parallel.mesh import Degrees, Mesh
+    from omni.parallel.runtime import ParallelRuntime
+
+    results, meshes = {}, {ctx.degrees: ctx.mesh}
+    for label, paged in layouts:
+        degrees = Degrees.parse(label)
+        if degrees not in meshes:
+            meshes[degrees] = Mesh.build(degrees, platform=ctx.platform)
+        pipe = build(Path(root), ctx.platform, ParallelRuntime(meshes[degrees], ctx.platform), paged=paged)
+        results[(label, paged)] = run_scenario(pipe)
+    return results
