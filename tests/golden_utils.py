@@ -15,3 +15,24 @@ def build_golden_model(golden_data, platform, **opts):
     load_state(m, golden_data[2])
     m.finalize()
     return m.eval()
+
+
+INSTRUCT_NOT_IN_CHECKPOINT = ("golden.", "guidance_emb.", "timestep_r_emb.")  # golden tensors, Distil-only weights
+
+
+def write_instruct_checkpoint(meta: dict, tensors: dict, root):
+    """The Instruct golden weights as an HF-format checkpoint directory (config, safetensors, vocabulary)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from omni.models.hunyuan_image3.assets.make_tiny_tokenizer import build
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(meta["tiny_config"]))
+    save_file({k: v.contiguous() for k, v in tensors.items() if not k.startswith(INSTRUCT_NOT_IN_CHECKPOINT)},
+              str(root / "model.safetensors"))
+    build(meta["tiny_vocab"]).save(str(root / "tokenizer.json"))
+    return root

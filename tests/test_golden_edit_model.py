@@ -21,12 +21,10 @@ channels, h/w latent grid.
 """
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from golden_utils import write_instruct_checkpoint
 from omni.attention_context import DenseContext, dense_meta
 from omni.platform_manager import select
 from omni.request import ImageRequest
@@ -50,15 +48,7 @@ def golden(instruct_golden):
 @pytest.fixture(scope="module")
 def checkpoint(instruct_golden, tmp_path_factory):
     """The golden weights as an HF-format checkpoint (config, one safetensors file, the tiny vocabulary)."""
-    from omni.models.hunyuan_image3.assets.make_tiny_tokenizer import build
-
-    meta, t = instruct_golden
-    root = tmp_path_factory.mktemp("instruct_golden_ckpt")
-    (root / "config.json").write_text(json.dumps(meta["tiny_config"]))
-    distil_only = ("golden.", "guidance_emb.", "timestep_r_emb.")  # the set also holds the Distil model's extras
-    save_file({k: v.contiguous() for k, v in t.items() if not k.startswith(distil_only)}, str(root / "model.safetensors"))
-    build(meta["tiny_vocab"]).save(str(root / "tokenizer.json"))
-    return root
+    return write_instruct_checkpoint(*instruct_golden, tmp_path_factory.mktemp("instruct_golden_ckpt"))
 
 
 def build_engine(checkpoint, **changes):

@@ -25,7 +25,6 @@ GOLDEN_DIR = Path(__file__).resolve().parents[3] / "shared" / "golden"
 GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.json"
 GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.safetensors"
 PAGE = 4  # small pages: rows span many pages, segments end mid-page
-NOT_INSTRUCT = ("golden.", "guidance_emb.", "timestep_r_emb.")  # golden tensors and the Distil model's extras
 
 
 def golden_available() -> bool:
@@ -33,18 +32,12 @@ def golden_available() -> bool:
 
 
 def write_checkpoint(root: Path) -> Path:
-    """The golden Instruct weights as an HF-format checkpoint directory (config, safetensors, vocabulary)."""
-    from safetensors.torch import load_file, save_file
+    """The golden Instruct weights as an HF-format checkpoint directory."""
+    from safetensors.torch import load_file
 
-    from omni.models.hunyuan_image3.assets.make_tiny_tokenizer import build
+    from golden_utils import write_instruct_checkpoint
 
-    meta, t = json.loads(GOLDEN_JSON.read_text()), load_file(str(GOLDEN_TENSORS))
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(meta["tiny_config"]))
-    save_file({k: v.contiguous() for k, v in t.items() if not k.startswith(NOT_INSTRUCT)},
-              str(root / "model.safetensors"))
-    build(meta["tiny_vocab"]).save(str(root / "tokenizer.json"))
-    return root
+    return write_instruct_checkpoint(json.loads(GOLDEN_JSON.read_text()), load_file(str(GOLDEN_TENSORS)), root)
 
 
 def requests():
