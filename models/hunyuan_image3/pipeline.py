@@ -99,7 +99,13 @@ class HunyuanImage3T2I:
 
     # ---------------------------------------------------------------- sampler
     def noise(self, seed: int, row: T2ISequence) -> torch.Tensor:
-        """Noise drawn in bf16 on a CPU generator (as the official code), identical for both rows."""
+        """Noise drawn in bf16 on a CPU generator (as the official code), identical for both rows.
+
+        torch's bf16 normal kernel differs between releases and CPU instruction
+        sets (2.11 on AVX512 and 2.13 on AVX2 give different values for one
+        seed), exactly as the official ``randn_tensor(dtype=bf16)`` does: a seed
+        reproduces the official image on the same torch and CPU kind.
+        """
         g = torch.Generator().manual_seed(seed)
         shape = (1, self.latent_channels, row.token_h, row.token_w)
         return torch.randn(shape, generator=g, dtype=torch.bfloat16).float().to(self.device)

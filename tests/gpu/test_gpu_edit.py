@@ -8,8 +8,9 @@ for the fully visible reference-image segments too, and must stay within
 bf16 error.
 
 The initial noise is set to the golden ``latents_xt``: it is drawn in bf16 on
-a CPU generator, and torch releases differ in how they draw bf16 normals
-(the golden set was made with torch 2.13; the CPU tests check the draw).
+a CPU generator, and torch's bf16 normals differ between releases and CPU
+instruction sets (measured: torch 2.11 on the H200 host's AVX512 vs 2.13 on
+AVX2, where the golden set was made; the CPU tests check the draw).
 """
 from __future__ import annotations
 
