@@ -34,14 +34,14 @@ def golden(instruct_golden, tmp_path_factory):
     return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}, root
 
 
-def engine_on_cuda(root, dtype: str):
+def engine_on_cuda(root, dtype: str, **changes):
     from omni.models.hunyuan_image3.build import build_pipeline
     from omni.platform_manager import select
     from omni.recipe import load_recipe
 
     recipe = load_recipe("cpu_tiny_instruct").replace_paths({
         "platform": "cuda", "device.kind": "h200", "model.path": str(root), "model.dtype": dtype,
-        "kv_cache.mode": "contiguous"})
+        "kv_cache.mode": "contiguous", **changes})
     return build_pipeline(recipe, select("cuda"), progress=False)
 
 
@@ -55,15 +55,16 @@ def request_of(meta, g, case: str) -> ImageRequest:
 
 
 @torch.inference_mode()
-def first_step(engine, meta, g):
-    """Both cases packed: {case: (pred of both rows, latents after step 1)} on the host, fp32."""
+def first_step(engine, meta, g, steps: int = 1):
+    """Both cases packed: {case: (pred of both rows at step 1, latents after ``steps``)} on the host, fp32."""
     seen = {}
     engine.on_velocity = lambda s, v: seen.setdefault(s.request.request_id, v.float().cpu())
     states = [engine.admit(request_of(meta, g, c)) for c in CASES]
     for c, s in zip(CASES, states):
         s.latents_1Chw = g[f"{c}.latents_xt"].to(s.latents_1Chw.device)
     engine.prefill(states)
-    engine.denoise_step(states)
+    for _ in range(steps):
+        engine.denoise_step(states)
     out = {c: (seen[s.request.request_id], s.latents_1Chw.float().cpu()) for c, s in zip(CASES, states)}
     for s in states:
         engine.release(s)
@@ -92,3 +93,14 @@ def test_edit_first_step_on_cuda_matches_official(golden, no_tf32, dtype, tol):
         err_pred, err_next = rel_err(pred, g[f"{case}.pred"]), rel_err(latents, g[f"{case}.latents_next"])
         print(f"{dtype} {case}: pred rel err {err_pred:.2e}, latents_next rel err {err_next:.2e}; kernels {kernels}")
         assert err_pred <= tol and err_next <= tol, (case, dtype, err_pred, err_next)
+
+
+def test_edits_replayed_from_cuda_graphs_equal_eager(golden):
+    """graph.mode: capture records the packed edit steps (long prefixes) and replays them: same latents."""
+    meta, g, root = golden
+    eager = first_step(engine_on_cuda(root, "bfloat16"), meta, g, steps=3)
+    captured_engine = engine_on_cuda(root, "bfloat16", **{"graph.mode": "capture"})
+    captured = first_step(captured_engine, meta, g, steps=3)
+    for case in CASES:
+        torch.testing.assert_close(captured[case][1], eager[case][1], atol=1e-6, rtol=0)
+    assert captured_engine.step_graphs.replays >= 1, "the steps were not replayed from a graph"
