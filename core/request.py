@@ -39,6 +39,40 @@ class ImageRequest:
         return self.guidance > 1.0
 
 
+@dataclass(frozen=True, kw_only=True)
+class TextRequest:
+    """One text answer (T2T, or I2T with ``images``): the model continues the prompt token by token.
+
+    Sampling follows ``temperature`` (0 = greedy), then ``top_k`` and
+    ``top_p`` over the tempered distribution; each token's draw is a function
+    of ``seed`` and its index only, so a seed gives the same answer alone or
+    in any batch. Decoding stops at the model's stop tokens (or ``stop_ids``
+    when given) or after ``max_tokens`` tokens.
+    """
+
+    prompt: str
+    images: tuple = field(default=(), compare=False)  # uint8 numpy [H, W, 3] RGB arrays, as ImageRequest
+    system_prompt: str | None = None
+    max_tokens: int = 256
+    temperature: float = 0.6  # the Instruct generation_config (do_sample, 0.6 / top_k 1024 / top_p 0.95)
+    top_k: int = 1024
+    top_p: float = 0.95
+    seed: int | None = None
+    stop_ids: tuple[int, ...] | None = None  # None: the model's own stop tokens
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+
+@dataclass
+class TextResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # "stop" (a stop token) or "length" (max_tokens)
+    seed: int
+    times: "StageTimes"
+
+
 @dataclass
 class StageTimes:
     """Wall seconds per stage, measured on the host at stage boundaries."""

@@ -43,6 +43,10 @@ elementwise kernels (SiLU, exp) round the rows at a thread boundary
 differently, so packed latents differ in the last bits (tests/serving checks
 both).
 
+Text requests (``TextRequest``) run in the same loop: their step is one
+token, they finish without a decode (their result is the answer), and
+``Ticket.updates`` receives the answer so far after every step (streaming).
+
 The pipeline protocol: ``pool`` (a KVPool), ``pages_needed(req)``,
 ``admit(req) -> state``, ``prefill(states)``, ``denoise_step(states)``,
 ``decode(state) -> uint8 [H, W, 3]``, ``release(state)``, ``step_tokens(req)``
@@ -58,13 +62,14 @@ import collections
 import concurrent.futures
 import logging
 import math
+import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from .kv_pool import KVPoolExhausted
-from .request import ImageRequest, ImageResult
+from .request import ImageRequest, ImageResult, TextRequest
 
 log = logging.getLogger("omni.scheduler")
 
@@ -109,6 +114,9 @@ class Ticket:
         self.state = None
         self.released = False  # pages given back (guards against a double release)
         self._cancelled = threading.Event()
+        # a text request's answer so far, put after every step that changed it (streams read it)
+        self.updates: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._published = ""
 
     @property
     def request_id(self) -> str:
@@ -241,9 +249,11 @@ class Scheduler:
         admitted = self._admit(finished)
         if admitted:
             self._prefill(admitted, finished)
+            self._publish()  # a text answer's first token comes from its prefill
         self.admitting = []
         if self.running:
             self._denoise(finished)
+            self._publish()
             self._finish_done(finished)
         return finished
 
@@ -326,9 +336,21 @@ class Scheduler:
             self.stats["steps"] += 1
             self.stats["step_tokens"] += sum(t.cost.step_tokens for t in self.running)
 
+    def _publish(self) -> None:
+        """Each running text request's answer so far, to its ticket's ``updates`` when it changed."""
+        for t in self.running:
+            text = getattr(t.state, "text", None)
+            if text is not None and text != t._published:
+                t._published = text
+                t.updates.put(text)
+
     def _finish_done(self, finished: list[Ticket]) -> None:
         for t in [t for t in self.running if t.state.done]:
             self.running.remove(t)
+            if isinstance(t.request, TextRequest):  # nothing to decode: the answer is the result
+                self._finish_text(t)
+                finished.append(t)
+                continue
             if self._decoder is None:
                 if self._try(t, finished, "decode", lambda: self._decode(t)):
                     finished.append(t)
@@ -347,6 +369,13 @@ class Scheduler:
         while self._decoded:
             drained.append(self._decoded.popleft())
         return drained
+
+    def _finish_text(self, t: Ticket) -> None:
+        self._release(t)
+        t.finished_at = self.clock()
+        with self._lock:
+            self.stats["finished"] += 1
+        _settle(t.future, result=t.state.result())
 
     def _decode(self, t: Ticket) -> None:
         image = self.pipeline.decode(t.state)

@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from . import text_steps
 from .kv_pool import KVPool, PoolContext, Run
-from .request import ImageRequest, StageTimes
+from .request import ImageRequest, StageTimes, TextRequest
 from .step_cache import StepCache, after_step, plan_skips
 from .step_graphs import StepGraphs, step_key
 from .step_model import RowSpec, StepModel
@@ -139,15 +140,21 @@ class StepEngine:
         """The rows this worker computes: all of them, unless CFG parallel puts rows on other ranks."""
         return [seqs[i] for i in self.runtime.cfg_rows(len(seqs))]
 
-    def step_tokens(self, req: ImageRequest) -> int:
+    def step_tokens(self, req: ImageRequest | TextRequest) -> int:
+        if isinstance(req, TextRequest):
+            return 1
         return sum(self.model.block_len(s) for s in self._here(self.model.build_rows(req)))
 
-    def pages_needed(self, req: ImageRequest) -> int:
+    def pages_needed(self, req: ImageRequest | TextRequest) -> int:
+        if isinstance(req, TextRequest):
+            return text_steps.pages_needed(self, req)
         rows = self._here(self.model.build_rows(req))
         return sum(self.pool.pages_for(s.prefix_len + self.model.block_len(s)) for s in rows)
 
-    def admit(self, req: ImageRequest) -> RequestState:
-        """Allocate pages for every row here (all or nothing) and draw the initial noise."""
+    def admit(self, req: ImageRequest | TextRequest):
+        """Allocate pages for every row here (all or nothing) and draw the initial noise (text: see text_steps)."""
+        if isinstance(req, TextRequest):
+            return text_steps.admit(self, req, Row)
         seqs = self.model.build_rows(req)
         rows = self._allocate(self._here(seqs))
         seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
@@ -176,12 +183,14 @@ class StepEngine:
 
     # ---------------------------------------------------------------- forwards
     @torch.inference_mode()
-    def prefill(self, states: list[RequestState]) -> None:
+    def prefill(self, states: list) -> None:
         """Every row's prefix, segment by segment (``StepModel.prefix_segments``); only its K/V are kept.
 
         Segment i of every row runs in one forward (per mask kind), after
         segment i - 1 of every row: a segment's keys before it are in the pool.
-        A text-to-image prefix is one causal segment, so one forward.
+        A text-to-image prefix is one causal segment, so one forward. A text
+        row's prefix is its whole prompt: its last position's output gives
+        the answer's first token.
         """
         phases: dict[tuple[int, str], list] = defaultdict(list)
         for s in states:
@@ -193,21 +202,42 @@ class StepEngine:
                     if b > a:
                         phases[(i, mask)].append((r, x_LD[a:b], a, b))
         t0 = time.perf_counter()
+        last = {}  # id(row) -> its prefix's last hidden state
         for key in sorted(phases):
-            self._prefill_phase(phases[key], key[1])
+            h_TD, ends = self._prefill_phase(phases[key], key[1]), 0
+            for r, x, _, b in phases[key]:
+                ends += x.shape[0]
+                if b == r.seq.prefix_len:
+                    last[id(r)] = h_TD[ends - 1]
+        self._first_tokens([s for s in states if isinstance(s, text_steps.TextState)], last)
         for s in states:  # the forwards are shared: each request waited for all of them
             s.times.prefill += time.perf_counter() - t0
 
-    def _prefill_phase(self, items: list, mask: str) -> None:
+    def _prefill_phase(self, items: list, mask: str) -> torch.Tensor:
         """One forward over ``(row, x_LD, start, stop)`` segments: queries [start, stop) see keys [0, stop)."""
         x_TD = torch.cat([x for _, x, _, _ in items])
         pos = [p for r, _, a, b in items for p in r.seq.pos_yx[a:b]]
         runs = [Run(tuple(r.pages), a, b, b) for r, _, a, b in items]
-        self._backbone(x_TD, *self.model.rope(pos), runs, mask)
+        return self._backbone(x_TD, *self.model.rope(pos), runs, mask)
+
+    def _first_tokens(self, states: list, last: dict) -> None:
+        if states:
+            logits_TV = self.model.text_logits(torch.stack([last[id(s.rows[0])] for s in states]))
+            for s, logits_V in zip(states, logits_TV):
+                text_steps.emit(self, s, logits_V)
+
+    def denoise_step(self, states: list) -> None:
+        """One step of every running request: a sampler step per image request (their rows share one
+        forward), one token per text request (their rows share another)."""
+        texts = [s for s in states if isinstance(s, text_steps.TextState) and not s.done]
+        if texts:
+            text_steps.decode_step(self, texts)
+        images = [s for s in states if not isinstance(s, text_steps.TextState)]
+        if images:
+            self._denoise(images)
 
     @torch.inference_mode()
-    def denoise_step(self, states: list[RequestState]) -> None:
-        """One sampler step for every state; the rows of all computed requests share one forward."""
+    def _denoise(self, states: list[RequestState]) -> None:
         t0 = time.perf_counter()
         blocks = [self._block(s) for s in states]
         skip = plan_skips([s.cache for s in states], [b.x_TD for b in blocks], [s.edge for s in states])

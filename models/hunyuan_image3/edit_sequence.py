@@ -149,6 +149,28 @@ class EditSequence(T2ISequence):
         return span_mask(len(self.ids), [c.vit for c in self.conds])
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TextRow:
+    """The prompt of a text answer (T2T / I2T): ids up to ``Assistant:`` (plus a forced CoT opener).
+
+    The whole row is the prefix; ``conds`` are its reference images, whose
+    joint blocks stay fully visible as in an editing row.
+    """
+
+    ids: tuple[int, ...]
+    pos_yx: tuple[tuple[int, int], ...]
+    conds: tuple[CondSlots, ...] = ()
+    token_h: int = 0  # no image is generated
+    token_w: int = 0
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.ids)
+
+    def attention_mask(self) -> torch.Tensor:
+        return dense_attention_mask(len(self.ids), [c.joint for c in self.conds])
+
+
 def span_mask(n: int, spans) -> torch.Tensor:
     """bool [n], True inside any of ``spans``."""
     mask_L = torch.zeros(n, dtype=torch.bool)
@@ -240,6 +262,22 @@ def _to_sequence(ids: list[int], boi_index: int, conds: list[CondSlots], token_h
     return EditSequence(ids=tuple(ids), timestep_index=timestep_index, image_start=image_start,
                         token_h=token_h, token_w=token_w, pos_yx=rope_positions(len(ids), grids),
                         conds=tuple(conds))
+
+
+def build_text_row(tok: Tokenizer, prompt: str, cond_images=(), *, downsample: int,
+                   system_prompt: str | None = None, base_size: int = BASE_SIZE, opener: str | None = None) -> TextRow:
+    """The official ``gen_text`` prompt: system, ``User:`` + reference blocks + prompt, ``Assistant:``.
+
+    ``opener`` is text the assistant turn starts with (``<think>`` or
+    ``<recaption>`` for the CoT passes); None for a plain answer.
+    """
+    pieces = [TextPiece(system_prompt), TextPiece(SEP)] if system_prompt else []
+    pieces += [TextPiece("User: ")] + [_CondBlock(im) for im in cond_images]
+    pieces += [TextPiece(prompt, True), TextPiece(SEP), TextPiece("Assistant: ")]
+    pieces += [TextPiece(opener)] if opener else []
+    ids, _, conds = _encode_row(tok, pieces, [], base_size, False)
+    grids = [(span, hw) for c in conds for span, hw in ((c.vae, c.vae_hw), (c.vit, c.vit_hw))]
+    return TextRow(ids=tuple(ids), pos_yx=rope_positions(len(ids), grids), conds=tuple(conds))
 
 
 def build_edit_pair(tok: Tokenizer, prompt: str, cond_images, *, height: int, width: int,

@@ -31,7 +31,7 @@ import torch
 from omni.request import ImageRequest
 
 from .cond_image import posterior, vae_input
-from .edit_sequence import CondImage, EditSequence, build_edit_pair
+from .edit_sequence import CondImage, EditSequence, TextRow, build_edit_pair, build_text_row
 from .pipeline import HunyuanImage3T2I
 from .resolution import instruct_table, nearest
 from .vision_preprocess import target_size
@@ -73,6 +73,21 @@ class HunyuanImage3Instruct(HunyuanImage3T2I):
         if req.negative_prompt is None:
             return list(build_edit_pair(self.tok, req.prompt, conds, cfg=True, **kw))
         return [build_edit_pair(self.tok, p, conds, cfg=False, **kw)[0] for p in (req.prompt, req.negative_prompt)]
+
+    def text_row(self, req) -> TextRow:
+        """A ``TextRequest``'s prompt (T2T, or I2T with its reference images in the user turn)."""
+        return build_text_row(self.tok, req.prompt, [self.cond_layout(im) for im in req.images],
+                              downsample=self.downsample, system_prompt=req.system_prompt, base_size=self.base_size)
+
+    def stop_ids(self, req) -> frozenset[int]:
+        """The conversation template's stop token (``<|endoftext|>``, the official ``stop_token_ids``)."""
+        return frozenset({self.tok.eos})
+
+    def text_logits(self, h_TD: torch.Tensor) -> torch.Tensor:
+        return self.transformer.text_logits(h_TD)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
 
     def prefix_segments(self, row) -> list[tuple[int, int, str]]:
         """Causal text, then each joint block fully visible, ...; the last segment ends the prefix."""

@@ -46,6 +46,8 @@ class HunyuanImage3T2I:
 
     # ---------------------------------------------------------------- rows
     def build_rows(self, req: ImageRequest) -> list[T2ISequence]:
+        if req.images:  # the API and the CLI refuse these first (ModelHelpers.max_images is 0)
+            raise ValueError("this checkpoint does not take reference images (editing needs an Instruct flavour)")
         _, h_px, w_px = snap(req.height, req.width)
         kw = dict(template=req.template, height=h_px, width=w_px, downsample=self.downsample,
                   system_prompt=req.system_prompt, cot_text=req.cot_text)
