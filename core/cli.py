@@ -1,7 +1,7 @@
 """The ``omni-run`` command line.
 
-Commands: ``platforms``, ``recipes``, ``generate``, ``serve`` (also the bare
-form ``omni-run --platform X --recipe Y``) and ``bench``. Exit status: 0 ok,
+Commands: ``platforms``, ``models``, ``recipes``, ``generate``, ``edit``,
+``serve`` (also the bare form ``omni-run --platform X --recipe Y``) and ``bench``. Exit status: 0 ok,
 1 runtime error, 2 usage or configuration error (bad recipe, unusable or
 refusing platform), each printed as one ``omni-run: error: ...`` line.
 
@@ -12,6 +12,8 @@ and hands them over; it never passes the argparse Namespace on::
         -> Deployment (checked, patched, platform and model flavour concrete)
     generate: GenerateJob (the ImageRequest with recipe defaults filled, the output path)
         -> omni.generate.generate_main(deployment, job)
+    edit:     the same GenerateJob with the request's reference ``images`` filled (decoded and
+              checked by omni.serving.image_input, the server's own rules) -> generate_main
     serve:    Endpoint (host, port, API key read from serving.api_key_env: the only
               environment read of the startup path) -> omni.serving.server.serve_main(deployment, endpoint)
 
@@ -156,27 +158,78 @@ def _deployment(args, serving: bool):
 
 
 def cmd_generate(args) -> int:
+    _check_generation_flags(args)
+    deployment = _deployment(args, serving=False)
+    generate_main = _generate_main()
+    return generate_main(deployment, _job(args, _image_request(args, deployment.recipe.defaults)))
+
+
+def cmd_edit(args) -> int:
+    """generate, with the reference images read and checked as the server checks uploads."""
+    _check_generation_flags(args)
+    deployment = _deployment(args, serving=False)
+    images, size = _reference_images(args.image, deployment.recipe)
+    generate_main = _generate_main()
+    request = _image_request(args, deployment.recipe.defaults, images=images, default_size=size)
+    return generate_main(deployment, _job(args, request))
+
+
+def _check_generation_flags(args) -> None:
     if args.size is not None:
         _parse_size_arg(args.size)
     if (args.steps is not None and args.steps < 1) or (args.guidance is not None and args.guidance < 0):
         raise UsageError(f"--steps must be >= 1 and --guidance >= 0, got {args.steps} and {args.guidance}")
-    deployment = _deployment(args, serving=False)
+
+
+def _generate_main():
     try:
         from .generate import generate_main
     except ModuleNotFoundError as e:
         _missing(e, "omni.generate", "generate")
-    return generate_main(deployment, GenerateJob(_image_request(args, deployment.recipe.defaults),
-                                                 Path(args.output), Path(args.latents) if args.latents else None))
+    return generate_main
 
 
-def _image_request(args, d):
-    """The flags, with the recipe's ``defaults`` where a flag is not given."""
-    width, height = _parse_size_arg(args.size or d.size)
+def _job(args, request: ImageRequest) -> GenerateJob:
+    return GenerateJob(request, Path(args.output), Path(args.latents) if args.latents else None)
+
+
+def _reference_images(paths: list[str], recipe) -> tuple[tuple, tuple[int, int]]:
+    """The decoded ``--image`` files and the (width, height) the first one asks for (snapped by the model).
+
+    The rules are the server's (omni.serving.image_input); any refusal names the file and exits 2.
+    """
+    from . import model_registry
+    from .serving.image_input import ImageInputError, ImageRules, decode_images, reference_size
+
+    helpers = model_registry.get(recipe.model.flavor).serving_helpers()
+    rules = ImageRules(recipe.model.flavor, helpers.max_images, recipe.serving.max_image_pixels)
+    try:
+        images = decode_images([(f"--image {p}", _read_file(p)) for p in paths], rules)
+    except ImageInputError as e:
+        hint = " (e.g. --recipe cpu_tiny_instruct)" if helpers.max_images == 0 else ""
+        raise UsageError(f"{e}{hint}") from None
+    height, width = reference_size(helpers, images[0])
+    return images, (width, height)
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise UsageError(f"--image {path}: cannot read it: {e.strerror or e}") from None
+
+
+def _image_request(args, d, images: tuple = (), default_size: tuple[int, int] | None = None):
+    """The flags, with the recipe's ``defaults`` where a flag is not given (an edit's size: its first image's)."""
+    if args.size is not None or default_size is None:
+        width, height = _parse_size_arg(args.size or d.size)
+    else:
+        width, height = default_size
     return ImageRequest(prompt=args.prompt, negative_prompt=args.negative_prompt, height=height, width=width,
                         steps=d.steps if args.steps is None else args.steps,
                         guidance=d.guidance if args.guidance is None else args.guidance, seed=args.seed,
                         shift=d.shift, template=d.template, system_prompt=d.system_prompt,
-                        return_latents=args.latents is not None)
+                        return_latents=args.latents is not None, images=images)
 
 
 def _parse_size_arg(text: str) -> tuple[int, int]:
@@ -220,7 +273,7 @@ def _missing(error: ModuleNotFoundError, module: str, command: str):
 
 
 COMMANDS = {"platforms": cmd_platforms, "models": cmd_models, "recipes": cmd_recipes, "generate": cmd_generate,
-            "serve": cmd_serve, "bench": cmd_bench}
+            "edit": cmd_edit, "serve": cmd_serve, "bench": cmd_bench}
 
 
 # ------------------------------------------------------------------ entry point

@@ -18,6 +18,8 @@ examples:
                                              one image with the embedded tiny model on the CPU
   omni-run generate --recipe h200_fp8 --model /ckpt/HunyuanImage-3 --prompt "a red fox" --trace
                                              the real model on one H200, logging each kernel choice
+  omni-run edit --recipe cpu_tiny_instruct --image cat.png --prompt "make it snow" -o snow.png
+                                             edit an image with an Instruct model (up to 3 --image)
   omni-run --platform cuda --recipe h200_fp8 --model /ckpt/HunyuanImage-3
                                              serve (no command = serve) on 127.0.0.1:8091
   omni-run serve --host 0.0.0.0 --api-key "$KEY"
@@ -60,6 +62,36 @@ def _serving(parser: argparse.ArgumentParser, top: bool) -> None:
                    help="require this key (prefer serving.api_key_env: command lines are visible to other users)")
 
 
+EDIT_EPILOG = """\
+examples:
+  omni-run edit --recipe cpu_tiny_instruct --image cat.png --prompt "make it a watercolour painting" -o painted.png
+                          the embedded tiny Instruct model on the CPU (random weights: coloured noise)
+  omni-run edit --recipe h200_instruct_fp8 --model /ckpt/HunyuanImage-3.0-Instruct --image cat.png \\
+      --image sofa.png --prompt "the cat of image 1 asleep on the sofa of image 2" --seed 3 --size 1024x768
+                          the released Instruct model on one H200, two reference images
+
+The images are read with the server's rules (docs/api.md): PNG, JPEG, WebP, GIF or BMP;
+8-bit modes become RGB, alpha is composited onto white, 16-bit and float images are
+refused; at most serving.max_image_pixels pixels, at least 16 px a side. Without --size
+the output follows the first image's size, snapped to the model's sizes. The default
+recipe (cpu_tiny, the base model) does not edit: a model that does not edit is refused
+(exit 2). A bad image exits 2 naming its file."""
+
+
+def _image_flags(p: argparse.ArgumentParser, prompt_help: str, size_help: str) -> argparse._ArgumentGroup:
+    """The flags generate and edit share (what to draw, how, where to write it)."""
+    g = p.add_argument_group("image")
+    g.add_argument("--prompt", required=True, help=prompt_help)
+    g.add_argument("--negative-prompt", default=None, help="text of the unconditional CFG row (default: the official <cfg>-token row)")
+    g.add_argument("--size", metavar="WxH", help=size_help)
+    g.add_argument("--steps", type=int, help="denoising steps (default: defaults.steps)")
+    g.add_argument("--guidance", type=float, help="guidance scale (default: defaults.guidance)")
+    g.add_argument("--seed", type=int, help="random seed (default: random)")
+    g.add_argument("-o", "--output", default="out.png", metavar="PNG", help="output file (default: out.png)")
+    g.add_argument("--latents", metavar="FILE", help="also write the final latents as safetensors (parity checks)")
+    return g
+
+
 def _command(sub, name: str, help: str, epilog: str, **kwargs) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=help, description=help, epilog=epilog,
                           formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
@@ -100,15 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
                  '--size 1280x768 --steps 30')
     _common(p, top=False)
     _deployment(p, top=False)
-    g = p.add_argument_group("image")
-    g.add_argument("--prompt", required=True, help="what to draw")
-    g.add_argument("--negative-prompt", default=None, help="text of the unconditional CFG row (default: the official <cfg>-token row)")
-    g.add_argument("--size", metavar="WxH", help="image size (default: the recipe's defaults.size)")
-    g.add_argument("--steps", type=int, help="denoising steps (default: defaults.steps)")
-    g.add_argument("--guidance", type=float, help="guidance scale (default: defaults.guidance)")
-    g.add_argument("--seed", type=int, help="random seed (default: random)")
-    g.add_argument("-o", "--output", default="out.png", metavar="PNG", help="output file (default: out.png)")
-    g.add_argument("--latents", metavar="FILE", help="also write the final latents as safetensors (parity checks)")
+    _image_flags(p, "what to draw", "image size (default: the recipe's defaults.size)")
+
+    p = _command(sub, "edit", "edit images: a prompt plus 1 to 3 reference images (an Instruct model)",
+                 EDIT_EPILOG)
+    _common(p, top=False)
+    _deployment(p, top=False)
+    g = _image_flags(p, "what to change, e.g. 'make the sky stormy' or 'put the cat of image 1 on the sofa of "
+                        "image 2'", "output size (default: the first image's size, snapped to the model's sizes)")
+    g.add_argument("--image", action="append", required=True, metavar="FILE",
+                   help="a reference image (PNG, JPEG, WebP, GIF, BMP); repeat for up to 3, in prompt order")
 
     p = _command(sub, "serve", "serve the OpenAI-style images API (also: omni-run without a command)",
                  "examples:\n  omni-run serve\n  omni-run serve --platform npu --recipe a2_tp4 --model /ckpt/HI3 "

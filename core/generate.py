@@ -1,4 +1,7 @@
-"""``omni-run generate``: one image through the deployment's engine handle, as ``serve`` runs it.
+"""``omni-run generate`` and ``omni-run edit``: one image through the deployment's engine handle, as ``serve`` runs it.
+
+An edit is the same job whose request carries reference ``images`` (the CLI
+decodes and checks them with the server's rules before the engine starts).
 
 World size 1 runs the engine loop in this process; a recipe whose parallel
 degrees multiply to more launches its ranks exactly as ``serve`` does (one
@@ -26,7 +29,8 @@ def generate_main(deployment: Deployment, job: GenerateJob) -> int:
     finally:
         engine.stop()
     _write(job, result)
-    print(f"wrote {job.output} ({result.width}x{result.height}, {result.steps} steps, seed {result.seed}, "
+    edited = f"edit of {len(job.request.images)} image(s), " if job.request.images else ""
+    print(f"wrote {job.output} ({edited}{result.width}x{result.height}, {result.steps} steps, seed {result.seed}, "
           f"platform {deployment.recipe.platform}, world {deployment.world_size}, "
           f"{time.perf_counter() - t0:.1f}s total; stages {result.times.as_dict()})")
     return 0

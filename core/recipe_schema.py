@@ -195,6 +195,12 @@ class Serving(_Validated):
                                     parse=_parse_float)
     api_key_env: str | None = _opt(None, "name of the environment variable holding the API key; null = no key",
                                    rule=_pattern(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name"))
+    max_image_pixels: int = _opt(4096 * 4096, "largest reference image (editing) in width x height pixels; a larger "
+                                              "one is refused from its header, before it is decoded",
+                                 rule=_at_least(16 * 16))
+    fetch_remote_images: bool = _opt(False, "let chat image_url parts name http(s) URLs the server fetches (timeout, "
+                                            "byte limit); false = data: URIs only. True lets clients make the server "
+                                            "request any URL it can reach")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -27,6 +27,8 @@ CLI_SURFACE = {
     "recipes": ["--check", "--docs", "--help", "--log-level", "--platform", "--schema", "--trace", "-h"],
     "generate": ["--guidance", "--help", "--latents", "--log-level", "--model", "--negative-prompt", "--output",
                  "--platform", "--prompt", "--recipe", "--seed", "--size", "--steps", "--trace", "-h", "-o"],
+    "edit": ["--guidance", "--help", "--image", "--latents", "--log-level", "--model", "--negative-prompt", "--output",
+             "--platform", "--prompt", "--recipe", "--seed", "--size", "--steps", "--trace", "-h", "-o"],
     "serve": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe",
               "--trace", "-h"],
     "bench": [],  # everything after `bench` goes to the benchmark client
@@ -82,7 +84,7 @@ def recipe_file(tmp_path, text: str, name: str = "x_test.yaml"):
 def test_help_teaches_every_command():
     result = run_cli("--help")
     assert result.returncode == 0
-    for command in ("platforms", "recipes", "generate", "serve", "bench"):
+    for command in ("platforms", "recipes", "generate", "edit", "serve", "bench"):
         assert command in result.stdout
     assert "examples:" in result.stdout and "exit status" in result.stdout
 

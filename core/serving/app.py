@@ -1,6 +1,6 @@
 """The HTTP surface: ``create_app`` routes a FastAPI app to the handlers over an ``EngineHandle``.
 
-Routes: OpenAI Images (/v1/images/generations), vLLM-Omni chat
+Routes: OpenAI Images (/v1/images/generations, /v1/images/edits), vLLM-Omni chat
 (/v1/chat/completions), /v1/models, /health and /metrics. The handlers live in
 endpoints.py; the names other modules import from here are re-exported.
 """
@@ -46,6 +46,10 @@ def create_app(engine: EngineHandle, options: ServingOptions) -> FastAPI:
     @app.post("/v1/images/generations")
     async def images(request: Request):
         return await api.handle(request, "images", api.images)
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request):
+        return await api.handle(request, "edits", api.edits)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

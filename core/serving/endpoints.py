@@ -1,12 +1,14 @@
 """The endpoint handlers behind ``create_app``'s routes, and the plumbing around each call.
 
-Handlers never touch the pipeline: they validate (validation.py), hand the
-requests to the engine thread (generation.py) and shape the answer. The
-plumbing gives every response an ``X-Request-Id``, checks the API key, maps
-exceptions to OpenAI error bodies and counts requests by endpoint and status.
+Handlers never touch the pipeline: they validate (validation.py; reference
+images through image_input.py), hand the requests to the engine thread
+(generation.py) and shape the answer. The plumbing gives every response an
+``X-Request-Id``, checks the API key, maps exceptions to OpenAI error bodies
+and counts requests by endpoint and status.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import hmac
 import logging
@@ -19,12 +21,16 @@ from fastapi.responses import JSONResponse, Response
 
 from omni.engine_handle import EngineHandle
 
+from .edit_form import read_edit_form
 from .errors import APIError, ClientGone, error_response, internal_error
 from .generation import Generator
+from .image_input import (ImageInputError, ImageRules, check_count, data_uri_bytes, decode_images, does_not_edit,
+                          fetch_url)
 from .metrics import Metrics
 from .options import ServingOptions
-from .schemas import ChatCompletionRequest, GenerationParams, ImageGenerationRequest
-from .validation import RequestBuilder, chat_prompt, parse_body
+from .schemas import ChatCompletionRequest, GenerationParams, ImageEditRequest, ImageGenerationRequest
+from .validation import (RequestBuilder, chat_body_limit, chat_input, edit_body_limit, image_error, parse_body,
+                         validated)
 
 log = logging.getLogger("omni.serving")
 
@@ -37,6 +43,8 @@ class Api:
         self.engine, self.opt, self.metrics = engine, options, metrics
         self.builder = RequestBuilder(options, options.helpers)
         self.generator = Generator(engine, options.request_timeout_s)
+        self.rules = ImageRules(options.model_id, options.helpers.max_images, options.max_image_pixels,
+                                options.max_image_bytes)
         self.created = int(time.time())
 
     # ------------------------------------------------------------ plumbing
@@ -103,26 +111,83 @@ class Api:
         out = _images_body(results, body)
         return self._answer("images", out, body, t0, results)
 
+    async def edits(self, request: Request, rid: str) -> Response:
+        """OpenAI Images edit: multipart form, 1..max_images reference images, the generations answer."""
+        t0 = time.perf_counter()
+        form = await read_edit_form(request, edit_body_limit(self.opt))
+        body = validated(ImageEditRequest, form.values())
+        self.builder.check_model(body.model)
+        _check_images_options(body)
+        images = await self._decoded(self._edit_images(form.images))
+        h, w = self.builder.edit_size(body.size, "size", images)
+        reqs = self.builder.requests(rid, body, body.prompt, body.n, h, w, body.system_prompt, images)
+        results = await self.generator.generate(request, reqs, body)
+        return self._answer("edits", _images_body(results, body), body, t0, results)
+
     async def chat(self, request: Request, rid: str) -> Response:
         t0 = time.perf_counter()
-        body = await parse_body(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest, chat_body_limit(self.opt))
         self.builder.check_model(body.model)
         _check_chat_options(body)
-        prompt, system = chat_prompt(body.messages)
-        h, w = self._chat_size(body)
+        chat = chat_input(body.messages)
+        images = await self._chat_images(chat.images)
+        h, w = self._chat_size(body, images)
         n = body.num_outputs_per_prompt or body.n
-        reqs = self.builder.requests(rid, body, prompt, n, h, w, body.system_prompt or system)
+        reqs = self.builder.requests(rid, body, chat.prompt, n, h, w, body.system_prompt or chat.system, images)
         results = await self.generator.generate(request, reqs, body)
-        out = self._chat_body(rid, prompt, results, body)
+        out = self._chat_body(rid, chat.prompt, results, body)
         return self._answer("chat", out, body, t0, results)
 
-    def _chat_size(self, body: ChatCompletionRequest) -> tuple[int, int]:
-        """``size`` wins; else height / width (one of them alone means a square); else the default."""
+    def _chat_size(self, body: ChatCompletionRequest, images: tuple) -> tuple[int, int]:
+        """``size`` wins; else height / width (one of them alone means a square); else the first reference
+        image's size (snapped), else the default."""
         if body.size is not None:
             return self.builder.size(body.size, "size")
         if body.height is not None or body.width is not None:
             return self.builder.sides(body.height or body.width, body.width or body.height, "height/width")
-        return self.builder.size(None, "size")
+        return self.builder.edit_size(None, "size", images)
+
+    # ------------------------------------------------------------ reference images
+
+    def _edit_images(self, parts: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """The uploaded files, of which an edit needs at least one (a model that does not edit takes none)."""
+        if parts:
+            return parts
+        if self.rules.max_images == 0:
+            raise image_error(does_not_edit("image", self.rules.model))
+        raise APIError(400, f"image: no reference image was sent; send 1 to {self.rules.max_images} files as "
+                            "'image' or 'image[]' parts", param="image")
+
+    async def _decoded(self, parts: list[tuple[str, bytes]]) -> tuple:
+        """The images decoded and checked off the event loop (Pillow holds the GIL only in part)."""
+        try:
+            return await asyncio.to_thread(decode_images, parts, self.rules)
+        except ImageInputError as e:
+            raise image_error(e) from None
+
+    async def _chat_images(self, sources: list[tuple[str, str]]) -> tuple:
+        """The chat's image_url parts: counted first, then each URL read (data URI or fetch), then decoded."""
+        if not sources:
+            return ()
+        try:
+            check_count([part for part, _ in sources], self.rules)
+            blobs = [(part, await self._url_bytes(part, url)) for part, url in sources]
+        except ImageInputError as e:
+            raise image_error(e) from None
+        return await self._decoded(blobs)
+
+    async def _url_bytes(self, part: str, url: str) -> bytes:
+        scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+        if scheme == "data":
+            return data_uri_bytes(url, part, self.opt.max_image_bytes)
+        if scheme not in ("http", "https"):
+            raise ImageInputError(part, f"image URL scheme {scheme or url[:16]!r} is not supported; send a data URI "
+                                        "(data:image/png;base64,...)")
+        if not self.opt.fetch_remote_images:
+            raise ImageInputError(part, "remote image URLs are not fetched by this server "
+                                        "(serving.fetch_remote_images is false); send the image as a data URI "
+                                        "(data:image/png;base64,...)")
+        return await fetch_url(url, part, self.opt.max_image_bytes, self.opt.fetch_timeout_s)
 
     def _chat_body(self, rid: str, prompt: str, results, body: ChatCompletionRequest) -> dict:
         mime = MIME[body.output_format]
@@ -151,7 +216,7 @@ def _request_id(request: Request) -> str:
     return given if _CLIENT_ID.fullmatch(given) else uuid.uuid4().hex[:16]
 
 
-def _check_images_options(body: ImageGenerationRequest) -> None:
+def _check_images_options(body: ImageGenerationRequest | ImageEditRequest) -> None:
     if body.response_format == "url":
         raise APIError(400, "response_format 'url' is not supported: this server keeps no image store; "
                             "use 'b64_json'", param="response_format", code="unsupported_value")
@@ -170,7 +235,7 @@ def _check_chat_options(body: ChatCompletionRequest) -> None:
         raise APIError(400, "streaming is not supported for image generation", param="stream")
 
 
-def _images_body(results, body: ImageGenerationRequest) -> dict:
+def _images_body(results, body: ImageGenerationRequest | ImageEditRequest) -> dict:
     data = [{"b64_json": base64.b64encode(blob).decode(), "revised_prompt": None, "seed": r.seed,
              **_timings(r, body)} for r, blob in results]
     return {"created": int(time.time()), "data": data, "output_format": body.output_format,

@@ -38,6 +38,11 @@ class ServingOptions:
     max_prompt_chars: int = 8000
     max_queue: int | None = None  # n above this can never be queued: a 400, not a 429
     helpers: ModelHelpers = field(default_factory=ModelHelpers.plain)
+    # reference images (editing): see omni.serving.image_input for the rules
+    max_image_pixels: int = 4096 * 4096  # recipe serving.max_image_pixels
+    max_image_bytes: int = 20 << 20  # encoded bytes per image (413 past it)
+    fetch_remote_images: bool = False  # recipe serving.fetch_remote_images: chat image_url may be http(s)
+    fetch_timeout_s: float = 10.0  # per remote image
 
     @classmethod
     def from_recipe(cls, recipe, *, model_id: str, api_key: str | None = None, **kw) -> "ServingOptions":
@@ -46,5 +51,7 @@ class ServingOptions:
 
         s = recipe.serving
         kw.setdefault("helpers", model_registry.get(recipe.model.flavor).serving_helpers())
+        kw.setdefault("max_image_pixels", s.max_image_pixels)
+        kw.setdefault("fetch_remote_images", s.fetch_remote_images)
         return cls(model_id=model_id, defaults=recipe.defaults, api_key=api_key,
                    request_timeout_s=s.request_timeout_s, max_queue=s.max_queue + s.max_running, **kw)

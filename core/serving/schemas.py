@@ -55,6 +55,26 @@ class ImageGenerationRequest(GenerationParams):
     stream: bool | None = None
 
 
+class ImageEditRequest(GenerationParams):
+    """``POST /v1/images/edits`` form fields (OpenAI Images edit, plus the diffusion extras); the files are apart.
+
+    Multipart fields arrive as strings: pydantic's lax mode turns "2", "1.5" and "true" into the declared types.
+    """
+
+    prompt: str
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    size: str | None = Field(None, description="WIDTHxHEIGHT, or auto (default): the first image's size, snapped")
+    response_format: Literal["b64_json", "url"] | None = None
+    quality: str | None = None  # accepted for OpenAI compatibility, no effect
+    input_fidelity: str | None = None  # accepted for OpenAI compatibility, no effect
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    moderation: str | None = None  # accepted for OpenAI compatibility, no effect
+    user: str | None = None
+    stream: bool | None = None
+    partial_images: int | None = Field(None, ge=0, le=0, description="partial images are not streamed: 0 or absent")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 

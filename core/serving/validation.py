@@ -1,36 +1,87 @@
-"""From an HTTP body to checked ``ImageRequest``s: JSON parsing, deployment limits, sizes, chat prompts.
+"""From an HTTP body to checked ``ImageRequest``s: body limits, JSON parsing, deployment limits, sizes, chat prompts.
 
 Static limits live in schemas.py; the limits here depend on the deployment
-(the model, its sizes, the queue, prompt length). Every violation is an
-``APIError`` 400 (404 for an unknown model, 413 for a huge body) naming the field.
+(the model, its sizes, the queue, prompt length, how many reference images it
+takes). Every violation is an ``APIError`` 400 (404 for an unknown model, 413
+for a body past its limit) naming the field.
+
+Body limits: a JSON body without images is at most ``MAX_BODY_BYTES``; a
+chat body may also carry ``max_images`` base64 data URIs of
+``max_image_bytes`` each, an edit upload ``max_images`` files of
+``max_image_bytes`` each (one more MiB for the other fields either way).
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from omni.request import ImageRequest
 
-from .errors import APIError
+from .errors import APIError, ClientGone
+from .image_input import ImageInputError, reference_size
 from .options import ModelHelpers, ServingOptions
 from .schemas import BOT_TASKS, GenerationParams
 
 MAX_BODY_BYTES = 1 << 20
+DRAIN_FACTOR = 4  # past its limit a body is still read (and dropped) up to this many limits, so the 413 arrives
 MIN_SIDE, MAX_SIDE, MAX_ASPECT = 256, 4096, 4.0
 
 
-async def parse_body(request: Request, model: type[BaseModel]):
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
+def chat_body_limit(opt: ServingOptions) -> int:
+    """Bytes a chat body may have: the JSON limit, plus room for the model's reference images as base64."""
+    return MAX_BODY_BYTES + opt.helpers.max_images * 4 * -(-opt.max_image_bytes // 3)
+
+
+def edit_body_limit(opt: ServingOptions) -> int:
+    """Bytes an edit upload may have (room for one image even where the model takes none, to say so clearly)."""
+    return MAX_BODY_BYTES + max(1, opt.helpers.max_images) * opt.max_image_bytes
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 once it passes ``limit`` bytes (declared or streamed).
+
+    Past the limit the rest is read and dropped (up to ``DRAIN_FACTOR`` limits)
+    instead of closing on a client still sending, which would lose the answer.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > DRAIN_FACTOR * limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= limit:
+                chunks.append(chunk)
+            elif size > DRAIN_FACTOR * limit:
+                break
+    except ClientDisconnect:
+        raise ClientGone() from None
+    if size > limit:
+        raise _too_large(size, limit)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"request body is {size} bytes; the limit is {limit}", code="payload_too_large")
+
+
+def image_error(e: ImageInputError) -> APIError:
+    """The answer to a refused reference image: 400 (413 for its bytes) naming the part."""
+    return APIError(e.status, str(e), param=e.part, code="image_too_large" if e.status == 413 else "invalid_image")
+
+
+async def parse_body(request: Request, model: type[BaseModel], limit: int = MAX_BODY_BYTES):
+    raw = await read_body(request, limit)
     data = _json_object(raw)
     nested = data.pop("extra_body", None)  # curl-style vLLM-Omni clients nest the extras
     if isinstance(nested, dict):
         for key, value in nested.items():
             data.setdefault(key, value)
-    return _validated(model, data)
+    return validated(model, data)
 
 
 def _json_object(raw: bytes) -> dict:
@@ -43,7 +94,8 @@ def _json_object(raw: bytes) -> dict:
     return data
 
 
-def _validated(model: type[BaseModel], data: dict):
+def validated(model: type[BaseModel], data: dict):
+    """``data`` as ``model``; the first bad field is the error's ``param``, every bad field is in its message."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -61,11 +113,20 @@ def _reason(error: dict) -> str:
     return error["msg"] + shown
 
 
-def chat_prompt(messages) -> tuple[str, str | None]:
-    """The user text (all user messages joined) and the system messages' text, if any."""
-    users, systems = [], []
+@dataclass
+class ChatInput:
+    """What the chat messages ask for: the prompt, the system text, the reference images' URLs in order."""
+
+    prompt: str
+    system: str | None
+    images: list[tuple[str, str]] = field(default_factory=list)  # (part name, url) of user image_url parts
+
+
+def chat_input(messages) -> ChatInput:
+    """The user text (all user messages joined), the system messages' text, the user messages' image URLs."""
+    users, systems, images = [], [], []
     for i, m in enumerate(messages):
-        texts = _message_texts(i, m)
+        texts = _message_parts(i, m, images)
         if m.role == "user":
             users += texts
         elif m.role in ("system", "developer"):
@@ -73,18 +134,34 @@ def chat_prompt(messages) -> tuple[str, str | None]:
     prompt = " ".join(t for t in users if t).strip()
     if not prompt:
         raise APIError(400, "messages: no user text to use as the prompt", param="messages")
-    return prompt, ("\n".join(systems) if systems else None)
+    return ChatInput(prompt, "\n".join(systems) if systems else None, images)
 
 
-def _message_texts(i: int, m) -> list[str]:
+def _message_parts(i: int, m, images: list[tuple[str, str]]) -> list[str]:
+    """The message's texts; its image_url parts are appended to ``images`` (user messages only)."""
     texts = [m.content] if isinstance(m.content, str) else []
-    for part in m.content if isinstance(m.content, list) else []:
-        if part.get("type") == "text":
+    for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+        name, kind = f"messages[{i}].content[{j}]", part.get("type")
+        if kind == "text":
             texts.append(str(part.get("text", "")))
+        elif kind == "image_url":
+            images.append((name, _image_url(name, m.role, part)))
         else:
-            raise APIError(400, f"messages[{i}].content: part type {part.get('type')!r} is not supported; "
-                                "only text parts (image inputs / editing are not served yet)", param="messages")
+            raise APIError(400, f"{name}: part type {kind!r} is not supported; only 'text' and 'image_url' parts",
+                           param=name)
     return texts
+
+
+def _image_url(name: str, role: str, part: dict) -> str:
+    if role != "user":
+        raise APIError(400, f"{name}: image_url parts are taken from user messages only, not {role!r} ones",
+                       param=name)
+    given = part.get("image_url")
+    url = given.get("url") if isinstance(given, dict) else given
+    if not isinstance(url, str) or not url:
+        raise APIError(400, f"{name}: expected {{'type': 'image_url', 'image_url': {{'url': "
+                            "'data:image/png;base64,...'}}}", param=name)
+    return url
 
 
 class RequestBuilder:
@@ -109,17 +186,27 @@ class RequestBuilder:
         return self.sides(h, w, field)
 
     def sides(self, h: int, w: int, field: str) -> tuple[int, int]:
-        if not (MIN_SIDE <= h <= MAX_SIDE and MIN_SIDE <= w <= MAX_SIDE):
-            raise APIError(400, f"{field}: {w}x{h} (WxH) is out of range: each side must be between "
-                                f"{MIN_SIDE} and {MAX_SIDE} pixels", param=field)
-        if max(h / w, w / h) > MAX_ASPECT:
-            raise APIError(400, f"{field}: {w}x{h} (WxH) has aspect ratio beyond {MAX_ASPECT:g}:1; the model "
-                                f"generates between 1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1", param=field)
+        _check_sides(h, w, field)
         return self.helpers.snap(h, w)
 
+    def edit_size(self, size: str | None, field: str, images: tuple) -> tuple[int, int]:
+        """An explicit size as ``size`` does; none (or "auto") follows the first reference image.
+
+        That size is the model's snap of image 0's (h, w), taken as the model gives it: the side range
+        here bounds what clients ask for, and a model's own rule may go below it (the 256-base tiny
+        Instruct table does).
+        """
+        if (size is not None and size != "auto") or not images:
+            return self.size(size, field)
+        return reference_size(self.helpers, images[0])
+
     def requests(self, rid: str, p: GenerationParams, prompt: str, n: int, h: int, w: int,
-                 system_prompt: str | None) -> list[ImageRequest]:
-        """``n`` requests ``{rid}-{i}``; image i gets seed + i so that one call's images differ."""
+                 system_prompt: str | None, images: tuple = ()) -> list[ImageRequest]:
+        """``n`` requests ``{rid}-{i}``; image i gets seed + i so that one call's images differ.
+
+        ``images`` (decoded reference images, checked by image_input) are shared by all ``n``: each
+        output is an edit of the same inputs.
+        """
         d = self.opt.defaults
         self._check_text(prompt, "prompt", required=True)
         self._check_text(p.negative_prompt, "negative_prompt")
@@ -132,7 +219,7 @@ class RequestBuilder:
         return [ImageRequest(prompt=prompt, negative_prompt=p.negative_prompt, height=h, width=w, steps=steps,
                              guidance=guidance, seed=None if p.seed is None else p.seed + i, shift=d.shift,
                              template=d.template, system_prompt=system, step_cache=p.step_cache,
-                             request_id=f"{rid}-{i}")
+                             images=tuple(images), request_id=f"{rid}-{i}")
                 for i in range(n)]
 
     def _check_n(self, n: int) -> None:
@@ -148,6 +235,15 @@ class RequestBuilder:
         if len(text) > self.opt.max_prompt_chars:
             raise APIError(400, f"{field} is {len(text)} characters; the limit is {self.opt.max_prompt_chars}",
                            param=field)
+
+
+def _check_sides(h: int, w: int, field: str) -> None:
+    if not (MIN_SIDE <= h <= MAX_SIDE and MIN_SIDE <= w <= MAX_SIDE):
+        raise APIError(400, f"{field}: {w}x{h} (WxH) is out of range: each side must be between "
+                            f"{MIN_SIDE} and {MAX_SIDE} pixels", param=field)
+    if max(h / w, w / h) > MAX_ASPECT:
+        raise APIError(400, f"{field}: {w}x{h} (WxH) has aspect ratio beyond {MAX_ASPECT:g}:1; the model "
+                            f"generates between 1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1", param=field)
 
 
 def _check_bot_task(bot_task: str | None) -> None:

@@ -101,8 +101,9 @@ def test_request_id_is_echoed_and_used(fake_server):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
     ({"messages": [{"role": "assistant", "content": "x"}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
-     "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "messages[0].content[1]"),  # this model does not edit: the image part is named
     ({"messages": [{"role": "user", "content": "x"}], "height": 100, "width": 100}, "height/width"),
     ({"messages": [{"role": "user", "content": "x"}], "extra_body": {"num_inference_steps": -1}},
      "num_inference_steps"),
