@@ -21,6 +21,7 @@ from omni.platform_manager import select
 # docs/quality.md: measured 2026-11-30 (CPU reference semantics) and the margins kept
 GOLDEN_PRED_REL = {"fp8_row": 0.15, "fp8_tensor": 0.20}  # measured 0.077-0.123 / 0.102-0.147
 IMAGE_PSNR_DB, IMAGE_SSIM = 30.0, 0.90
+VISION_REL = {"fp8_row": 0.12, "fp8_tensor": 0.14}  # the ViT + aligner, measured 0.070 / 0.081 (bf16 vs fp32: 0.009)
 
 
 def _rel(a, b) -> float:
@@ -96,3 +97,23 @@ def test_psnr_ssim_helpers():
     assert ssim(a, 255 - a) < 0.1  # anti-correlated structure
     with pytest.raises(ValueError, match="shapes differ"):
         ssim(a, a[:-1])
+
+
+@pytest.mark.parametrize("scheme", ["fp8_row", "fp8_tensor"])
+def test_fp8_vision_encoder_on_golden_instruct_weights(instruct_golden, scheme):
+    """The Instruct ViT + aligner quantized as the recipe says vs unquantized (bf16), both golden images."""
+    from omni.models.hunyuan_image3.vision import HunyuanVisionEncoder, VisionConfig, load_state
+
+    meta, t = instruct_golden
+    cfg = VisionConfig.from_model_config(meta["tiny_config"])
+    images = [t[f"golden.IMG.{n}.source_rgb_uint8"] for n in "AB"]
+    feats = {}
+    for q in ("none", scheme):
+        enc = HunyuanVisionEncoder(cfg, select("cpu"), BuildOptions(dtype=torch.bfloat16, quant=q))
+        load_state(enc, t)
+        enc.finalize()
+        assert enc.vision_model.encoder.layers[0].mlp.fc1.spec.quant == q
+        feats[q] = enc.encode(images)
+    err = _rel(feats[scheme], feats["none"])
+    print(f"vision encoder {scheme} vs none: relative L2 {err:.4f}")
+    assert 1e-4 < err <= VISION_REL[scheme]
