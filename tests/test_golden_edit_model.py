@@ -167,6 +167,9 @@ def test_prediction_guidance_and_first_euler_step(engine, full_path, golden, cas
     start, stop = rows[0].image_span
     pred = model.velocity(h_BLD[:, start - 1: stop].flatten(0, 1), rows, 1.0)
     close("pred", pred, g[f"{case}.pred"])
+    from omni.models.hunyuan_image3.sampler import cfg_combine
+
+    close("pred_guided", cfg_combine(pred[:1], pred[1:], r["req"].guidance), g[f"{case}.pred_guided"])
     sig = model.sigmas(r["req"])
     close("sched_sigmas", sig, g[f"{case}.sched_sigmas"])
     nxt = model.sample_step(r["latents"], pred, sig[0], sig[1], r["req"].guidance)
