@@ -67,6 +67,15 @@ class KVPool:
     def release(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 
+    def copy_prefix(self, src_pages: list[int], dst_pages: list[int], n: int) -> None:
+        """Copy the K/V of row positions ``[0, n)`` from one row's pages to another's, in every layer."""
+        if n <= 0:
+            return
+        src, dst = (self.slots(p, 0, n).to(self.k.device) for p in (src_pages, dst_pages))
+        for kv in (self.k, self.v):
+            flat = kv.view(kv.shape[0], -1, *kv.shape[3:])
+            flat[:, dst] = flat[:, src]
+
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Flat slot indices of row positions ``[start, end)``."""
         pos = torch.arange(start, end)

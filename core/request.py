@@ -32,6 +32,10 @@ class ImageRequest:
     return_latents: bool = False  # also hand back the final latents (parity checks, debugging)
     # reference images for editing: uint8 numpy [H, W, 3] RGB arrays, in order (arrays have no ==)
     images: tuple = field(default=(), compare=False)
+    bot_task: str = "image"  # image | recaption | think | think_recaption: write a CoT before drawing
+    drop_think: bool = False  # leave the <think> section out of the image pass
+    auto_size: bool = False  # with a CoT pass: the model picks the aspect ratio (height/width ignored)
+    cot_max_tokens: int = 2048  # the official max_new_tokens of the CoT pass
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property
@@ -99,6 +103,7 @@ class ImageResult:
     steps: int
     times: StageTimes
     latents: object = None  # fp32 CPU tensor [1, C, h, w] when the request asked for it
+    revised_prompt: str | None = None  # the CoT the model wrote before drawing (bot_task other than image)
 
 
 @dataclass(frozen=True)

@@ -344,7 +344,15 @@ class Scheduler:
                 t._published = text
                 t.updates.put(text)
 
+    def _next_pass(self, t: Ticket) -> None:
+        """A finished CoT pass continues as its image pass (same ticket, pages handed over), prefilled."""
+        t.state = self.pipeline.continue_with(t.state)
+        self.pipeline.prefill([t.state])
+
     def _finish_done(self, finished: list[Ticket]) -> None:
+        for t in [t for t in self.running if t.state.done and getattr(t.state, "plan", None) is not None]:
+            if not self._try(t, finished, "image pass", lambda: self._next_pass(t)):
+                self.running.remove(t)
         for t in [t for t in self.running if t.state.done]:
             self.running.remove(t)
             if isinstance(t.request, TextRequest):  # nothing to decode: the answer is the result
@@ -387,8 +395,9 @@ class Scheduler:
             self._service_s = took if self._service_s is None else 0.8 * self._service_s + 0.2 * took
             self.stats["finished"] += 1
         latents = s.latents_1Chw.detach().cpu() if r.return_latents else None
+        revised = s.request.cot_text if r.bot_task != "image" else None  # the image pass's request holds the CoT
         _settle(t.future, result=ImageResult(r.request_id, image.numpy(), s.seed, image.shape[0], image.shape[1],
-                                             r.steps, s.times, latents))
+                                             r.steps, s.times, latents, revised))
 
     def _try(self, t: Ticket, finished: list[Ticket], stage: str, fn: Callable[[], None]) -> bool:
         """Run ``fn`` for one request; on an exception fail that request only. True if it succeeded."""

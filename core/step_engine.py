@@ -50,6 +50,7 @@ class Row:
     pages: list[int]
     block_len: int
     block_rope: tuple | None = None  # (cos_TH, sin_TH) of the step block, built once on the device
+    cached: int = 0  # prefix positions whose K/V the pages already hold (a CoT pass wrote them)
 
     @property
     def tokens(self) -> int:  # prefix + step block: what the pages hold
@@ -97,6 +98,16 @@ class StepBlock:
 
     def rope_TH(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.cat([c for c, _ in self.ropes]), torch.cat([s for _, s in self.ropes])
+
+
+def _common(fed: tuple, seq) -> int:
+    """Leading positions where ``seq`` has the (token, rope position) pairs the CoT row wrote."""
+    n = 0
+    for (tok, pos), t2, p2 in zip(fed, seq.ids[: seq.prefix_len], seq.pos_yx):
+        if tok != t2 or tuple(pos) != tuple(p2):
+            break
+        n += 1
+    return n
 
 
 class StepEngine:
@@ -148,6 +159,8 @@ class StepEngine:
     def pages_needed(self, req: ImageRequest | TextRequest) -> int:
         if isinstance(req, TextRequest):
             return text_steps.pages_needed(self, req)
+        if req.bot_task != "image":
+            return sum(text_steps.cot_pages(self, *self._cot_layout(req)))
         rows = self._here(self.model.build_rows(req))
         return sum(self.pool.pages_for(s.prefix_len + self.model.block_len(s)) for s in rows)
 
@@ -155,6 +168,9 @@ class StepEngine:
         """Allocate pages for every row here (all or nothing) and draw the initial noise (text: see text_steps)."""
         if isinstance(req, TextRequest):
             return text_steps.admit(self, req, Row)
+        if req.bot_task != "image":
+            plan, image_rows, row_tokens = self._cot_layout(req)
+            return text_steps.admit_cot(self, req, plan, Row, image_rows, row_tokens)
         seqs = self.model.build_rows(req)
         rows = self._allocate(self._here(seqs))
         seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
@@ -173,9 +189,50 @@ class StepEngine:
             raise
         return rows
 
+    def _cot_layout(self, req: ImageRequest) -> tuple:
+        """(CoT plan, image rows on this worker, worst-case tokens of one image-pass row)."""
+        plan = self.model.cot_plan(req)
+        return plan, len(self._here(self.model.build_rows(req))), self.model.image_row_bound(req, plan)
+
+    def continue_with(self, s) -> RequestState:
+        """The image pass after a CoT pass: its rows take the CoT row's pages (and its K/V where the
+        tokens agree) and the reserve; only what differs is prefilled again (``Row.cached``)."""
+        req = self.model.image_pass(s.request, s.tokens)
+        seqs = self.model.build_rows(req)
+        here = self.runtime.cfg_rows(len(seqs))
+        src = s.rows[0]
+        P = len(src.seq.ids)  # the CoT row wrote the prompt and every generated token but the last
+        fed = tuple(zip(tuple(src.seq.ids) + s.tokens[:-1],
+                        tuple(src.seq.pos_yx) + tuple((i, i) for i in range(P, P + len(s.tokens) - 1))))
+        free, rows = {0: list(src.pages), 1: list(s.reserved)}, []
+        extra: list[int] = []
+        try:
+            for i in here:
+                seq, n = seqs[i], self.model.block_len(seqs[i])
+                need, own = self.pool.pages_for(seq.prefix_len + n), free[min(i, 1)]
+                pages, free[min(i, 1)] = own[:need], own[need:]
+                if len(pages) < need:
+                    more = self.pool.allocate((need - len(pages)) * self.pool.page_size)
+                    extra, pages = extra + more, pages + more
+                rows.append(Row(seq, pages, n, cached=_common(fed, seq)))
+        except Exception:
+            self.pool.release(extra)
+            raise
+        for i, r in zip(here, rows):
+            if i != 0:  # did not take the CoT row's pages: copy the K/V it wrote before the rows diverge
+                self.pool.copy_prefix(src.pages, r.pages, r.cached)
+        self.pool.release(free[0] + free[1])
+        s.rows, s.reserved = [], []  # handed over
+        return RequestState(req, rows, self.model.noise(s.seed, seqs[0]), self.model.sigmas(req), s.seed,
+                            total_rows=len(seqs), times=s.times,
+                            cache=StepCache(self.step_cache if req.step_cache is None else req.step_cache))
+
     def release(self, state: RequestState) -> None:
         self._release_rows(state.rows)
         state.rows = []
+        self.pool.release(getattr(state, "reserved", []))
+        if hasattr(state, "reserved"):
+            state.reserved = []
 
     def _release_rows(self, rows: list[Row]) -> None:
         for r in rows:
@@ -199,6 +256,7 @@ class StepEngine:
             s.times.conditioning += time.perf_counter() - t_in
             for r, x_LD in zip(s.rows, xs):
                 for i, (a, b, mask) in enumerate(self.model.prefix_segments(r.seq)):
+                    a = a if mask == "none" and r.cached < b else max(a, r.cached)  # cached: K/V in place
                     if b > a:
                         phases[(i, mask)].append((r, x_LD[a:b], a, b))
         t0 = time.perf_counter()

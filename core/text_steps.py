@@ -14,6 +14,13 @@ and image requests share the scheduler and join and leave between steps.
 ``tokens`` and ``text`` are rebound, never mutated, at every step (the
 scheduler's snapshot of a state is shallow).
 
+A *CoT pass* (an image request with a ``bot_task`` other than ``image``) is
+a text row run by a ``CotPlan`` the model gives: stop tokens, tokens forced
+after a trigger (fed one per step, as if sampled), and optionally one last
+token chosen greedily among a set (the aspect-ratio token when the size is
+"auto"). When it ends, ``then`` is the image request to run next (with the
+generated CoT); the engine continues the same ticket with it.
+
 Shape suffixes: T packed tokens, D hidden, V vocabulary.
 """
 from __future__ import annotations
@@ -28,6 +35,18 @@ from .request import StageTimes, TextRequest, TextResult
 from .sampling import SamplingParams, sample
 
 
+@dataclass(frozen=True)
+class CotPlan:
+    """How a CoT pass runs: its prompt row, when it stops and what the official code forces."""
+
+    row: object  # RowSpec: the prompt with the assistant turn opened (``<think>`` / ``<recaption>``)
+    stop_ids: frozenset[int]
+    forced: dict  # token id -> ids fed right after it (a stage transition); such a token never stops
+    choose_after: int | None = None  # after this token, one greedy token among ``choose_from``, then stop
+    choose_from: tuple[int, ...] = ()
+    max_tokens: int = 2048
+
+
 @dataclass
 class TextState:
     request: TextRequest
@@ -39,6 +58,10 @@ class TextState:
     text: str = ""  # the detokenized answer so far (what a stream has sent)
     finish_reason: str | None = None
     times: StageTimes = field(default_factory=StageTimes)
+    plan: CotPlan | None = None  # a CoT pass of an image request (None: a plain answer)
+    pending: tuple[int, ...] = ()  # forced tokens still to emit
+    choosing: bool = False  # the next token is the plan's greedy choice
+    reserved: list = field(default_factory=list)  # pages held for the image pass's other rows
 
     @property
     def done(self) -> bool:
@@ -47,7 +70,13 @@ class TextState:
     @property
     def sampling(self) -> SamplingParams:
         r = self.request
+        if self.plan is not None:  # an image request's CoT pass: the Instruct generation_config sampling
+            return SamplingParams()
         return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.plan.max_tokens if self.plan is not None else self.request.max_tokens
 
     def result(self) -> TextResult:
         return TextResult(self.request.request_id, self.text, list(self.tokens), self.prompt_len,
@@ -58,24 +87,63 @@ def pages_needed(engine, req: TextRequest) -> int:
     return engine.pool.pages_for(len(engine.model.text_row(req).ids) + req.max_tokens)
 
 
+def _seed(req) -> int:
+    return req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+
+
 def admit(engine, req: TextRequest, row_type) -> TextState:
     """Pages for the prompt and ``max_tokens`` answer tokens; the stop tokens of the request or the model."""
     seq = engine.model.text_row(req)
     pages = engine.pool.allocate(len(seq.ids) + req.max_tokens)
-    seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
     stop = frozenset(req.stop_ids) if req.stop_ids is not None else engine.model.stop_ids(req)
-    return TextState(req, [row_type(seq, pages, 0)], seed, stop, len(seq.ids))
+    return TextState(req, [row_type(seq, pages, 0)], _seed(req), stop, len(seq.ids))
+
+
+def cot_pages(engine, plan: CotPlan, image_rows: int, image_row_tokens: int) -> tuple[int, int]:
+    """(pages of the CoT row, pages reserved for the image pass's other rows) at the worst case."""
+    cot = engine.pool.pages_for(max(len(plan.row.ids) + plan.max_tokens, image_row_tokens))
+    return cot, (image_rows - 1) * engine.pool.pages_for(image_row_tokens)
+
+
+def admit_cot(engine, req, plan: CotPlan, row_type, image_rows: int, image_row_tokens: int) -> TextState:
+    """A CoT pass whose row pages (and the reserve) already fit the image pass that follows it."""
+    cot, reserve = cot_pages(engine, plan, image_rows, image_row_tokens)
+    pages = engine.pool.allocate(cot * engine.pool.page_size)
+    try:
+        reserved = engine.pool.allocate(reserve * engine.pool.page_size) if reserve else []
+    except Exception:
+        engine.pool.release(pages)
+        raise
+    return TextState(req, [row_type(plan.row, pages, 0)], _seed(req), plan.stop_ids, len(plan.row.ids),
+                     plan=plan, reserved=reserved)
+
+
+def next_token(s: TextState, logits_V: torch.Tensor) -> int:
+    """A forced token, the plan's greedy choice among its set, or a sample."""
+    if s.pending:
+        token, s.pending = s.pending[0], s.pending[1:]
+        return token
+    if s.choosing:
+        allowed = torch.tensor(s.plan.choose_from, device=logits_V.device)
+        return int(allowed[logits_V[allowed].argmax()])
+    return sample(logits_V, s.sampling, s.seed, len(s.tokens))
 
 
 def emit(engine, s: TextState, logits_V: torch.Tensor) -> None:
-    """Sample the next token of ``s`` from its logits; stop at a stop token or at ``max_tokens``."""
-    token = sample(logits_V, s.sampling, s.seed, len(s.tokens))
+    """The next token of ``s``; stop at a stop token, after a plan's choice or at ``max_tokens``."""
+    was_choice = s.choosing
+    token = next_token(s, logits_V)
     s.tokens = s.tokens + (token,)
-    if token in s.stop_ids:
+    forced = s.plan.forced.get(token, ()) if s.plan is not None else ()
+    if forced:
+        s.pending = s.pending + tuple(forced)
+    s.choosing = s.plan is not None and token == s.plan.choose_after and not s.pending
+    if was_choice or (token in s.stop_ids and not forced):
         s.finish_reason = "stop"
-    elif len(s.tokens) >= s.request.max_tokens:
+    elif len(s.tokens) >= s.max_tokens:
         s.finish_reason = "length"
-    answer = s.tokens[:-1] if s.finish_reason == "stop" else s.tokens  # the stop token is not part of the text
+    keep_stop = s.plan is not None  # a CoT keeps its closing marker; an answer drops its stop token
+    answer = s.tokens[:-1] if s.finish_reason == "stop" and not keep_stop else s.tokens
     s.text = engine.model.detokenize(list(answer))
 
 

@@ -26,14 +26,17 @@ P ViT slots per image, M backbone width.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from omni.request import ImageRequest
+from omni.text_steps import CotPlan
 
 from .cond_image import posterior, vae_input
 from .edit_sequence import CondImage, EditSequence, TextRow, build_edit_pair, build_text_row
 from .pipeline import HunyuanImage3T2I
-from .resolution import instruct_table, nearest
+from .resolution import instruct_table, nearest, token_grid
 from .vision_preprocess import target_size
 
 
@@ -67,7 +70,7 @@ class HunyuanImage3Instruct(HunyuanImage3T2I):
             return super().build_rows(req)
         conds = [self.cond_layout(im) for im in req.images]
         kw = dict(height=req.height, width=req.width, downsample=self.downsample, base_size=self.base_size,
-                  system_prompt=req.system_prompt, cot_text=req.cot_text)
+                  system_prompt=req.system_prompt, cot_text=req.cot_text, drop_think=req.drop_think)
         if not req.use_cfg:
             return list(build_edit_pair(self.tok, req.prompt, conds, cfg=False, **kw))
         if req.negative_prompt is None:
@@ -88,6 +91,57 @@ class HunyuanImage3Instruct(HunyuanImage3T2I):
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tok.decode(ids)
+
+    # ---------------------------------------------------------------- think / recaption before the image
+    COT_TASKS = ("recaption", "think", "think_recaption")
+
+    def cot_plan(self, req: ImageRequest) -> CotPlan:
+        """The official CoT pass of ``bot_task``: its opener, stop tokens and forced stage transitions.
+
+        think: ``<think>`` ... stop at ``</think>`` / ``</recaption>``; recaption:
+        ``<recaption>`` ... stop at ``</recaption>``; think_recaption: ``</think>``
+        forces ``<recaption>``. With ``auto_size`` the last closing marker forces
+        ``<answer><boi><img_size_B>`` and the ratio token is then chosen
+        greedily among the table's ratio tokens only.
+        """
+        if req.bot_task not in self.COT_TASKS:
+            raise ValueError(f"bot_task {req.bot_task!r}: expected image or one of {', '.join(self.COT_TASKS)}")
+        tok = self.tok
+        thinks = req.bot_task != "recaption"
+        row = build_text_row(tok, req.prompt, [self.cond_layout(im) for im in req.images], downsample=self.downsample,
+                             system_prompt=req.system_prompt, base_size=self.base_size,
+                             opener="<think>" if thinks else "<recaption>")
+        stop = {tok.end_of_think, tok.end_of_recaption} if thinks else {tok.end_of_recaption}
+        forced = {tok.end_of_think: (tok.recaption,)} if req.bot_task == "think_recaption" else {}
+        if not req.auto_size:
+            return CotPlan(row, frozenset(stop), forced, max_tokens=req.cot_max_tokens)
+        last = tok.end_of_think if req.bot_task == "think" else tok.end_of_recaption
+        forced[last] = (tok.answer, tok.boi, tok.img_size(self.base_size))
+        ratios = tuple(tok.img_ratio(k) for k in range(len(self.table)))
+        return CotPlan(row, frozenset(stop), forced, choose_after=tok.img_size(self.base_size), choose_from=ratios,
+                       max_tokens=req.cot_max_tokens)
+
+    def image_row_bound(self, req: ImageRequest, plan: CotPlan) -> int:
+        """Tokens one image-pass row can take at most: the prompt, a CoT of ``max_tokens`` (plus its
+        markers, re-tokenised), the image block of the largest size the pass may pick."""
+        rows = self.build_rows(dataclasses.replace(req, bot_task="image", cot_text=None))
+        sizes = self.table if req.auto_size else [(req.height, req.width)]
+        block = 1 + max(h * w for h, w in (token_grid(*hw, self.downsample) for hw in sizes))
+        return rows[0].prefix_len + plan.max_tokens + 16 + block
+
+    def image_pass(self, req: ImageRequest, tokens) -> ImageRequest:
+        """The image request after its CoT pass: the generated text as ``cot_text``, the chosen size."""
+        tok, tokens = self.tok, list(tokens)
+        ratios = [tok.img_ratio(k) for k in range(len(self.table))]
+        chosen = len(tokens) >= 2 and tokens[-2] == tok.img_size(self.base_size) and tokens[-1] in ratios
+        if req.auto_size and chosen:  # the plan's greedy choice after the forced <img_size_B>
+            k = ratios.index(tokens[-1])
+            req = dataclasses.replace(req, height=self.table[k][0], width=self.table[k][1])
+        if tok.answer in tokens:  # the forced <answer><boi><img_size_B> and the ratio are the image block's
+            tokens = tokens[: tokens.index(tok.answer)]
+        opener = "<recaption>" if req.bot_task == "recaption" else "<think>"
+        return dataclasses.replace(req, bot_task="image", auto_size=False,
+                                   cot_text=opener + self.detokenize(tokens))
 
     def prefix_segments(self, row) -> list[tuple[int, int, str]]:
         """Causal text, then each joint block fully visible, ...; the last segment ends the prefix."""

@@ -50,7 +50,7 @@ class HunyuanImage3T2I:
             raise ValueError("this checkpoint does not take reference images (editing needs an Instruct flavour)")
         _, h_px, w_px = snap(req.height, req.width)
         kw = dict(template=req.template, height=h_px, width=w_px, downsample=self.downsample,
-                  system_prompt=req.system_prompt, cot_text=req.cot_text)
+                  system_prompt=req.system_prompt, cot_text=req.cot_text, drop_think=req.drop_think)
         if not req.use_cfg:
             return list(build_t2i_pair(self.tok, req.prompt, cfg=False, **kw))
         if req.negative_prompt is None:

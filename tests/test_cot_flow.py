@@ -1,0 +1,149 @@
+"""Think / recaption before drawing: the official stage transitions, the image pass and its reuse of the CoT's K/V.
+
+On the golden Instruct tiny weights through the real engine and scheduler.
+Random tiny weights never write ``</think>`` on their own, so a script
+steers what the model "chooses" at some steps (a large bias on one logit of
+the real logits); forced tokens and the ratio choice are the engine's own.
+The image pass's rows must be the official THINK sequences (golden), and an
+image pass that reuses the CoT row's K/V must step exactly like the same
+image request prefilled from scratch.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from golden_utils import write_instruct_checkpoint
+from omni.platform_manager import select
+from omni.request import ImageRequest
+from omni.scheduler import Scheduler
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def golden(instruct_golden):
+    meta, t = instruct_golden
+    return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}
+
+
+@pytest.fixture(scope="module")
+def engine(instruct_golden, tmp_path_factory):
+    from omni.models.hunyuan_image3.build import build_pipeline
+    from omni.recipe import load_recipe
+
+    root = write_instruct_checkpoint(*instruct_golden, tmp_path_factory.mktemp("cot_ckpt"))
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(root), "kv_cache.page_tokens": 4})
+    return build_pipeline(recipe, select("cpu"), progress=False)
+
+
+class Script:
+    """Biases the real logits toward one scripted token per call (None: leave the logits alone)."""
+
+    def __init__(self, model, words):
+        self.model, self.inner = model, model.text_logits
+        self.ids = [None if w is None else model.tok.id_of(w) for w in words]
+        model.text_logits = self
+
+    def __call__(self, h_TD):
+        out = self.inner(h_TD)
+        token = self.ids.pop(0) if self.ids else None
+        if token is not None:
+            out[:, token] += 1e4
+        return out
+
+    def close(self):
+        del self.model.text_logits
+
+
+def think_request(meta, **kw) -> ImageRequest:
+    c = meta["cases"]["THINK"]
+    kw = {"bot_task": "think_recaption", **kw}
+    return ImageRequest(prompt=c["prompt"], system_prompt=c["system_prompt"], height=256, width=256, steps=3,
+                        guidance=5.0, seed=4, template="instruct", cot_max_tokens=40, **kw)
+
+
+def run_cot(engine, req, words):
+    """Admit, prefill and step the CoT pass to its end; the state (and the scheduler that ran it)."""
+    script = Script(engine.model, words)
+    try:
+        s = engine.admit(req)
+        engine.prefill([s])
+        while not s.done:
+            engine.denoise_step([s])
+    finally:
+        script.close()
+    return s
+
+
+THINK_WORDS = ["a", "red", "cat", "make", "it", "</think>", None, "a", "red", "cat", "</recaption>"]
+
+
+@pytest.mark.parametrize("drop_think, name", [(False, "THINK"), (True, "THINK_drop_think")])
+def test_think_recaption_gives_the_official_image_pass(engine, golden, drop_think, name):
+    meta, g = golden
+    s = run_cot(engine, think_request(meta, drop_think=drop_think), THINK_WORDS)
+    tok = engine.model.tok
+    assert s.finish_reason == "stop" and s.tokens[6] == tok.recaption, "</think> must force <recaption>"
+    written = s.prompt_len + len(s.tokens) - 1  # the CoT row's K/V: the prompt and every token fed back
+    state = engine.continue_with(s)
+    try:
+        assert torch.equal(torch.tensor([r.seq.ids for r in state.rows]), g[f"{name}.input_ids"])
+        cond, uncond = state.rows
+        first_cfg = list(uncond.seq.ids).index(tok.cfg)
+        assert uncond.cached == first_cfg  # copied up to where the uncond row's <cfg> tokens begin
+        # the cond row keeps all the CoT wrote (drop_think: only up to where the <think> section was)
+        assert cond.cached == (s.prompt_len - 1 if drop_think else written)
+    finally:
+        engine.release(state)
+    assert engine.pool.free_pages == engine.pool.num_pages
+
+
+def test_auto_size_forces_the_answer_block_and_chooses_a_ratio_greedily(engine, golden):
+    meta, _ = golden
+    tok = engine.model.tok
+    words = THINK_WORDS + [None, None, None, "cat"]  # the script pushes a word where only a ratio may go
+    s = run_cot(engine, think_request(meta, auto_size=True), words)
+    tail = list(s.tokens[-4:])
+    assert tail[:3] == [tok.answer, tok.boi, tok.img_size(256)]
+    ratios = [tok.img_ratio(k) for k in range(len(engine.model.table))]
+    assert tail[3] in ratios and s.finish_reason == "stop"
+    req = engine.model.image_pass(s.request, s.tokens)
+    assert (req.height, req.width) == engine.model.table[ratios.index(tail[3])]
+    assert req.cot_text.replace(" ", "") == "<think>aredcatmakeit</think><recaption>aredcat</recaption>"
+    engine.release(s)
+
+
+@torch.inference_mode()
+def test_image_pass_on_reused_kv_steps_like_a_fresh_request(engine, golden):
+    """Through the scheduler: the CoT's K/V reused (and copied into the uncond row) = prefilled from scratch."""
+    meta, _ = golden
+    seen = {}
+    engine.on_velocity = lambda st, v: seen.setdefault(st.request.request_id, []).append(v.clone())
+    engine.decode = lambda st: torch.zeros(4, 4, 3, dtype=torch.uint8)  # the tiny golden VAE has no decoder
+    script = Script(engine.model, THINK_WORDS)
+    try:
+        sched = Scheduler(engine, max_running=2)
+        (cot,) = sched.submit_many([think_request(meta, request_id="cot")])
+        while sched.has_work():
+            sched.step()
+        revised = cot.result(timeout=0).revised_prompt
+        fresh = think_request(meta, request_id="fresh", bot_task="image", cot_text=revised)
+        (t,) = sched.submit_many([fresh])
+        while sched.has_work():
+            sched.step()
+        t.result(timeout=0)
+    finally:
+        script.close()
+        del engine.decode
+        engine.on_velocity = None
+    assert len(seen["cot"]) == len(seen["fresh"]) == 3
+    for a, b in zip(seen["cot"], seen["fresh"]):
+        assert (a - b).abs().max().item() <= ATOL
+    assert engine.pool.free_pages == engine.pool.num_pages
+
+
+def test_unknown_bot_task_is_refused(engine, golden):
+    meta, _ = golden
+    with pytest.raises(ValueError, match="bot_task 'dream'"):
+        engine.pages_needed(think_request(meta, bot_task="dream"))
