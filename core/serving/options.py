@@ -19,14 +19,15 @@ class ModelHelpers:
 
     parse_size: Callable[[str], tuple[int, int]]  # "WxH" -> (height, width); ValueError if malformed
     snap: Callable[[int, int], tuple[int, int]]  # requested (h, w) -> generated (h, w)
-    system_prompt: Callable[[str | None], str | None]  # mode name or text -> text
+    system_prompt: Callable[..., str | None]  # (mode name or text, bot_task="image") -> text
     max_images: int = 0  # reference images a request may carry (0: the model does not edit)
+    writes_text: bool = False  # text answers (chat modalities ["text"]) and bot_task think / recaption
 
     @classmethod
     def plain(cls) -> "ModelHelpers":
         from omni.recipe import parse_size  # "WxH" -> (width, height); RecipeError is a ValueError
 
-        return cls(lambda size: parse_size(size)[::-1], lambda h, w: (h, w), lambda value: value)
+        return cls(lambda size: parse_size(size)[::-1], lambda h, w: (h, w), lambda value, bot_task="image": value)
 
 
 @dataclass(frozen=True)

@@ -59,15 +59,15 @@ class HunyuanImage3Flavor:
 
         modes = {"None", "dynamic", "custom", *system_prompts.SYSTEM_PROMPTS}
 
-        def system_prompt(value: str | None) -> str | None:
+        def system_prompt(value: str | None, bot_task: str = "image") -> str | None:
             if value is None or value not in modes:
                 return value  # None, or the text itself
-            return system_prompts.resolve_system_prompt(value, bot_task="image")
+            return system_prompts.resolve_system_prompt(value, bot_task=bot_task)
 
         if self.instruct:
             return ModelHelpers(lambda size: parse_size(size)[::-1],
                                 lambda h, w: resolution.instruct_size((h, w), self.base_size)[:2], system_prompt,
-                                max_images=MAX_REFERENCE_IMAGES)
+                                max_images=MAX_REFERENCE_IMAGES, writes_text=True)
         return ModelHelpers(lambda size: parse_size(size)[::-1], lambda h, w: resolution.snap(h, w)[1:],
                             system_prompt)
 
