@@ -6,7 +6,11 @@ Three Instruct requests on the golden Instruct tiny weights, packed into every f
     E2  two reference images of different sizes (golden IT2I_2: CoT, CFG pair)
     T   Instruct text-to-image without guidance: one row, so the packed token
         counts are odd and the sequence-parallel splits are uneven
+    A1  a text answer to golden T2T's prompt (greedy, 3 tokens)
+    A2  a text answer about an image (golden I2T: the image's joint block in the prompt)
 
+The text answers decode one token per step in their own packed forward,
+beside the denoising forward; their tokens and every step's logits are kept.
 The pipeline is the deployment's own (``build_pipeline`` from a checkpoint
 directory holding the golden weights): the reference images' joint blocks
 are prefilled into the paged KV pool as fully visible segments between
@@ -43,7 +47,7 @@ def write_checkpoint(root: Path) -> Path:
 def requests():
     from safetensors import safe_open
 
-    from omni.request import ImageRequest
+    from omni.request import ImageRequest, TextRequest
 
     meta = json.loads(GOLDEN_JSON.read_text())["cases"]
     with safe_open(str(GOLDEN_TENSORS), framework="pt") as f:
@@ -56,7 +60,11 @@ def requests():
                          guidance=3.0, seed=two["seed"], template="instruct", images=(img["A"], img["B"]),
                          request_id="E2"),
             ImageRequest(prompt="a red cat", height=256, width=256, steps=4, guidance=1.0, seed=3,
-                         template="instruct", request_id="T")]
+                         template="instruct", request_id="T"),
+            TextRequest(prompt=meta["T2T"]["prompt"], system_prompt=meta["T2T"]["system_prompt"], max_tokens=3,
+                        temperature=0.0, stop_ids=(), request_id="A1"),
+            TextRequest(prompt=meta["I2T"]["prompt"], images=(img["B"],), max_tokens=3, temperature=0.0,
+                        seed=meta["I2T"]["seed"], stop_ids=(), request_id="A2")]
 
 
 def build(root: Path, platform, parallel=None, paged: bool = True):
@@ -67,23 +75,33 @@ def build(root: Path, platform, parallel=None, paged: bool = True):
     recipe = load_recipe("cpu_tiny_instruct").replace_paths({
         "model.path": str(root), "kv_cache.mode": "paged" if paged else "contiguous", "kv_cache.page_tokens": PAGE})
     pipe = build_pipeline(recipe, platform, parallel=parallel, progress=False)
-    pipe.trace = {}
+    pipe.trace, pipe.logits = {}, []
     pipe.on_velocity = lambda s, v_BChw: pipe.trace.setdefault(s.request.request_id, []).append(v_BChw.clone())
+    inner = pipe.model.text_logits
+    pipe.model.text_logits = lambda h_TD: _kept(pipe.logits, inner(h_TD))
     return pipe
+
+
+def _kept(store: list, logits_TV: torch.Tensor) -> torch.Tensor:
+    store.append(logits_TV.clone())
+    return logits_TV
 
 
 @torch.inference_mode()
 def run_scenario(pipe, steps: int = 2) -> dict:
     """Prefill + ``steps`` denoising steps; {request id: {"pred": [per step], "latents": [per step]}}."""
     states = [pipe.admit(r) for r in requests()]
-    out = {s.request.request_id: {"pred": [], "latents": [s.latents_1Chw.clone()]} for s in states}
+    images = [s for s in states if hasattr(s, "latents_1Chw")]
+    out = {s.request.request_id: {"pred": [], "latents": [s.latents_1Chw.clone()]} for s in images}
     pipe.prefill(states)
     for _ in range(steps):
         pipe.denoise_step(states)
-        for s in states:
+        for s in images:
             out[s.request.request_id]["latents"].append(s.latents_1Chw.clone())
     for rid, preds in pipe.trace.items():
         out[rid]["pred"] = [p.clone() for p in preds]
+    out.update({s.request.request_id: {"tokens": list(s.tokens)} for s in states if s not in images})
+    out["_text_logits"] = [x.clone() for x in pipe.logits]
     for s in states:
         pipe.release(s)
     out["_pool_all_free"] = pipe.pool.free_pages == pipe.pool.num_pages

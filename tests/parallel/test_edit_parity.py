@@ -1,8 +1,8 @@
-"""Parallel layouts reproduce single-process editing on the golden Instruct tiny weights (CPU, gloo).
+"""Parallel layouts reproduce single-process editing and text decoding on the golden Instruct weights (CPU, gloo).
 
 One spawned world of two ranks runs tp2, ulysses2, ring2 and cfg2 on the scenario of edit_parity.py: two editing
-requests (one and two reference images) and an Instruct text-to-image row,
-packed; the reference images' prefix is prefilled into the KV pool under the
+requests (one and two reference images), an Instruct text-to-image row and
+two greedy text answers (T2T, I2T), packed; the reference images' prefix is prefilled into the KV pool under the
 layout, then two steps run against it. Every rank's predictions and latents
 must equal the single-process ones within 1e-5 (fp32), and the
 single-process first step must equal the official IT2I_1 / IT2I_2 tensors.
@@ -44,6 +44,9 @@ def reference(checkpoint):
             for got, key in ((ref[rid]["pred"][0], "pred"), (ref[rid]["latents"][1], "latents_next")):
                 err = (got - f.get_tensor(f"golden.{case}.{key}")).abs().max().item()
                 assert err <= ATOL, f"single-process {rid} vs golden {case}.{key}: {err}"
+        for rid, case in (("A1", "T2T"), ("A2", "I2T")):
+            want = f.get_tensor(f"golden.{case}.generated_ids")[:3].tolist()
+            assert ref[rid]["tokens"] == want, f"single-process {rid} tokens vs golden {case}"
     return ref
 
 
@@ -53,6 +56,19 @@ def world2(checkpoint):
     per_rank = launch(edit_parity.layout_worker, Degrees.parse(pairs[0][0]), args=(str(checkpoint), pairs),
                       timeout_s=JOB_TIMEOUT_S)
     return {tid: [r[(lay, paged)] for r in per_rank] for tid, lay, paged in WORLD2}
+
+
+@pytest.mark.parametrize("tid", [t for t, _, _ in WORLD2])
+def test_text_decoding_layout_matches_single_process(world2, reference, tid):
+    """Greedy answers beside the edits: same tokens on every rank, every step's logits within 1e-5."""
+    for rank, got in enumerate(world2[tid]):
+        for rid in ("A1", "A2"):
+            assert got[rid]["tokens"] == reference[rid]["tokens"], f"{tid} rank {rank} {rid}"
+        want, have = reference["_text_logits"], got["_text_logits"]
+        assert len(have) == len(want), f"{tid} rank {rank}: {len(have)} text forwards, expected {len(want)}"
+        for step, (w, h) in enumerate(zip(want, have)):
+            err = (h.float() - w.float()).abs().max().item()
+            assert h.shape == w.shape and err <= ATOL, f"{tid} rank {rank} text logits[{step}]: {err:.3g}"
 
 
 @pytest.mark.parametrize("tid", [t for t, _, _ in WORLD2])
