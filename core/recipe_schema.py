@@ -191,6 +191,9 @@ class Serving(_Validated):
     max_running: int = _opt(8, "requests denoising together (step-level batching)", rule=_at_least(1))
     max_batch_tokens: int = _opt(32768, "packed tokens per forward (all rows of all running requests)",
                                  rule=_at_least(1))
+    text_tokens_per_image_step: int = _opt(4, "while images denoise, tokens each text answer gets per image "
+                                              "step (1: one each, text waits for every image step)",
+                                           rule=_at_least(1))
     request_timeout_s: float = _opt(600.0, "seconds before a request is cancelled", rule=_POSITIVE,
                                     parse=_parse_float)
     api_key_env: str | None = _opt(None, "name of the environment variable holding the API key; null = no key",

@@ -155,10 +155,11 @@ class Scheduler:
 
     def __init__(self, pipeline, *, max_running: int = 8, max_queue: int | None = None,
                  max_batch_tokens: int | None = None, pack_prefill: bool = False, decode_thread: bool = False,
-                 clock: Callable[[], float] = time.perf_counter):
+                 text_tokens_per_image_step: int = 1, clock: Callable[[], float] = time.perf_counter):
         self.pipeline, self.pool = pipeline, pipeline.pool
         self.max_running, self.max_queue = max_running, max_queue
         self.max_batch_tokens, self.pack_prefill, self.clock = max_batch_tokens, pack_prefill, clock
+        self.text_tokens_per_image_step = text_tokens_per_image_step
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.running: list[Ticket] = []
         self.admitting: list[Ticket] = []  # taken off the queue, not yet running (admit + prefill)
@@ -175,7 +176,7 @@ class Scheduler:
         """The scheduler ``recipe.serving`` describes (max_running, max_queue, max_batch_tokens)."""
         s = recipe.serving
         kw = dict(max_running=s.max_running, max_queue=s.max_queue, max_batch_tokens=s.max_batch_tokens,
-                  decode_thread=True)
+                  decode_thread=True, text_tokens_per_image_step=s.text_tokens_per_image_step)
         sched = cls(pipeline, **(kw | overrides))
         w, h = recipe.defaults.width_height
         need = sched.cost(ImageRequest(prompt="x", height=h, width=w, guidance=recipe.defaults.guidance)).step_tokens
@@ -319,22 +320,37 @@ class Scheduler:
                 self.running.append(t)
 
     def _denoise(self, finished: list[Ticket]) -> None:
-        saved = [snapshot_state(t.state) for t in self.running]
-        try:
-            self.pipeline.denoise_step([t.state for t in self.running])
-        except Exception as e:
-            if len(self.running) == 1:
-                self._fail(self.running.pop(), e, "denoise", finished)
+        """One step of every running request, then extra text-only steps while images are denoising."""
+        self._step(list(self.running), finished)
+        texts = [t for t in self.running if hasattr(t.state, "tokens")]
+        if not texts or len(texts) == len(self.running):
+            return
+        for _ in range(self.text_tokens_per_image_step - 1):  # a token must not wait for every image step
+            live = [t for t in texts if t in self.running and not t.state.done]
+            if not live:
                 return
-            log.warning("packed step of %d requests failed (%s); retrying one at a time", len(self.running), e)
-            for t, s in zip(self.running, saved):
+            self._publish()
+            self._step(live, finished)
+
+    def _step(self, tickets: list[Ticket], finished: list[Ticket]) -> None:
+        """``denoise_step`` over ``tickets``; a failed packed step is retried one request at a time."""
+        saved = [snapshot_state(t.state) for t in tickets]
+        try:
+            self.pipeline.denoise_step([t.state for t in tickets])
+        except Exception as e:
+            if len(tickets) == 1:
+                self.running.remove(tickets[0])
+                self._fail(tickets[0], e, "denoise", finished)
+                return
+            log.warning("packed step of %d requests failed (%s); retrying one at a time", len(tickets), e)
+            for t, s in zip(tickets, saved):
                 restore_state(t.state, s)
-            for t in list(self.running):
+            for t in tickets:
                 if not self._try(t, finished, "denoise", lambda: self.pipeline.denoise_step([t.state])):
                     self.running.remove(t)
         else:
             self.stats["steps"] += 1
-            self.stats["step_tokens"] += sum(t.cost.step_tokens for t in self.running)
+            self.stats["step_tokens"] += sum(t.cost.step_tokens for t in tickets)
 
     def _publish(self) -> None:
         """Each running text request's answer so far, to its ticket's ``updates`` when it changed."""

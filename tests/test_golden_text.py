@@ -153,3 +153,22 @@ def test_a_cancelled_answer_frees_its_pages_at_the_next_step(engine, golden):
     assert not sched.running and engine.pool.free_pages == engine.pool.num_pages
     with pytest.raises(Exception, match="cancelled"):
         t.result(timeout=0)
+
+
+def test_answers_beside_an_image_get_several_tokens_per_image_step(engine, golden):
+    """serving.text_tokens_per_image_step: a token does not wait for every image step; tokens unchanged."""
+    from omni.request import ImageRequest
+
+    meta, g = golden
+    sched = Scheduler(engine, max_running=4, text_tokens_per_image_step=3)
+    image = ImageRequest(prompt="a red cat", height=256, width=256, steps=20, guidance=5.0, seed=1,
+                         template="instruct")
+    img, text = sched.submit_many([image, request_of(meta, g, "T2T")])
+    while not text.future.done():
+        sched.step()
+    assert text.result(timeout=0).token_ids == g["T2T.generated_ids"].tolist()
+    # 8 tokens: 1 from the prefill, then 3 per iteration (one beside the image step, 2 alone): 3 image steps
+    assert img.state.step == 3
+    sched.cancel(img)
+    sched.step()
+    assert engine.pool.free_pages == engine.pool.num_pages

@@ -42,7 +42,7 @@ RECIPE_FIELD_PATHS = [
     "graph.mode",
     "vae.tiling", "vae.tile_latents", "vae.overlap", "vae.streams",
     "serving.host", "serving.port", "serving.max_queue", "serving.max_running", "serving.max_batch_tokens",
-    "serving.request_timeout_s", "serving.api_key_env", "serving.max_image_pixels", "serving.fetch_remote_images",
+    "serving.text_tokens_per_image_step", "serving.request_timeout_s", "serving.api_key_env", "serving.max_image_pixels", "serving.fetch_remote_images",
     "defaults.steps", "defaults.guidance", "defaults.size", "defaults.shift", "defaults.template",
     "defaults.system_prompt",
     "validated",
