@@ -45,6 +45,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="answer tokens per request (greedy, no stop token)")
     p.add_argument("--image-size", type=int, default=1024, help="side of the image request beside the answers")
+    p.add_argument("--text-tokens-per-image-step", default="1,4",
+                   help="serving.text_tokens_per_image_step values to run beside the image")
     p.add_argument("--kv-gib", type=float, default=8.0)
     p.add_argument("--json", type=Path)
     return p.parse_args()
@@ -82,9 +84,10 @@ def _has_token(t) -> bool:
     return t.future.done() or bool(getattr(t.state, "tokens", ()))
 
 
-def run_scheduled(dev, engine, reqs, image: ImageRequest | None) -> dict:
+def run_scheduled(dev, engine, reqs, image: ImageRequest | None, per_image_step: int = 1) -> dict:
     """Submit, step until every answer is done; TTFT per answer, decode throughput, forward times."""
-    sched = Scheduler(engine, max_running=len(reqs) + 1, max_batch_tokens=None)
+    sched = Scheduler(engine, max_running=len(reqs) + 1, max_batch_tokens=None,
+                      text_tokens_per_image_step=per_image_step)
     timers = Timers(dev, engine)
     try:
         img = sched.submit_many([image])[0] if image is not None else None
@@ -153,18 +156,20 @@ def main() -> int:
     image = ImageRequest(prompt="a red cat", height=a.image_size, width=a.image_size, steps=1000, guidance=5.0, seed=0,
                          template="instruct", request_id="image")
     run_scheduled(dev, engine, answers(2, a.prompt_tokens, 4), None)  # warm-up
-    results = []
+    results, shares = [], [int(v) for v in a.text_tokens_per_image_step.split(",")]
     for c in (int(v) for v in a.concurrency.split(",")):
         reqs = answers(c, a.prompt_tokens, a.tokens)
-        cached, beside, nocache = (run_scheduled(dev, engine, reqs, None), run_scheduled(dev, engine, reqs, image),
-                                   run_without_cache(dev, engine, reqs))
-        row = {"concurrency": c, "kv_cached": cached, "beside_1024_image": beside, "no_kv_cache_baseline": nocache,
+        cached, nocache = run_scheduled(dev, engine, reqs, None), run_without_cache(dev, engine, reqs)
+        beside = {k: run_scheduled(dev, engine, reqs, image, k) for k in shares}
+        row = {"concurrency": c, "kv_cached": cached, "no_kv_cache_baseline": nocache,
+               **{f"beside_image_text_tokens_per_image_step_{k}": v for k, v in beside.items()},
                "speedup_vs_no_cache": cached["decode_tokens_per_s"] / nocache["tokens_per_s"],
                "text_step_s_32_layers_extrapolated": extrapolated(cached["text_step_s"], a.layers)}
         results.append(row)
+        side = ", ".join(f"{v['decode_tokens_per_s']:.0f} tok/s / image step {v['image_step_s'] * 1e3:.0f} ms at "
+                         f"{k} per image step" for k, v in beside.items())
         print(f"c={c}: {cached['decode_tokens_per_s']:.0f} tok/s cached vs {nocache['tokens_per_s']:.0f} without cache; "
-              f"TTFT {cached['ttft_mean_s'] * 1e3:.0f} ms; beside an image {beside['decode_tokens_per_s']:.0f} tok/s",
-              file=sys.stderr)
+              f"TTFT {cached['ttft_mean_s'] * 1e3:.0f} ms; beside an image: {side}", file=sys.stderr)
     out = {"commit": commit, "platform": platform.name, "device": platform.info.device_name, "layers": a.layers,
            "note": f"transformer at {a.layers} of {RELEASED_LAYERS} layers, random weights, greedy",
            "prompt_tokens_words": a.prompt_tokens, "answer_tokens": a.tokens, "results": results}
