@@ -113,7 +113,8 @@ def run_scheduled(dev, engine, reqs, image: ImageRequest | None, per_image_step:
     return {"concurrency": len(reqs), "tokens": n, "wall_s": wall, "ttft_mean_s": sum(ttft) / len(ttft),
             "ttft_max_s": ttft[-1], "decode_tokens_per_s": (n - len(reqs)) / max(wall - ttft[-1], 1e-9),
             "text_step_s": timers.text / max(timers.text_steps, 1),
-            "image_step_s": timers.image / max(timers.image_steps, 1) if image is not None else None}
+            "image_step_s": timers.image / max(timers.image_steps, 1) if image is not None else None,
+            "image_steps_per_s": timers.image_steps / wall if image is not None else None}
 
 
 @torch.inference_mode()
