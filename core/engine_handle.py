@@ -22,7 +22,9 @@ StepListener = Callable[[list, float], None]  # (tickets resolved in the step, i
 
 @runtime_checkable
 class TicketHandle(Protocol):
-    """One submitted request: ``future`` resolves to an ``ImageResult`` or the request's error."""
+    """One submitted request: ``future`` resolves to an ``ImageResult`` (a ``TextResult`` for a
+    ``TextRequest``) or the request's error. Local tickets (``omni.scheduler.Ticket``) also stream a text
+    answer so far through ``updates``; remote ones resolve only at the end."""
 
     request: ImageRequest
     future: concurrent.futures.Future
