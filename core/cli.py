@@ -1,6 +1,6 @@
 """The ``omni-run`` command line.
 
-Commands: ``platforms``, ``models``, ``recipes``, ``generate``, ``edit``,
+Commands: ``platforms``, ``models``, ``recipes``, ``generate``, ``edit``, ``chat``,
 ``serve`` (also the bare form ``omni-run --platform X --recipe Y``) and ``bench``. Exit status: 0 ok,
 1 runtime error, 2 usage or configuration error (bad recipe, unusable or
 refusing platform), each printed as one ``omni-run: error: ...`` line.
@@ -14,6 +14,7 @@ and hands them over; it never passes the argparse Namespace on::
         -> omni.generate.generate_main(deployment, job)
     edit:     the same GenerateJob with the request's reference ``images`` filled (decoded and
               checked by omni.serving.image_input, the server's own rules) -> generate_main
+    chat:     ChatJob (the prompt or stdin, images, system prompt, sampling) -> omni.chat.chat_main
     serve:    Endpoint (host, port, API key read from serving.api_key_env: the only
               environment read of the startup path) -> omni.serving.server.serve_main(deployment, endpoint)
 
@@ -160,25 +161,68 @@ def _deployment(args, serving: bool):
 def cmd_generate(args) -> int:
     _check_generation_flags(args)
     deployment = _deployment(args, serving=False)
+    helpers = _helpers(deployment, args.bot_task != "image", "--bot-task " + args.bot_task)
     generate_main = _generate_main()
-    return generate_main(deployment, _job(args, _image_request(args, deployment.recipe.defaults)))
+    return generate_main(deployment, _job(args, _image_request(args, deployment.recipe.defaults, helpers)))
 
 
 def cmd_edit(args) -> int:
     """generate, with the reference images read and checked as the server checks uploads."""
     _check_generation_flags(args)
     deployment = _deployment(args, serving=False)
+    helpers = _helpers(deployment, args.bot_task != "image", "--bot-task " + args.bot_task)
     images, size = _reference_images(args.image, deployment.recipe)
     generate_main = _generate_main()
-    request = _image_request(args, deployment.recipe.defaults, images=images, default_size=size)
+    request = _image_request(args, deployment.recipe.defaults, helpers, images=images, default_size=size)
     return generate_main(deployment, _job(args, request))
 
 
+def cmd_chat(args) -> int:
+    """Text answers: the flags checked, the images decoded (the server's rules), then omni.chat."""
+    from .chat import ChatJob, chat_main
+    from .serving.schemas import MAX_TEMPERATURE, MAX_TEXT_TOKENS, MIN_TEMPERATURE, MIN_TOP_P
+
+    _check_range(args.max_tokens, "--max-tokens", 1 <= args.max_tokens <= MAX_TEXT_TOKENS, f"1..{MAX_TEXT_TOKENS}")
+    t = args.temperature or 0
+    _check_range(args.temperature, "--temperature", t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
+                 f"0 (greedy) or {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}")
+    _check_range(args.top_p, "--top-p", args.top_p is None or MIN_TOP_P <= args.top_p <= 1, f"{MIN_TOP_P:g}..1")
+    _check_range(args.top_k, "--top-k", (args.top_k or 0) >= 0, ">= 0")
+    deployment = _deployment(args, serving=False)
+    helpers = _helpers(deployment, True, "chat")
+    images = _reference_images(args.image, deployment.recipe)[0] if args.image else ()
+    given = args.system_prompt if args.system_prompt is not None else deployment.recipe.defaults.system_prompt
+    sampling = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
+                                  ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed)) if v is not None}
+    job = ChatJob(args.prompt, images, helpers.system_prompt(given, bot_task="text"), sampling)
+    return chat_main(deployment, job)
+
+
+def _check_range(value, flag: str, ok: bool, allowed: str) -> None:
+    if value is not None and not ok:
+        raise UsageError(f"{flag} must be {allowed}, got {value}")
+
+
+def _helpers(deployment, writes_text: bool, what: str):
+    """The flavour's serving helpers; a model that does not write text refuses ``what`` (exit 2)."""
+    flavor = deployment.recipe.model.flavor
+    helpers = deployment.flavor().serving_helpers()
+    if writes_text and not helpers.writes_text:
+        raise UsageError(f"{what}: model {flavor} does not write text (it draws images only); use an Instruct "
+                         "flavour (e.g. --recipe cpu_tiny_instruct)")
+    return helpers
+
+
 def _check_generation_flags(args) -> None:
-    if args.size is not None:
+    if args.size is not None and args.size != "auto":
         _parse_size_arg(args.size)
     if (args.steps is not None and args.steps < 1) or (args.guidance is not None and args.guidance < 0):
         raise UsageError(f"--steps must be >= 1 and --guidance >= 0, got {args.steps} and {args.guidance}")
+    if args.drop_think and args.bot_task not in ("think", "think_recaption"):
+        raise UsageError("--drop-think applies to --bot-task think or think_recaption (a CoT with a <think> section)")
+    if args.cot_max_tokens is not None and (args.bot_task == "image" or args.cot_max_tokens < 1):
+        raise UsageError("--cot-max-tokens must be >= 1 and needs a --bot-task that writes a CoT (recaption, think, "
+                         "think_recaption)")
 
 
 def _generate_main():
@@ -219,17 +263,25 @@ def _read_file(path: str) -> bytes:
         raise UsageError(f"--image {path}: cannot read it: {e.strerror or e}") from None
 
 
-def _image_request(args, d, images: tuple = (), default_size: tuple[int, int] | None = None):
-    """The flags, with the recipe's ``defaults`` where a flag is not given (an edit's size: its first image's)."""
-    if args.size is not None or default_size is None:
-        width, height = _parse_size_arg(args.size or d.size)
+def _image_request(args, d, helpers, images: tuple = (), default_size: tuple[int, int] | None = None):
+    """The flags, with the recipe's ``defaults`` where a flag is not given (an edit's size: its first image's).
+
+    ``--size auto``: with a CoT ``--bot-task`` the model picks the ratio (``auto_size``); without one it is the
+    default size, as over the API. The recipe's system prompt mode is resolved for the bot task.
+    """
+    size = None if args.size == "auto" else args.size
+    if size is not None or default_size is None:
+        width, height = _parse_size_arg(size or d.size)
     else:
         width, height = default_size
+    cot = {"cot_max_tokens": args.cot_max_tokens} if args.cot_max_tokens is not None else {}
     return ImageRequest(prompt=args.prompt, negative_prompt=args.negative_prompt, height=height, width=width,
                         steps=d.steps if args.steps is None else args.steps,
                         guidance=d.guidance if args.guidance is None else args.guidance, seed=args.seed,
-                        shift=d.shift, template=d.template, system_prompt=d.system_prompt,
-                        return_latents=args.latents is not None, images=images)
+                        shift=d.shift, template=d.template,
+                        system_prompt=helpers.system_prompt(d.system_prompt, bot_task=args.bot_task),
+                        return_latents=args.latents is not None, images=images, bot_task=args.bot_task,
+                        drop_think=args.drop_think, auto_size=args.size == "auto" and args.bot_task != "image", **cot)
 
 
 def _parse_size_arg(text: str) -> tuple[int, int]:
@@ -273,7 +325,7 @@ def _missing(error: ModuleNotFoundError, module: str, command: str):
 
 
 COMMANDS = {"platforms": cmd_platforms, "models": cmd_models, "recipes": cmd_recipes, "generate": cmd_generate,
-            "edit": cmd_edit, "serve": cmd_serve, "bench": cmd_bench}
+            "edit": cmd_edit, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}
 
 
 # ------------------------------------------------------------------ entry point

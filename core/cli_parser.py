@@ -20,6 +20,10 @@ examples:
                                              the real model on one H200, logging each kernel choice
   omni-run edit --recipe cpu_tiny_instruct --image cat.png --prompt "make it snow" -o snow.png
                                              edit an image with an Instruct model (up to 3 --image)
+  omni-run chat --recipe cpu_tiny_instruct --prompt "what is in this picture?" --image cat.png
+                                             a text answer from an Instruct model, streamed to stdout
+  omni-run generate --recipe cpu_tiny_instruct --bot-task think_recaption --size auto --prompt "a fox"
+                                             the model thinks (CoT, printed to stderr) and picks the ratio
   omni-run --platform cuda --recipe h200_fp8 --model /ckpt/HunyuanImage-3
                                              serve (no command = serve) on 127.0.0.1:8091
   omni-run serve --host 0.0.0.0 --api-key "$KEY"
@@ -78,18 +82,72 @@ recipe (cpu_tiny, the base model) does not edit: a model that does not edit is r
 (exit 2). A bad image exits 2 naming its file."""
 
 
+BOT_TASKS = ("image", "recaption", "think", "think_recaption")
+
+GENERATE_EPILOG = """\
+examples:
+  omni-run generate --prompt "a red fox in snow" --seed 1 -o fox.png
+  omni-run generate --recipe h200_fp8 --model /ckpt/HunyuanImage-3 --prompt "..." --size 1280x768 --steps 30
+  omni-run generate --recipe cpu_tiny_instruct --prompt "a red fox in snow" --bot-task think_recaption \\
+      --size auto --cot-max-tokens 64 -o fox.png
+                          an Instruct model writes a CoT (think, then recaption; printed to stderr),
+                          picks the aspect ratio itself (--size auto), then draws
+
+--bot-task other than image needs an Instruct model (exit 2 otherwise)."""
+
+
 def _image_flags(p: argparse.ArgumentParser, prompt_help: str, size_help: str) -> argparse._ArgumentGroup:
-    """The flags generate and edit share (what to draw, how, where to write it)."""
+    """The flags generate and edit share (what to draw, how, where to write it, whether to think first)."""
     g = p.add_argument_group("image")
     g.add_argument("--prompt", required=True, help=prompt_help)
     g.add_argument("--negative-prompt", default=None, help="text of the unconditional CFG row (default: the official <cfg>-token row)")
-    g.add_argument("--size", metavar="WxH", help=size_help)
+    g.add_argument("--size", metavar="WxH|auto", help=size_help + "; auto with a CoT --bot-task: the model picks "
+                                                               "the aspect ratio")
     g.add_argument("--steps", type=int, help="denoising steps (default: defaults.steps)")
     g.add_argument("--guidance", type=float, help="guidance scale (default: defaults.guidance)")
     g.add_argument("--seed", type=int, help="random seed (default: random)")
     g.add_argument("-o", "--output", default="out.png", metavar="PNG", help="output file (default: out.png)")
     g.add_argument("--latents", metavar="FILE", help="also write the final latents as safetensors (parity checks)")
+    t = p.add_argument_group("think / recaption before drawing (Instruct models)")
+    t.add_argument("--bot-task", choices=BOT_TASKS, default="image",
+                   help="image: draw directly (default); recaption / think / think_recaption: write a CoT first "
+                        "(printed to stderr), then draw from it")
+    t.add_argument("--drop-think", action="store_true", help="leave the <think> section out of the image pass")
+    t.add_argument("--cot-max-tokens", type=int, metavar="N", help="tokens the CoT may take (default 2048)")
     return g
+
+
+CHAT_EPILOG = """\
+examples:
+  omni-run chat --recipe cpu_tiny_instruct --prompt "describe a red fox"
+                          one answer, streamed to stdout as it is generated (the tiny model's
+                          random weights answer gibberish tokens)
+  omni-run chat --recipe h200_instruct_fp8 --model /ckpt/HunyuanImage-3.0-Instruct \\
+      --image cat.png --prompt "what is the cat doing?" --max-tokens 200
+                          the released Instruct model answering about an image
+  printf 'hello\\nwhat is 2+2?\\n' | omni-run chat --recipe cpu_tiny_instruct
+                          one answer per line of stdin
+
+Without --prompt, chat reads prompts from stdin, one per line, until end of input
+(Ctrl-D at a terminal). Every line is a fresh single-turn prompt: there is no history,
+the model never sees earlier lines or answers. --image and the sampling flags apply to
+every line. Sampling defaults are the Instruct generation_config (temperature 0.6,
+top-k 1024, top-p 0.95); --temperature 0 is greedy. A model that does not write text
+(the default recipe cpu_tiny, the base model) exits 2."""
+
+
+def _chat_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("answer")
+    g.add_argument("--prompt", help="what to answer (default: read prompts from stdin, one per line)")
+    g.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image the prompt is about (PNG, JPEG, WebP, GIF, BMP); repeat for up to 3")
+    g.add_argument("--system-prompt", metavar="MODE|TEXT",
+                   help="a system prompt mode (en_unified, en_vanilla, ...) or the text (default: the recipe's)")
+    g.add_argument("--max-tokens", type=int, default=256, metavar="N", help="answer length limit (default: 256)")
+    g.add_argument("--temperature", type=float, help="0 = greedy, else 1e-4..2 (default: 0.6)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass, 1e-6..1 (default: 0.95)")
+    g.add_argument("--top-k", type=int, help="sample among the k likeliest tokens, 0 = all (default: 1024)")
+    g.add_argument("--seed", type=int, help="sampling seed, the same for every line (default: random)")
 
 
 def _command(sub, name: str, help: str, epilog: str, **kwargs) -> argparse.ArgumentParser:
@@ -126,10 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", metavar="DIR", nargs="?", const="",
                    help="regenerate the recipe docs (default DIR: docs/recipes of this checkout)")
 
-    p = _command(sub, "generate", "generate one image",
-                 'examples:\n  omni-run generate --prompt "a red fox in snow" --seed 1 -o fox.png\n'
-                 '  omni-run generate --recipe h200_fp8 --model /ckpt/HunyuanImage-3 --prompt "..." '
-                 '--size 1280x768 --steps 30')
+    p = _command(sub, "generate", "generate one image", GENERATE_EPILOG)
     _common(p, top=False)
     _deployment(p, top=False)
     _image_flags(p, "what to draw", "image size (default: the recipe's defaults.size)")
@@ -142,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "image 2'", "output size (default: the first image's size, snapped to the model's sizes)")
     g.add_argument("--image", action="append", required=True, metavar="FILE",
                    help="a reference image (PNG, JPEG, WebP, GIF, BMP); repeat for up to 3, in prompt order")
+
+    p = _command(sub, "chat", "answer in text with an Instruct model: one --prompt, or one prompt per stdin line "
+                              "(each a fresh single-turn prompt, no history)", CHAT_EPILOG)
+    _common(p, top=False)
+    _deployment(p, top=False)
+    _chat_flags(p)
 
     p = _command(sub, "serve", "serve the OpenAI-style images API (also: omni-run without a command)",
                  "examples:\n  omni-run serve\n  omni-run serve --platform npu --recipe a2_tp4 --model /ckpt/HI3 "

@@ -2,6 +2,10 @@
 
 An edit is the same job whose request carries reference ``images`` (the CLI
 decodes and checks them with the server's rules before the engine starts).
+With a ``bot_task`` other than ``image`` the model first writes a CoT (think
+and/or recaption); it is printed to stderr (the revised prompt), and the
+step bar is left out (the engine's steps are CoT tokens first, then
+denoising steps).
 
 World size 1 runs the engine loop in this process; a recipe whose parallel
 degrees multiply to more launches its ranks exactly as ``serve`` does (one
@@ -11,6 +15,7 @@ replica's first rank. There is no single-process fallback.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from tqdm.auto import tqdm
 
@@ -29,6 +34,8 @@ def generate_main(deployment: Deployment, job: GenerateJob) -> int:
     finally:
         engine.stop()
     _write(job, result)
+    if result.revised_prompt is not None:
+        print(f"revised prompt ({job.request.bot_task}): {result.revised_prompt}", file=sys.stderr)
     edited = f"edit of {len(job.request.images)} image(s), " if job.request.images else ""
     print(f"wrote {job.output} ({edited}{result.width}x{result.height}, {result.steps} steps, seed {result.seed}, "
           f"platform {deployment.recipe.platform}, world {deployment.world_size}, "
@@ -38,10 +45,13 @@ def generate_main(deployment: Deployment, job: GenerateJob) -> int:
 
 def _run_one(engine, req: ImageRequest, steps_here: bool):
     """Submit ``req`` and wait; a step bar when the steps run in this process (the ranks' run elsewhere)."""
-    bar = tqdm(total=req.steps, desc="denoising", unit="step", disable=not steps_here)
+    bar = tqdm(total=req.steps, desc="denoising", unit="step", disable=not steps_here or req.bot_task != "image")
     engine.observe_steps(lambda finished, dt: bar.update(1) if bar.n < bar.total else None)
     if not steps_here:
         log.info("the replica's ranks are running the request")
+    if req.bot_task != "image":
+        log.info("bot_task %s: writing the CoT first (up to %d tokens), then %d denoising steps", req.bot_task,
+                 req.cot_max_tokens, req.steps)
     try:
         engine.start()
         if not engine.wait_ready():  # the build's own error (a refusal stays a configuration error: exit 2)

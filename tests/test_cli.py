@@ -25,10 +25,14 @@ CLI_SURFACE = {
     "platforms": ["--help", "--log-level", "--trace", "-h"],
     "models": ["--help", "--log-level", "--trace", "-h"],
     "recipes": ["--check", "--docs", "--help", "--log-level", "--platform", "--schema", "--trace", "-h"],
-    "generate": ["--guidance", "--help", "--latents", "--log-level", "--model", "--negative-prompt", "--output",
-                 "--platform", "--prompt", "--recipe", "--seed", "--size", "--steps", "--trace", "-h", "-o"],
-    "edit": ["--guidance", "--help", "--image", "--latents", "--log-level", "--model", "--negative-prompt", "--output",
-             "--platform", "--prompt", "--recipe", "--seed", "--size", "--steps", "--trace", "-h", "-o"],
+    "generate": ["--bot-task", "--cot-max-tokens", "--drop-think", "--guidance", "--help", "--latents", "--log-level",
+                 "--model", "--negative-prompt", "--output", "--platform", "--prompt", "--recipe", "--seed", "--size",
+                 "--steps", "--trace", "-h", "-o"],
+    "edit": ["--bot-task", "--cot-max-tokens", "--drop-think", "--guidance", "--help", "--image", "--latents",
+             "--log-level", "--model", "--negative-prompt", "--output", "--platform", "--prompt", "--recipe", "--seed",
+             "--size", "--steps", "--trace", "-h", "-o"],
+    "chat": ["--help", "--image", "--log-level", "--max-tokens", "--model", "--platform", "--prompt", "--recipe",
+             "--seed", "--system-prompt", "--temperature", "--top-k", "--top-p", "--trace", "-h"],
     "serve": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe",
               "--trace", "-h"],
     "bench": [],  # everything after `bench` goes to the benchmark client
@@ -84,7 +88,7 @@ def recipe_file(tmp_path, text: str, name: str = "x_test.yaml"):
 def test_help_teaches_every_command():
     result = run_cli("--help")
     assert result.returncode == 0
-    for command in ("platforms", "recipes", "generate", "edit", "serve", "bench"):
+    for command in ("platforms", "recipes", "generate", "edit", "chat", "serve", "bench"):
         assert command in result.stdout
     assert "examples:" in result.stdout and "exit status" in result.stdout
 

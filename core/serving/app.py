@@ -1,8 +1,10 @@
 """The HTTP surface: ``create_app`` routes a FastAPI app to the handlers over an ``EngineHandle``.
 
-Routes: OpenAI Images (/v1/images/generations, /v1/images/edits), vLLM-Omni chat
-(/v1/chat/completions), /v1/models, /health and /metrics. The handlers live in
-endpoints.py; the names other modules import from here are re-exported.
+Routes: OpenAI Images (/v1/images/generations, /v1/images/edits), chat
+(/v1/chat/completions: vLLM-Omni's image chat, or an OpenAI text answer, plain
+or streamed, with modalities ["text"]), /v1/models, /health and /metrics. The
+handlers live in endpoints.py (text answers: chat_text.py); the names other
+modules import from here are re-exported.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 Handlers never touch the pipeline: they validate (validation.py; reference
 images through image_input.py), hand the requests to the engine thread
-(generation.py) and shape the answer. The plumbing gives every response an
-``X-Request-Id``, checks the API key, maps exceptions to OpenAI error bodies
-and counts requests by endpoint and status.
+(generation.py) and shape the answer; a chat asking for text goes on to
+chat_text.py (text_requests.py decides which a chat asks for). The plumbing
+gives every response an ``X-Request-Id``, checks the API key, maps
+exceptions to OpenAI error bodies and counts requests by endpoint and status.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 
 from omni.engine_handle import EngineHandle
 
+from .chat_text import TextChat
 from .edit_form import read_edit_form
 from .errors import APIError, ClientGone, error_response, internal_error
 from .generation import Generator
@@ -28,7 +30,8 @@ from .image_input import (ImageInputError, ImageRules, check_count, data_uri_byt
                           fetch_url)
 from .metrics import Metrics
 from .options import ServingOptions
-from .schemas import ChatCompletionRequest, GenerationParams, ImageEditRequest, ImageGenerationRequest
+from .schemas import COT_TASKS, ChatCompletionRequest, GenerationParams, ImageEditRequest, ImageGenerationRequest
+from .text_requests import wants_text
 from .validation import (RequestBuilder, chat_body_limit, chat_input, edit_body_limit, image_error, parse_body,
                          validated)
 
@@ -45,6 +48,7 @@ class Api:
         self.generator = Generator(engine, options.request_timeout_s)
         self.rules = ImageRules(options.model_id, options.helpers.max_images, options.max_image_pixels,
                                 options.max_image_bytes)
+        self.text = TextChat(options, self.builder, self.generator, metrics)
         self.created = int(time.time())
 
     # ------------------------------------------------------------ plumbing
@@ -106,7 +110,8 @@ class Api:
         self.builder.check_model(body.model)
         _check_images_options(body)
         h, w = self.builder.size(body.size, "size")
-        reqs = self.builder.requests(rid, body, body.prompt, body.n, h, w, body.system_prompt)
+        reqs = self.builder.requests(rid, body, body.prompt, body.n, h, w, body.system_prompt,
+                                     auto_size=_auto_size(body))
         results = await self.generator.generate(request, reqs, body)
         out = _images_body(results, body)
         return self._answer("images", out, body, t0, results)
@@ -120,20 +125,28 @@ class Api:
         _check_images_options(body)
         images = await self._decoded(self._edit_images(form.images))
         h, w = self.builder.edit_size(body.size, "size", images)
-        reqs = self.builder.requests(rid, body, body.prompt, body.n, h, w, body.system_prompt, images)
+        reqs = self.builder.requests(rid, body, body.prompt, body.n, h, w, body.system_prompt, images,
+                                     auto_size=_auto_size(body))
         results = await self.generator.generate(request, reqs, body)
         return self._answer("edits", _images_body(results, body), body, t0, results)
 
     async def chat(self, request: Request, rid: str) -> Response:
+        """An image (modalities absent or ["image"]) or a text answer (["text"], chat_text.py)."""
         t0 = time.perf_counter()
         body = await parse_body(request, ChatCompletionRequest, chat_body_limit(self.opt))
         self.builder.check_model(body.model)
-        _check_chat_options(body)
+        text = wants_text(body, self.opt.helpers, self.opt.model_id)
+        if body.stream and not text:
+            raise APIError(400, "streaming is not supported for image generation (it is for text answers: "
+                                "modalities ['text'])", param="stream")
         chat = chat_input(body.messages)
         images = await self._chat_images(chat.images)
+        if text:
+            return await self.text.answer(request, rid, body, chat, images, t0)
         h, w = self._chat_size(body, images)
         n = body.num_outputs_per_prompt or body.n
-        reqs = self.builder.requests(rid, body, chat.prompt, n, h, w, body.system_prompt or chat.system, images)
+        reqs = self.builder.requests(rid, body, chat.prompt, n, h, w, body.system_prompt or chat.system, images,
+                                     auto_size=_auto_size(body))
         results = await self.generator.generate(request, reqs, body)
         out = self._chat_body(rid, chat.prompt, results, body)
         return self._answer("chat", out, body, t0, results)
@@ -191,8 +204,13 @@ class Api:
 
     def _chat_body(self, rid: str, prompt: str, results, body: ChatCompletionRequest) -> dict:
         mime = MIME[body.output_format]
-        content = [{"type": "image_url", "image_url": {"url": f"data:{mime};base64,{base64.b64encode(blob).decode()}"},
-                    **_timings(r, body)} for r, blob in results]
+        content = []
+        for r, blob in results:  # with a CoT bot_task, the text the model wrote comes before its image
+            if r.revised_prompt is not None:
+                content.append({"type": "text", "text": r.revised_prompt})
+            content.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,"
+                                                                      f"{base64.b64encode(blob).decode()}"},
+                            **_timings(r, body)})
         return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.opt.model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
@@ -226,17 +244,13 @@ def _check_images_options(body: ImageGenerationRequest | ImageEditRequest) -> No
         raise APIError(400, "background 'transparent' is not supported", param="background")
 
 
-def _check_chat_options(body: ChatCompletionRequest) -> None:
-    modalities = body.modalities or ["image"]
-    if modalities != ["image"]:
-        raise APIError(400, f"modalities {modalities!r} are not supported: this server generates images only; "
-                            "send modalities ['image']", param="modalities", code="unsupported_value")
-    if body.stream:
-        raise APIError(400, "streaming is not supported for image generation", param="stream")
+def _auto_size(body: GenerationParams) -> bool:
+    """size "auto" with a CoT bot_task: the model picks the aspect ratio after its CoT."""
+    return getattr(body, "size", None) == "auto" and body.bot_task in COT_TASKS
 
 
 def _images_body(results, body: ImageGenerationRequest | ImageEditRequest) -> dict:
-    data = [{"b64_json": base64.b64encode(blob).decode(), "revised_prompt": None, "seed": r.seed,
+    data = [{"b64_json": base64.b64encode(blob).decode(), "revised_prompt": r.revised_prompt, "seed": r.seed,
              **_timings(r, body)} for r, blob in results]
     return {"created": int(time.time()), "data": data, "output_format": body.output_format,
             "size": f"{results[0][0].width}x{results[0][0].height}"}

@@ -35,12 +35,13 @@ def internal_error(rid: str) -> APIError:
                     type="server_error", code="internal_error")
 
 
-def submit_refused(e: QueueFull | RequestTooLarge | EngineUnavailable) -> APIError:
-    """The answer to a submit the scheduler turned down."""
+def submit_refused(e: QueueFull | RequestTooLarge | EngineUnavailable, too_large: str = "size") -> APIError:
+    """The answer to a submit the scheduler turned down (``too_large``: the field blamed for a request that
+    can never fit, ``size`` for an image, ``max_tokens`` for a text answer)."""
     if isinstance(e, QueueFull):
         return APIError(429, f"{e}; retry after {e.retry_after_s}s", type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, RequestTooLarge):
-        return APIError(400, str(e), param="size", code="request_too_large")
+        return APIError(400, str(e), param=too_large, code="request_too_large")
     return APIError(503, f"not ready: {e}", type="server_error", code="engine_unavailable",
                     headers={"Retry-After": "5"})

@@ -2,7 +2,9 @@
 
 A client that disconnects (or a handler that is cancelled, or a request past
 its timeout) cancels its requests; the engine drops them at the next step
-boundary and frees their KV pages.
+boundary and frees their KV pages. Text answers use the same submit, wait and
+cancel (``run``); a stream (chat_text.py) submits and cancels here and maps
+its failures with ``failure``.
 """
 from __future__ import annotations
 
@@ -32,36 +34,40 @@ class Generator:
     async def generate(self, request: Request, reqs: list[ImageRequest],
                        body: GenerationParams) -> list[tuple[ImageResult, bytes]]:
         """Submit, await (watching for a disconnect and the timeout), then encode; cancels on any exit."""
-        tickets = self._submit(reqs)
-        try:
-            results = await self._wait(request, tickets)
-        finally:
-            for t in tickets:
-                if not _succeeded(t.future):
-                    self.engine.cancel(t)
+        results = await self.run(request, reqs)
         return [(r, await _encode(r, body.output_format, body.output_compression)) for r in results]
 
-    def _submit(self, reqs: list[ImageRequest]):
+    async def run(self, request: Request, reqs: list, too_large: str = "size") -> list:
+        """The requests' results (images or text answers); every unfinished one is cancelled on any exit.
+
+        ``too_large`` names the field to blame when a request can never fit the KV pool.
+        """
+        tickets = self.submit(reqs, too_large)
+        try:
+            return await self._wait(request, tickets)
+        finally:
+            self.cancel_unfinished(tickets)
+
+    def submit(self, reqs: list, too_large: str = "size"):
         try:
             return self.engine.submit_many(reqs)
         except (QueueFull, RequestTooLarge, EngineUnavailable) as e:
-            raise submit_refused(e) from None
+            raise submit_refused(e, too_large) from None
 
-    async def _wait(self, request: Request, tickets) -> list[ImageResult]:
+    def cancel_unfinished(self, tickets) -> None:
+        """Cancel every ticket without a result (their pages are freed at the next step boundary)."""
+        for t in tickets:
+            if not _succeeded(t.future):
+                self.engine.cancel(t)
+
+    async def _wait(self, request: Request, tickets) -> list:
         """The results, with every way of not getting them mapped to ``ClientGone`` or an ``APIError``."""
-        rid = tickets[0].request_id.rsplit("-", 1)[0]
         try:
             return await self._race(request, tickets)
         except (APIError, ClientGone):
             raise
-        except RequestCancelled:
-            raise ClientGone() from None
-        except EngineUnavailable as e:
-            raise APIError(503, str(e), type="server_error", code="engine_unavailable") from None
         except Exception as e:
-            log.error("request %s failed inside the pipeline: %s: %s (see the traceback of its image request)",
-                      rid, type(e).__name__, e)
-            raise internal_error(rid) from None
+            raise failure(e, tickets) from None
 
     async def _race(self, request: Request, tickets) -> list[ImageResult]:
         """The tickets' results, unless the client leaves or the timeout passes first."""
@@ -83,6 +89,18 @@ class Generator:
         finally:
             watcher.cancel()
             gathered.cancel()
+
+
+def failure(e: BaseException, tickets) -> APIError | ClientGone:
+    """What a request's failure means to its client: it was cancelled (gone), the engine is down, or a 500."""
+    if isinstance(e, RequestCancelled):
+        return ClientGone()
+    if isinstance(e, EngineUnavailable):
+        return APIError(503, str(e), type="server_error", code="engine_unavailable")
+    rid = tickets[0].request_id.rsplit("-", 1)[0]
+    log.error("request %s failed inside the pipeline: %s: %s (see the traceback of its engine request)",
+              rid, type(e).__name__, e)
+    return internal_error(rid)
 
 
 async def _encode(r: ImageResult, fmt: str, quality: int | None) -> bytes:

@@ -61,6 +61,8 @@ class Metrics:
         self.step = Histogram("omni_engine_step_seconds", "wall seconds of one engine iteration",
                               buckets=STAGE_BUCKETS, registry=self.registry)
         self.images = Counter("omni_images_generated", "images returned", registry=self.registry)
+        self.text_tokens = Counter("omni_text_tokens_generated", "tokens of the text answers returned",
+                                   registry=self.registry)
 
     def observe_stages(self, times: dict[str, float]) -> None:
         for stage in STAGES:

@@ -15,7 +15,12 @@ MAX_STEPS = 200
 MAX_GUIDANCE = 30.0
 MAX_SEED = 2**63 - 1
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
-BOT_TASKS = ("image", "recaption", "think", "think_recaption")  # only "image" is served so far
+BOT_TASKS = ("image", "recaption", "think", "think_recaption")  # all but "image" write a CoT first (Instruct)
+COT_TASKS = BOT_TASKS[1:]
+MAX_TEXT_TOKENS = 4096  # max_tokens of a text answer, cot_max_tokens of a CoT
+MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
+MIN_TEMPERATURE = 1e-4  # above 0: smaller ones overflow the float32 logits they divide (0 is greedy)
+MIN_TOP_P = 1e-6  # smaller ones round to 0 in float32 and keep no token at all
 
 
 class GenerationParams(BaseModel):
@@ -31,7 +36,11 @@ class GenerationParams(BaseModel):
     system_prompt: str | None = Field(
         None, description="a system prompt mode (None, dynamic, en_vanilla, en_recaption, en_think_recaption, "
                           "en_unified) or the text itself")
-    bot_task: str | None = Field(None, description="only 'image' (direct text-to-image) is served")
+    bot_task: str | None = Field(None, description="image (default), or recaption / think / think_recaption: "
+                                                   "the model writes a CoT before drawing (Instruct flavours)")
+    drop_think: bool | None = Field(None, description="leave the <think> section out of the image pass")
+    cot_max_tokens: int | None = Field(None, ge=1, le=MAX_TEXT_TOKENS,
+                                       description="tokens the CoT may take (default 2048, the official budget)")
     output_format: Literal["png", "jpeg", "webp"] = "png"
     output_compression: int | None = Field(None, ge=0, le=100, description="jpeg/webp quality")
     return_timings: bool = Field(False, description="add per-stage seconds to the response")
@@ -82,8 +91,16 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
 class ChatCompletionRequest(GenerationParams):
-    """``POST /v1/chat/completions`` with ``modalities: ["image"]`` (vLLM-Omni's diffusion chat)."""
+    """``POST /v1/chat/completions``: an image (vLLM-Omni's diffusion chat; the default) or, with
+    ``modalities: ["text"]``, a text answer (OpenAI chat). Ranges of the text fields are checked in
+    text_requests.py, for text answers only: image chat accepts and ignores them, as it always has."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     model: str | None = None
@@ -94,12 +111,18 @@ class ChatCompletionRequest(GenerationParams):
     width: int | None = Field(None, ge=1)
     num_outputs_per_prompt: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     user: str | None = None
-    # text-generation knobs clients send by habit; accepted and ignored (no text is generated)
+    # sampling of a text answer (image chat accepts and ignores them)
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    stop: str | list[str] | None = None  # refused unless empty: there is no exact mapping to stop tokens
+    presence_penalty: float | None = None  # 0 only
+    frequency_penalty: float | None = None  # 0 only
+    logprobs: bool | None = None  # false only
 
 
 # ------------------------------------------------------------------ responses (documentation and tests)

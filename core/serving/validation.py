@@ -24,7 +24,7 @@ from omni.request import ImageRequest
 from .errors import APIError, ClientGone
 from .image_input import ImageInputError, reference_size
 from .options import ModelHelpers, ServingOptions
-from .schemas import BOT_TASKS, GenerationParams
+from .schemas import BOT_TASKS, COT_TASKS, GenerationParams
 
 MAX_BODY_BYTES = 1 << 20
 DRAIN_FACTOR = 4  # past its limit a body is still read (and dropped) up to this many limits, so the 413 arrives
@@ -201,33 +201,61 @@ class RequestBuilder:
         return reference_size(self.helpers, images[0])
 
     def requests(self, rid: str, p: GenerationParams, prompt: str, n: int, h: int, w: int,
-                 system_prompt: str | None, images: tuple = ()) -> list[ImageRequest]:
+                 system_prompt: str | None, images: tuple = (), auto_size: bool = False) -> list[ImageRequest]:
         """``n`` requests ``{rid}-{i}``; image i gets seed + i so that one call's images differ.
 
         ``images`` (decoded reference images, checked by image_input) are shared by all ``n``: each
-        output is an edit of the same inputs.
+        output is an edit of the same inputs. ``auto_size`` (size "auto" with a CoT bot_task): the
+        model picks the aspect ratio after its CoT, and ``h`` / ``w`` only bound the pages it is priced at.
         """
         d = self.opt.defaults
-        self._check_text(prompt, "prompt", required=True)
-        self._check_text(p.negative_prompt, "negative_prompt")
-        _check_bot_task(p.bot_task)
-        self._check_n(n)
-        system = self.helpers.system_prompt(system_prompt if system_prompt is not None else d.system_prompt)
-        self._check_text(system, "system_prompt")
+        self.check_text(prompt, "prompt", required=True)
+        self.check_text(p.negative_prompt, "negative_prompt")
+        bot_task = self._bot_task(p)
+        self.check_n(n)
+        system = self.system_prompt(system_prompt, bot_task)
         steps = p.num_inference_steps or d.steps
         guidance = d.guidance if p.guidance_scale is None else p.guidance_scale
+        cot = {"cot_max_tokens": p.cot_max_tokens} if p.cot_max_tokens is not None else {}
         return [ImageRequest(prompt=prompt, negative_prompt=p.negative_prompt, height=h, width=w, steps=steps,
                              guidance=guidance, seed=None if p.seed is None else p.seed + i, shift=d.shift,
                              template=d.template, system_prompt=system, step_cache=p.step_cache,
-                             images=tuple(images), request_id=f"{rid}-{i}")
+                             images=tuple(images), request_id=f"{rid}-{i}", bot_task=bot_task,
+                             drop_think=bool(p.drop_think), auto_size=auto_size and bot_task in COT_TASKS, **cot)
                 for i in range(n)]
 
-    def _check_n(self, n: int) -> None:
+    def system_prompt(self, given: str | None, bot_task: str) -> str | None:
+        """The system prompt text: the request's (a mode name or the text), else the recipe's, resolved for
+        ``bot_task`` (``dynamic`` picks per task, as the official mapping does)."""
+        value = given if given is not None else self.opt.defaults.system_prompt
+        system = self.helpers.system_prompt(value, bot_task=bot_task)
+        self.check_text(system, "system_prompt")
+        return system
+
+    def _bot_task(self, p: GenerationParams) -> str:
+        """The bot task; a CoT task (and the CoT fields) only on a model that writes text."""
+        bot_task = p.bot_task or "image"
+        if bot_task not in BOT_TASKS:
+            raise APIError(400, f"bot_task {bot_task!r} is unknown; allowed: {', '.join(BOT_TASKS)}",
+                           param="bot_task")
+        if bot_task != "image" and not self.helpers.writes_text:
+            raise APIError(400, f"bot_task {bot_task!r} needs a model that writes text (an Instruct flavour); "
+                                f"model {self.opt.model_id} draws directly: use bot_task 'image'",
+                           param="bot_task", code="unsupported_value")
+        if p.drop_think and bot_task not in ("think", "think_recaption"):
+            raise APIError(400, f"drop_think applies to bot_task think or think_recaption (a CoT with a <think> "
+                                f"section), not {bot_task!r}", param="drop_think")
+        if p.cot_max_tokens is not None and bot_task == "image":
+            raise APIError(400, "cot_max_tokens applies to a bot_task that writes a CoT (recaption, think, "
+                                "think_recaption), not 'image'", param="cot_max_tokens")
+        return bot_task
+
+    def check_n(self, n: int) -> None:
         if self.opt.max_queue is not None and n > self.opt.max_queue:
-            raise APIError(400, f"n={n} can never be queued here: at most {self.opt.max_queue} images are "
+            raise APIError(400, f"n={n} can never be queued here: at most {self.opt.max_queue} requests are "
                                 "accepted at once", param="n")
 
-    def _check_text(self, text: str | None, field: str, required: bool = False) -> None:
+    def check_text(self, text: str | None, field: str, required: bool = False) -> None:
         if text is None and not required:
             return
         if not text or not text.strip():
@@ -244,12 +272,3 @@ def _check_sides(h: int, w: int, field: str) -> None:
     if max(h / w, w / h) > MAX_ASPECT:
         raise APIError(400, f"{field}: {w}x{h} (WxH) has aspect ratio beyond {MAX_ASPECT:g}:1; the model "
                             f"generates between 1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1", param=field)
-
-
-def _check_bot_task(bot_task: str | None) -> None:
-    if bot_task in (None, "image"):
-        return
-    if bot_task in BOT_TASKS:
-        raise APIError(400, f"bot_task {bot_task!r} is not served yet: it needs the autoregressive "
-                            "stage; only 'image' (direct text-to-image) is available", param="bot_task")
-    raise APIError(400, f"bot_task {bot_task!r} is unknown; allowed: {', '.join(BOT_TASKS)}", param="bot_task")

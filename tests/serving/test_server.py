@@ -150,7 +150,7 @@ BAD = [
     ({"prompt": "x", "seed": -5}, 400, "seed", "seed"),
     ({"prompt": "x", "response_format": "url"}, 400, "response_format", "b64_json"),
     ({"prompt": "x", "output_format": "gif"}, 400, "output_format", "output_format"),
-    ({"prompt": "x", "bot_task": "think"}, 400, "bot_task", "not served yet"),
+    ({"prompt": "x", "bot_task": "think"}, 400, "bot_task", "needs a model that writes text"),
     ({"prompt": "x", "bot_task": "dance"}, 400, "bot_task", "unknown"),
     ({"prompt": "x", "negative_prompt": ""}, 400, "negative_prompt", "negative_prompt"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
