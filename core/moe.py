@@ -50,7 +50,7 @@ def combine(y_RD: torch.Tensor, routing: Routing, topk_weights_Tk: torch.Tensor,
     T, k = topk_weights_Tk.shape
     inverse_R = torch.empty_like(routing.order_R)
     inverse_R[routing.order_R] = torch.arange(routing.order_R.numel(), device=y_RD.device)
-    y_TkD = y_RD[inverse_R].view(T, k, -1).float()
+    y_TkD = y_RD[inverse_R].view(T, k, y_RD.shape[-1]).float()  # explicit: T may be 0 (an idle sp rank)
     return torch.einsum("tkd,tk->td", y_TkD, topk_weights_Tk.float()).to(dtype)
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # a bench smoke (~35 s on 2 cores): python -m pytest -m slow
+
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "bench_step_cache.py"
 STEPS = 4
 

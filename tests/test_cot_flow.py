@@ -147,3 +147,25 @@ def test_unknown_bot_task_is_refused(engine, golden):
     meta, _ = golden
     with pytest.raises(ValueError, match="bot_task 'dream'"):
         engine.pages_needed(think_request(meta, bot_task="dream"))
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_cot_plan_is_the_official_rule(engine, golden, index):
+    """cases.THINK.rules: per bot_task and size, the first pass's prompt tail, stop ids, forced transitions,
+    ratio slice and token budget, captured from the official generate_image."""
+    meta, _ = golden
+    case = meta["cases"]["THINK"]
+    rule = case["rules"][index]
+    tok = engine.model.tok
+    req = ImageRequest(prompt=case["prompt"], system_prompt=case["system_prompt"], height=256, width=256,
+                       template="instruct", bot_task=rule["bot_task"], auto_size=rule["image_size"] == "auto")
+    plan = engine.model.cot_plan(req)
+    first = rule["first_pass"]
+    assert list(plan.row.ids[-4:]) == [tok.id_of(w) for w in first["prefix_tail"]]
+    assert plan.stop_ids == frozenset(first["eos_token_id"]) and plan.max_tokens == first["max_new_tokens"]
+    assert plan.forced == {tok.id_of(f["trigger"]): tuple(f["forced_ids"]) for f in rule["simulated_forcing"]}
+    ratio = rule["ratio_slice_rule"]
+    if ratio is None:
+        assert plan.choose_after is None
+    else:
+        assert plan.choose_after == tok.id_of(ratio["trigger"]) and list(plan.choose_from) == ratio["allowed_token_ids"]

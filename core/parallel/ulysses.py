@@ -38,16 +38,16 @@ def kv_heads_per_rank(num_heads: int, num_kv_heads: int, u: int) -> int:
 
 def seq_to_heads(x_LnH: torch.Tensor, comm, sizes: list[int]) -> torch.Tensor:
     """``[L, n, H]`` (my tokens, all heads) -> ``[T, n/u, H]`` (all tokens, my head group)."""
-    u, L = comm.size, x_LnH.shape[0]
-    send = x_LnH.reshape(L, u, x_LnH.shape[1] // u, x_LnH.shape[2]).transpose(0, 1).reshape(u * L, -1, x_LnH.shape[2])
+    u, L, n, H = comm.size, *x_LnH.shape  # explicit sizes: a rank may hold no tokens (L = 0)
+    send = x_LnH.reshape(L, u, n // u, H).transpose(0, 1).reshape(u * L, n // u, H)
     return comm.all_to_all(send, [L] * u, sizes)
 
 
 def heads_to_seq(x_TnH: torch.Tensor, comm, sizes: list[int]) -> torch.Tensor:
     """``[T, n/u, H]`` -> ``[L, n, H]``: the inverse of ``seq_to_heads``."""
-    u, L = comm.size, sizes[comm.rank]
+    u, L, (_, n, H) = comm.size, sizes[comm.rank], x_TnH.shape
     recv = comm.all_to_all(x_TnH, sizes, [L] * u)
-    return recv.reshape(u, L, *x_TnH.shape[1:]).transpose(0, 1).reshape(L, -1, x_TnH.shape[2])
+    return recv.reshape(u, L, n, H).transpose(0, 1).reshape(L, u * n, H)
 
 
 class UlyssesContext:

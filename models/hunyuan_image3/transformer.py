@@ -88,8 +88,9 @@ class Attention(nn.Module):
     def split_qkv(self, qkv_TO: torch.Tensor):
         """The packed rows of KV group g are [q heads g*N/K .. (g+1)*N/K - 1, k head g, v head g]."""
         N, K, H = self.shape_NKH
-        qkv_TKGH = qkv_TO.view(-1, K, N // K + 2, H)
-        return qkv_TKGH[:, :, :-2].reshape(-1, N, H), qkv_TKGH[:, :, -2], qkv_TKGH[:, :, -1]
+        T = qkv_TO.shape[0]  # explicit sizes: T may be 0 (a sequence-parallel rank with no tokens)
+        qkv_TKGH = qkv_TO.view(T, K, N // K + 2, H)
+        return qkv_TKGH[:, :, :-2].reshape(T, N, H), qkv_TKGH[:, :, -2], qkv_TKGH[:, :, -1]
 
     def forward(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
         q_TNH, k_TKH, v_TKH = self.split_qkv(self.qkv_proj(x_TD))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]  # bench smoke: python -m pytest -m slow
 
 
 @pytest.mark.parametrize("layout", ["tp2", "cfg2"])
