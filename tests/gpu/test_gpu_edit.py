@@ -104,3 +104,30 @@ def test_edits_replayed_from_cuda_graphs_equal_eager(golden):
     for case in CASES:
         torch.testing.assert_close(captured[case][1], eager[case][1], atol=1e-6, rtol=0)
     assert captured_engine.step_graphs.replays >= 1, "the steps were not replayed from a graph"
+
+
+@pytest.mark.parametrize("case", ["T2T", "I2T"])
+def test_text_answers_on_cuda_match_official_greedy_tokens(golden, no_tf32, case):
+    """The official greedy tokens and step logits (fp32, TF32 off), through the engine on the cuda platform."""
+    from omni.request import TextRequest
+
+    meta, g, root = golden
+    engine = engine_on_cuda(root, "float32")
+    c = meta["cases"][case]
+    req = TextRequest(prompt=c["prompt"], system_prompt=c["system_prompt"] or None, max_tokens=8, temperature=0.0,
+                      seed=c.get("seed", 0), stop_ids=(),
+                      images=tuple(g[f"IMG.{n}.source_rgb_uint8"].numpy() for n in c["images"]))
+    logits, inner = [], engine.model.text_logits
+    engine.model.text_logits = lambda h: logits.append(inner(h).float().cpu()) or inner(h)
+    try:
+        s = engine.admit(req)
+        engine.prefill([s])
+        while not s.done:
+            engine.denoise_step([s])
+    finally:
+        del engine.model.text_logits
+        engine.release(s)
+    assert list(s.tokens) == g[f"{case}.generated_ids"].tolist()
+    err = (torch.cat(logits) - g[f"{case}.step_logits"]).abs().max().item()
+    print(f"{case} on cuda: 8 greedy tokens exact, step logits max abs err {err:.2e}")
+    assert err <= 1e-4
