@@ -37,6 +37,7 @@ def tp2_recipe(tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.slow  # two full CLI runs with 1024px VAE decodes (~30 s); the layouts' numerics: test_parity.py
 @pytest.mark.timeout(900)
 def test_tp2_generate_launches_ranks_and_matches_one_process(tmp_path):
     one, image_1, latents_1 = generate(tmp_path, "one")
