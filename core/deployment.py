@@ -134,6 +134,9 @@ def _resolve_flavor(recipe: Recipe, random_weights: bool = False) -> Recipe:
     if flavor.needs_weights and m.path is None and not random_weights:
         raise DeploymentError(f"recipe {recipe.name} runs {name}, which needs its weights: pass --model PATH "
                               "(a Hugging Face-format directory with safetensors)")
+    problems = getattr(flavor, "recipe_problems", lambda r: [])(recipe)
+    if problems:
+        raise DeploymentError(f"recipe {recipe.name} with model flavor {name}: " + "; ".join(problems))
     return recipe if name == m.flavor else recipe.replace_path("model.flavor", name)
 
 

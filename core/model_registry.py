@@ -60,6 +60,9 @@ class ModelFlavor(Protocol):
     def serving_helpers(self):
         """The ``omni.serving.options.ModelHelpers`` the HTTP layer uses (size parsing and snapping, system prompts)."""
 
+    def recipe_problems(self, recipe) -> list[str]:
+        """Recipe settings this flavour cannot run with, each naming the field (checked by ``prepare``)."""
+
     def released_config(self):
         """The released checkpoint's config object for memory estimates and docs (None: not estimated)."""
 

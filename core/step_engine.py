@@ -314,7 +314,8 @@ class StepEngine:
             if r.block_rope is None:  # positions never change: build the tables once per request
                 r.block_rope = self.model.rope(r.seq.pos_yx[r.seq.prefix_len: r.tokens])
         runs = [Run(tuple(r.pages), q0, q1, q1) for r in s.rows for q0, q1 in self.model.block_spans(r.seq)]
-        x_TD = self.model.block_input(s.latents_1Chw, s.sigma, [r.seq for r in s.rows])
+        x_TD = self.model.block_input(s.latents_1Chw, s.sigma, [r.seq for r in s.rows],
+                                      sigma_next=float(s.sigmas[s.step + 1]), guidance=s.request.guidance)
         return StepBlock(x_TD, [r.block_rope for r in s.rows], runs)
 
     def _forward(self, blocks: list[StepBlock], states: list[RequestState]) -> torch.Tensor | None:

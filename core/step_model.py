@@ -65,8 +65,10 @@ class StepModel(Protocol):
     def prefix_segments(self, row: RowSpec) -> list[tuple[int, int, str]]:
         """``(start, stop, mask)`` covering ``[0, prefix_len)`` in order; mask ``causal`` or ``none``."""
 
-    def block_input(self, latents_1Chw: torch.Tensor, sigma: float, rows: list[RowSpec]) -> torch.Tensor:
-        """``x_TD``: the step blocks of ``rows`` (one request's rows here) at noise level ``sigma``."""
+    def block_input(self, latents_1Chw: torch.Tensor, sigma: float, rows: list[RowSpec], *, sigma_next: float,
+                    guidance: float) -> torch.Tensor:
+        """``x_TD``: the step blocks of ``rows`` (one request's rows here) at noise level ``sigma`` (a
+        distilled model also embeds the next level and the guidance scale)."""
 
     def backbone(self, x_TD: torch.Tensor, cos_TH: torch.Tensor, sin_TH: torch.Tensor, ctx) -> torch.Tensor:
         """One packed forward; attention reads and writes K/V through ``ctx`` (a ``PoolContext``)."""

@@ -20,8 +20,11 @@ def build_golden_model(golden_data, platform, **opts):
 INSTRUCT_NOT_IN_CHECKPOINT = ("golden.", "guidance_emb.", "timestep_r_emb.")  # golden tensors, Distil-only weights
 
 
-def write_instruct_checkpoint(meta: dict, tensors: dict, root):
-    """The Instruct golden weights as an HF-format checkpoint directory (config, safetensors, vocabulary)."""
+def write_instruct_checkpoint(meta: dict, tensors: dict, root, keep_distil: bool = False):
+    """The Instruct golden weights as an HF-format checkpoint directory (config, safetensors, vocabulary).
+
+    ``keep_distil``: keep ``guidance_emb.*`` / ``timestep_r_emb.*`` (the Distil model; its config must set
+    cfg_distilled and use_meanflow)."""
     import json
     from pathlib import Path
 
@@ -32,7 +35,8 @@ def write_instruct_checkpoint(meta: dict, tensors: dict, root):
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(meta["tiny_config"]))
-    save_file({k: v.contiguous() for k, v in tensors.items() if not k.startswith(INSTRUCT_NOT_IN_CHECKPOINT)},
+    skip = ("golden.",) if keep_distil else INSTRUCT_NOT_IN_CHECKPOINT
+    save_file({k: v.contiguous() for k, v in tensors.items() if not k.startswith(skip)},
               str(root / "model.safetensors"))
     build(meta["tiny_vocab"]).save(str(root / "tokenizer.json"))
     return root

@@ -72,11 +72,13 @@ def test_a_missing_config_json_names_the_file(tmp_path):
         model_registry.resolve("auto", str(tmp_path))
 
 
-@pytest.mark.parametrize("flavor, words", [("hunyuan_image3_instruct_distil", "Distil flavour")])
-def test_flavours_not_built_yet_are_refused_with_their_reason(tmp_path, flavor, words):
-    recipe = load_recipe("cpu_tiny").replace_path("model.flavor", flavor)
-    with pytest.raises(DeploymentError, match=f"model flavor '{flavor}' is not available: the {words}"):
-        prepare(recipe, overrides={"model.path": str(checkpoint_dir(tmp_path))})
+def test_the_distil_flavour_refuses_cfg_parallel_naming_both(tmp_path):
+    """A CFG-distilled checkpoint has one row per request: cfg parallel has nothing to split."""
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths(
+        {"model.flavor": "hunyuan_image3_instruct_distil", "parallel.cfg": 2, "device.count": 2})
+    with pytest.raises(DeploymentError, match="hunyuan_image3_instruct_distil: parallel.cfg=2 .* set parallel.cfg: 1"):
+        prepare(recipe, overrides={"model.path": str(checkpoint_dir(
+            tmp_path, model_version="HunyuanImage-3.0-Instruct-Distil", cfg_distilled=True, use_meanflow=True))})
 
 
 def test_an_unknown_flavour_is_a_recipe_error_naming_the_key():

@@ -20,7 +20,7 @@ from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, park_on_host
 from omni.weights import LoadTarget, StreamingLoad, materialize_meta_
 
 from .config import HunyuanImage3Config
-from .instruct_pipeline import HunyuanImage3Instruct
+from .instruct_pipeline import HunyuanImage3Instruct, HunyuanImage3InstructDistil
 from .parallel import PLANS
 from .pipeline import HunyuanImage3T2I
 from .tiny import ensure_tiny_checkpoint
@@ -185,7 +185,12 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     kw = dict(transformer=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"), config=cfg,
               device=services.device, vae_dtype=DTYPES[recipe.model.vae_dtype])
     vae_tile = (recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None
-    t2i = HunyuanImage3Instruct(vision=vision, vae_encode_tile=vae_tile, **kw) if instruct else HunyuanImage3T2I(**kw)
+    if instruct:
+        distil = cfg.cfg_distilled and cfg.use_meanflow
+        cls = HunyuanImage3InstructDistil if distil else HunyuanImage3Instruct
+        t2i = cls(vision=vision, vae_encode_tile=vae_tile, **kw)
+    else:
+        t2i = HunyuanImage3T2I(**kw)
     capture = recipe.graph.mode == "capture"  # refused here, with the platform's reasons, where it cannot capture
     return StepEngine(
         t2i, pool=pool, runtime=runtime, device=services.device, paged=recipe.kv_cache.mode == "paged",

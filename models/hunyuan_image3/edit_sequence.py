@@ -254,9 +254,10 @@ def rope_positions(n: int, grids) -> tuple[tuple[int, int], ...]:
 
 
 def _to_sequence(ids: list[int], boi_index: int, conds: list[CondSlots], token_h: int,
-                 token_w: int) -> EditSequence:
+                 token_w: int, specials: int = 1) -> EditSequence:
+    """``specials``: tokens from ``<timestep>`` to the image run (3 for Distil: + ``<guidance> <timestep_r>``)."""
     timestep_index = boi_index + IMAGE_HEAD_LEN - 1
-    image_start = timestep_index + 1
+    image_start = timestep_index + specials
     grids = [(span, hw) for c in conds for span, hw in ((c.vae, c.vae_hw), (c.vit, c.vit_hw))]
     grids.append(((image_start, image_start + token_h * token_w), (token_h, token_w)))
     return EditSequence(ids=tuple(ids), timestep_index=timestep_index, image_start=image_start,
@@ -282,8 +283,8 @@ def build_text_row(tok: Tokenizer, prompt: str, cond_images=(), *, downsample: i
 
 def build_edit_pair(tok: Tokenizer, prompt: str, cond_images, *, height: int, width: int,
                     downsample: int, system_prompt: str | None = None, cot_text: str | None = None,
-                    cfg: bool = True, base_size: int = BASE_SIZE,
-                    drop_think: bool = False) -> tuple[EditSequence, ...]:
+                    cfg: bool = True, base_size: int = BASE_SIZE, drop_think: bool = False,
+                    distil: bool = False) -> tuple[EditSequence, ...]:
     """The conditional row, then (when ``cfg``) the unconditional one, of an editing request.
 
     ``cond_images``: ``CondImage``s in prompt order; none gives the Instruct
@@ -293,12 +294,14 @@ def build_edit_pair(tok: Tokenizer, prompt: str, cond_images, *, height: int, wi
     ``base_size`` (the checkpoint's ``image_base_size``, also the
     ``<img_size_B>`` of every block). ``downsample`` is
     vae_downsample_factor * patch_size. ``system_prompt`` is the text itself.
+    ``distil``: the Distil block, ``<timestep> <guidance> <timestep_r>`` before the image run.
     """
     cond_images = tuple(cond_images)
     h_px, w_px, ratio_k = instruct_size((height, width), base_size, downsample)
     token_h, token_w = token_grid(h_px, w_px, downsample)
-    gen_ids = _head(tok, base_size, ratio_k) + [tok.img] * (token_h * token_w) + [tok.eoi]
+    extra = [tok.id_of("<guidance>"), tok.id_of("<timestep_r>")] if distil else []
+    gen_ids = _head(tok, base_size, ratio_k) + extra + [tok.img] * (token_h * token_w) + [tok.eoi]
     pieces = edit_pieces(prompt, cond_images, system_prompt, cot_text, drop_think=drop_think)
     rows = (False, True) if cfg else (False,)
-    return tuple(_to_sequence(*_encode_row(tok, pieces, gen_ids, base_size, u), token_h, token_w)
+    return tuple(_to_sequence(*_encode_row(tok, pieces, gen_ids, base_size, u), token_h, token_w, 1 + len(extra))
                  for u in rows)

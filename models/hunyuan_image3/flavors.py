@@ -34,6 +34,7 @@ class HunyuanImage3Flavor:
     needs_weights: bool = True
     missing: str | None = None  # why this version cannot build it yet
     instruct: bool = False  # Instruct size rule, instruct template, reference images
+    distil: bool = False  # CFG-distilled: guidance enters as a token, one row per request
     base_size: int = 1024  # image_base_size of its checkpoints (the ratio table of the size rule)
 
     def unavailable(self) -> str | None:
@@ -71,6 +72,13 @@ class HunyuanImage3Flavor:
         return ModelHelpers(lambda size: parse_size(size)[::-1], lambda h, w: resolution.snap(h, w)[1:],
                             system_prompt)
 
+    def recipe_problems(self, recipe) -> list[str]:
+        """A CFG-distilled checkpoint has no unconditional row: nothing for cfg parallel to split."""
+        if self.distil and recipe.parallel.cfg > 1:
+            return [f"parallel.cfg={recipe.parallel.cfg} splits the CFG rows over rank groups, but {self.name} "
+                    "draws with one row per request (guidance is a token); set parallel.cfg: 1"]
+        return []
+
     def released_config(self):
         if not self.needs_weights:
             return None  # the tiny model is a few MB: nothing to estimate
@@ -89,9 +97,8 @@ instruct = HunyuanImage3Flavor(
     "hunyuan_image3_instruct", "HunyuanImage-3.0-Instruct: text-to-image and editing with up to 3 reference "
     "images (instruct template)", instruct=True)
 instruct_distil = HunyuanImage3Flavor(
-    "hunyuan_image3_instruct_distil", "HunyuanImage-3.0-Instruct-Distil: CFG-distilled 8-step meanflow",
-    missing="the Distil flavour (guidance and timestep_r tokens, the meanflow schedule) is not implemented in "
-            "this version; running its checkpoint as the base model would draw wrong images, so it is refused")
+    "hunyuan_image3_instruct_distil", "HunyuanImage-3.0-Instruct-Distil: CFG-distilled 8-step meanflow (one "
+    "forward per step; editing and text as Instruct)", instruct=True, distil=True)
 tiny = HunyuanImage3Flavor("hunyuan_image3_tiny", "embedded tiny checkpoint of the base architecture (CPU, no "
                            "download; random weights)", needs_weights=False)
 instruct_tiny = HunyuanImage3Flavor(

@@ -205,3 +205,47 @@ class HunyuanImage3Instruct(HunyuanImage3T2I):
             self._eps(g, (1, self.latent_channels, *c.vae_hw))
         shape = (1, self.latent_channels, row.token_h, row.token_w)
         return torch.randn(shape, generator=g, dtype=torch.bfloat16).float().to(self.device)
+
+
+class HunyuanImage3InstructDistil(HunyuanImage3Instruct):
+    """HunyuanImage-3.0-Instruct-Distil: CFG-distilled MeanFlow, one row per request, 8 steps by default.
+
+    The step block is ``<timestep> <guidance> <timestep_r>`` + the image run:
+    ``timestep_emb(t)``, ``guidance_emb(bf16(1000 * scale))`` and
+    ``timestep_r_emb(r)`` with ``r`` the next timestep (0 at the last step).
+    Each special token is causal (one query over the keys before it and
+    itself); ``final_layer`` reads the image rows only. The guided prediction
+    is the model's output as is (no unconditional row to combine with).
+    """
+
+    SPECIALS = 3
+
+    def build_rows(self, req: ImageRequest) -> list[EditSequence]:
+        if req.negative_prompt is not None:
+            raise ValueError("negative_prompt: a CFG-distilled checkpoint has no unconditional row to put it in")
+        if req.template != "instruct":
+            raise ValueError(f"template {req.template!r}: the Distil checkpoint uses the instruct template")
+        conds = [self.cond_layout(im) for im in req.images]
+        return list(build_edit_pair(self.tok, req.prompt, conds, height=req.height, width=req.width,
+                                    downsample=self.downsample, base_size=self.base_size, cfg=False, distil=True,
+                                    system_prompt=req.system_prompt, cot_text=req.cot_text,
+                                    drop_think=req.drop_think))
+
+    def block_len(self, row) -> int:
+        return self.SPECIALS + row.token_h * row.token_w
+
+    def block_spans(self, row) -> list[tuple[int, int]]:
+        p = row.prefix_len
+        return [(p + i, p + i + 1) for i in range(self.SPECIALS)] + [(p + self.SPECIALS, p + self.block_len(row))]
+
+    def block_input(self, latents_1Chw, sigma: float, rows, *, sigma_next: float, guidance: float, **_):
+        t_1, r_1 = self._t(sigma, 1), self._t(sigma_next, 1)
+        g_1 = torch.full((1,), guidance, dtype=torch.float32, device=self.device)
+        tr = self.transformer
+        specials = [tr.timestep_token(t_1), tr.guidance_token(g_1), tr.timestep_r_token(r_1)]
+        img_1LD = tr.image_tokens(latents_1Chw.to(self.dtype), t_1)
+        return torch.cat([x for _ in rows for x in (*(s.to(self.dtype) for s in specials), img_1LD[0])])
+
+    def velocity(self, h_TD: torch.Tensor, rows, sigma: float) -> torch.Tensor:
+        h_BnD = h_TD.view(len(rows), -1, h_TD.shape[-1])[:, self.SPECIALS:]
+        return self.transformer.velocity(h_BnD, self._t(sigma, len(rows)), rows[0].token_h, rows[0].token_w).float()

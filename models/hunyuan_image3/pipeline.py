@@ -80,8 +80,11 @@ class HunyuanImage3T2I:
     def prefix_segments(self, row: T2ISequence) -> list[tuple[int, int, str]]:
         return [(0, row.prefix_len, "causal")]
 
-    def block_input(self, latents_1Chw: torch.Tensor, sigma: float, rows: list[T2ISequence]) -> torch.Tensor:
-        """``[<timestep>; image tokens]`` of the latents at ``sigma``, once per row (the rows share them)."""
+    def block_input(self, latents_1Chw: torch.Tensor, sigma: float, rows: list[T2ISequence], **_) -> torch.Tensor:
+        """``[<timestep>; image tokens]`` of the latents at ``sigma``, once per row (the rows share them).
+
+        The engine also passes ``sigma_next`` and ``guidance`` (what a Distil block embeds); unused here.
+        """
         t_1 = self._t(sigma, 1)
         img_1LD = self.transformer.image_tokens(latents_1Chw.to(self.dtype), t_1)
         ts_1D = self.transformer.timestep_token(t_1).to(self.dtype)

@@ -266,8 +266,9 @@ class HunyuanImage3Transformer(nn.Module):
         return self.timestep_emb(t_B)
 
     def guidance_token(self, scale_B: torch.Tensor) -> torch.Tensor:
-        """Distil only: embedding of the ``<guidance>`` token (input 1000 * guidance scale)."""
-        return self.guidance_emb(1000 * scale_B)
+        """Distil only: embedding of the ``<guidance>`` token; input 1000 * scale rounded through bf16, as the
+        official pipeline builds it (5.0 -> 4992)."""
+        return self.guidance_emb((1000 * scale_B).to(torch.bfloat16).float())
 
     def timestep_r_token(self, r_B: torch.Tensor) -> torch.Tensor:
         """Distil / MeanFlow only: embedding of the ``<timestep_r>`` token (the next timestep)."""

@@ -1,0 +1,123 @@
+"""Instruct-Distil (CFG-distilled MeanFlow) against the official code: golden case DISTIL.
+
+The official pipeline with ``cfg_distilled`` and ``use_meanflow`` (the golden
+Instruct tiny weights plus ``guidance_emb`` / ``timestep_r_emb``): one row,
+``<timestep> <guidance> <timestep_r>`` before the image run, guidance
+``bf16(1000 * 5.0) = 4992``, ``timestep_r`` the next timestep, the 8-step
+shift-3 schedule; step 1 over the whole sequence, step 2 through its KV cache.
+Here: the deployment's pipeline from a checkpoint directory, through the
+engine's prefix-KV path (both steps), and the first step's layer input and
+hidden states through the full-sequence path. fp32 on the CPU, 1e-5.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from golden_utils import write_instruct_checkpoint
+from omni.attention_context import DenseContext, dense_meta
+from omni.platform_manager import select
+from omni.request import ImageRequest
+
+ATOL = 1e-5
+
+
+def close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert tuple(got.shape) == tuple(want.shape), (name, tuple(got.shape), tuple(want.shape))
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= ATOL, f"{name}: max abs err {err:.3g}"
+
+
+@pytest.fixture(scope="module")
+def golden(instruct_golden):
+    meta, t = instruct_golden
+    return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}
+
+
+@pytest.fixture(scope="module")
+def engine(instruct_golden, tmp_path_factory):
+    from omni.models.hunyuan_image3.build import build_pipeline
+    from omni.recipe import load_recipe
+
+    meta, t = instruct_golden
+    distil = {**meta, "tiny_config": {**meta["tiny_config"], "cfg_distilled": True, "use_meanflow": True}}
+    root = tmp_path_factory.mktemp("distil_ckpt")
+    write_instruct_checkpoint(distil, t, root, keep_distil=True)
+    assert json.loads((root / "config.json").read_text())["cfg_distilled"]
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(root), "kv_cache.page_tokens": 6})
+    return build_pipeline(recipe, select("cpu"), progress=False)
+
+
+def request_of(meta) -> ImageRequest:
+    c = meta["cases"]["DISTIL"]
+    h, w = (int(v) for v in c["image_size_argument"].split("x"))
+    return ImageRequest(prompt=c["prompt"], system_prompt=c["system_prompt"], cot_text=c["cot_text"], height=h,
+                        width=w, steps=c["infer_steps"], guidance=c["guidance_scale"], seed=c["seed"],
+                        template="instruct")
+
+
+def test_distil_row_and_schedule(engine, golden):
+    meta, g = golden
+    req = request_of(meta)
+    (row,) = engine.model.build_rows(req)
+    assert list(row.ids) == g["DISTIL.input_ids"][0].tolist()
+    assert torch.equal(row.attention_mask(), g["DISTIL.attention_mask"][0, 0])
+    close("sched_sigmas", engine.model.sigmas(req), g["DISTIL.sched_sigmas"])
+    assert engine.model.block_len(row) == 3 + row.token_h * row.token_w
+
+
+@torch.inference_mode()
+def test_first_step_full_sequence_layer_input_and_hidden_states(engine, golden):
+    from omni.models.hunyuan_image3.rope import rope_cos_sin
+
+    meta, g = golden
+    m, req = engine.model, request_of(meta)
+    (row,) = m.build_rows(req)
+    sig = m.sigmas(req)
+    prefix = m.prefix_input(req, req.seed, [row])[0]
+    block = m.block_input(g["DISTIL.latents_xt"], float(sig[0]), [row], sigma_next=float(sig[1]),
+                          guidance=req.guidance)
+    rest = m.embed(row.ids[row.prefix_len + block.shape[0]:])
+    x_LD = torch.cat([prefix, block, rest])
+    close("inputs_embeds", x_LD[None], g["DISTIL.inputs_embeds"])
+    hidden = []
+    hooks = [layer.register_forward_hook(lambda mod, a, out: hidden.append(out)) for layer in m.transformer.model.layers]
+    try:
+        cos, sin = rope_cos_sin(torch.tensor(row.pos_yx), m.cfg.head_dim, m.cfg.rope_theta)
+        m.transformer.backbone(x_LD, cos, sin, DenseContext(dense_meta(row.attention_mask())))
+    finally:
+        for h in hooks:
+            h.remove()
+    for i, h_LD in enumerate(hidden):
+        close(f"hidden_states_{i + 1}", h_LD[None], g[f"DISTIL.hidden_states_{i + 1}"])
+
+
+@torch.inference_mode()
+def test_two_steps_through_the_prefix_kv_path(engine, golden):
+    meta, g = golden
+    seen = []
+    engine.on_velocity = lambda state, v: seen.append(v.clone())
+    try:
+        s = engine.admit(request_of(meta))
+        close("latents_xt (the seed's noise)", s.latents_1Chw, g["DISTIL.latents_xt"])
+        engine.prefill([s])
+        engine.denoise_step([s])
+        close("step 1 pred", seen[0], g["DISTIL.pred"])
+        close("step 1 latents", s.latents_1Chw, g["DISTIL.latents_next"])
+        engine.denoise_step([s])
+        close("step 2 pred", seen[1], g["DISTIL_step2.pred"])
+        close("step 2 latents", s.latents_1Chw, g["DISTIL_step2.latents_next"])
+    finally:
+        engine.on_velocity = None
+        engine.release(s)
+    assert engine.pool.free_pages == engine.pool.num_pages
+
+
+def test_a_negative_prompt_is_refused(engine, golden):
+    meta, _ = golden
+    import dataclasses
+
+    with pytest.raises(ValueError, match="negative_prompt"):
+        engine.model.build_rows(dataclasses.replace(request_of(meta), negative_prompt="blurry"))
