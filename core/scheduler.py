@@ -90,6 +90,10 @@ class RequestTooLarge(SchedulerError, ValueError):
     """The request can never be admitted: it needs more KV pages than the whole pool."""
 
 
+class RequestInvalid(SchedulerError, ValueError):
+    """The model refuses the request as asked (a field it cannot honour); the message names the field."""
+
+
 class RequestCancelled(SchedulerError):
     """The request was cancelled (client gone or timed out) before it finished."""
 
@@ -189,8 +193,12 @@ class Scheduler:
     # ------------------------------------------------------------ any thread
 
     def cost(self, req: ImageRequest) -> Cost:
-        """Pages and packed step tokens of ``req``; raises RequestTooLarge if it can never fit."""
-        cost = Cost(self.pipeline.pages_needed(req), self.pipeline.step_tokens(req))
+        """Pages and packed step tokens of ``req``; raises RequestTooLarge if it can never fit, RequestInvalid
+        if the model refuses it (building its rows raised a ValueError, which names the field)."""
+        try:
+            cost = Cost(self.pipeline.pages_needed(req), self.pipeline.step_tokens(req))
+        except (ValueError, KeyError) as e:
+            raise RequestInvalid(f"request {req.request_id}: {e}") from None
         if cost.pages > self.pool.num_pages:
             raise RequestTooLarge(
                 f"request needs {cost.pages} KV pages ({cost.pages * self.pool.page_size} tokens) but the whole "

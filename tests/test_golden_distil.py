@@ -11,6 +11,7 @@ hidden states through the full-sequence path. fp32 on the CPU, 1e-5.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -117,7 +118,29 @@ def test_two_steps_through_the_prefix_kv_path(engine, golden):
 
 def test_a_negative_prompt_is_refused(engine, golden):
     meta, _ = golden
-    import dataclasses
-
     with pytest.raises(ValueError, match="negative_prompt"):
         engine.model.build_rows(dataclasses.replace(request_of(meta), negative_prompt="blurry"))
+
+
+def test_a_negative_prompt_is_a_400_naming_the_field_over_http(engine, golden):
+    """The model's refusal reaches the client as a 400 naming the field (never a 500), with a real server."""
+    import httpx
+
+    from omni.engine_loop import EngineLoop
+    from omni.scheduler import RequestInvalid, Scheduler
+    from omni.serving.app import ServingOptions, create_app
+    from serving.serving_harness import ServerThread
+
+    meta, _ = golden
+    sched = Scheduler(engine)
+    with pytest.raises(RequestInvalid, match="negative_prompt"):
+        sched.cost(dataclasses.replace(request_of(meta), negative_prompt="blurry"))
+    loop = EngineLoop.around(sched).start()
+    try:
+        app = create_app(loop, ServingOptions(model_id="distil"))
+        with ServerThread(app) as server:
+            r = httpx.post(f"http://127.0.0.1:{server.port}/v1/images/generations", timeout=30,
+                           json={"prompt": "a red cat", "negative_prompt": "blurry", "size": "256x256"})
+    finally:
+        loop.stop()
+    assert r.status_code == 400 and r.json()["error"]["param"] == "negative_prompt", r.text

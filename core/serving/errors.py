@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from omni.scheduler import EngineUnavailable, QueueFull, RequestTooLarge
+import re
+
+from omni.scheduler import EngineUnavailable, QueueFull, RequestInvalid, RequestTooLarge
 
 
 class APIError(Exception):
@@ -43,5 +45,8 @@ def submit_refused(e: QueueFull | RequestTooLarge | EngineUnavailable, too_large
                         headers={"Retry-After": str(e.retry_after_s)})
     if isinstance(e, RequestTooLarge):
         return APIError(400, str(e), param=too_large, code="request_too_large")
+    if isinstance(e, RequestInvalid):  # "request <id>: <field>: why": the model names the field it refuses
+        field = re.match(r"request \S+: ([a-z_]+):", str(e))
+        return APIError(400, str(e), param=field.group(1) if field else None, code="unsupported_value")
     return APIError(503, f"not ready: {e}", type="server_error", code="engine_unavailable",
                     headers={"Retry-After": "5"})

@@ -16,7 +16,7 @@ from fastapi import Request
 
 from omni.engine_handle import EngineHandle
 from omni.request import ImageRequest, ImageResult
-from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
+from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestInvalid, RequestTooLarge
 
 from .encode import encode_image
 from .errors import APIError, ClientGone, internal_error, submit_refused
@@ -51,7 +51,7 @@ class Generator:
     def submit(self, reqs: list, too_large: str = "size"):
         try:
             return self.engine.submit_many(reqs)
-        except (QueueFull, RequestTooLarge, EngineUnavailable) as e:
+        except (QueueFull, RequestTooLarge, RequestInvalid, EngineUnavailable) as e:
             raise submit_refused(e, too_large) from None
 
     def cancel_unfinished(self, tickets) -> None:
