@@ -139,9 +139,11 @@ def _vendor_installers():
 # are the documented gaps each recipe's comments state (rocm/xpu/musa have no grouped GEMM yet, ...)
 VENDOR_KERNELS = {
     "a2_tp4": ("npu-fia", "npu-quant-matmul[w8a8]", "npu-grouped-matmul[w8a8]"),
+    "a2_tp4_distil": ("npu-fia", "npu-quant-matmul[w8a8]", "npu-grouped-matmul[w8a8]"),
     "a3_cfg2_tp4": ("npu-fia", "reference-linear[none]", "npu-grouped-matmul[none]"),
     "a5_sp4": ("npu-fia", "npu-quant-matmul[w8a8]", "npu-grouped-matmul[w8a8]"),
     "mi325x_tp2": ("rocm-aiter", "reference-linear[none]", "reference-grouped[none]"),
+    "mi325x_tp2_distil": ("rocm-aiter", "reference-linear[none]", "reference-grouped[none]"),
     "mi325x_sp4": ("rocm-aiter", "reference-linear[none]", "reference-grouped[none]"),
     "mi350x_tp2": ("rocm-aiter", "reference-linear[none]", "reference-grouped[none]"),
     "mi350x_sp4": ("rocm-aiter", "reference-linear[none]", "reference-grouped[none]"),
