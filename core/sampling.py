@@ -46,9 +46,10 @@ def filtered_probs(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def sample(logits_V: torch.Tensor, p: SamplingParams, seed: int, index: int) -> int:
-    """The token at generation ``index`` of a request with ``seed`` (greedy: the first argmax)."""
+def draw(logits_V: torch.Tensor, p: SamplingParams, seed: int, index: int) -> torch.Tensor:
+    """The token at generation ``index`` of a request with ``seed`` (greedy: the first argmax), as a 0-d
+    tensor on the logits' device: callers read every row's token with one host sync."""
     if p.greedy:
-        return int(logits_V.argmax())
+        return logits_V.argmax()
     g = torch.Generator(device=logits_V.device).manual_seed((seed * _MIX + index) % (2**63 - 1))
-    return int(torch.multinomial(filtered_probs(logits_V, p), 1, generator=g))
+    return torch.multinomial(filtered_probs(logits_V, p), 1, generator=g)[0]

@@ -68,6 +68,7 @@ class RequestState:
     step: int = 0
     times: StageTimes = field(default_factory=StageTimes)
     cache: StepCache = field(default_factory=lambda: StepCache(0.0))
+    reserved: list = field(default_factory=list)  # pages held for later rows (none for an image pass)
 
     @property
     def done(self) -> bool:
@@ -229,10 +230,8 @@ class StepEngine:
 
     def release(self, state: RequestState) -> None:
         self._release_rows(state.rows)
-        state.rows = []
-        self.pool.release(getattr(state, "reserved", []))
-        if hasattr(state, "reserved"):
-            state.reserved = []
+        self.pool.release(state.reserved)  # a CoT pass's pages for the image pass that did not come
+        state.rows, state.reserved = [], []
 
     def _release_rows(self, rows: list[Row]) -> None:
         for r in rows:
@@ -252,7 +251,7 @@ class StepEngine:
         phases: dict[tuple[int, str], list] = defaultdict(list)
         for s in states:
             t_in = time.perf_counter()
-            xs = self.model.prefix_input(s.request, s.seed, [r.seq for r in s.rows])
+            xs = self.model.prefix_input(s.request, s.seed, [r.seq for r in s.rows], min(r.cached for r in s.rows))
             s.times.conditioning += time.perf_counter() - t_in
             for r, x_LD in zip(s.rows, xs):
                 for i, (a, b, mask) in enumerate(self.model.prefix_segments(r.seq)):
@@ -281,8 +280,8 @@ class StepEngine:
     def _first_tokens(self, states: list, last: dict) -> None:
         if states:
             logits_TV = self.model.text_logits(torch.stack([last[id(s.rows[0])] for s in states]))
-            for s, logits_V in zip(states, logits_TV):
-                text_steps.emit(self, s, logits_V)
+            for s, token in zip(states, text_steps.next_tokens(states, logits_TV)):
+                text_steps.emit(self, s, token)
 
     def denoise_step(self, states: list) -> None:
         """One step of every running request: a sampler step per image request (their rows share one

@@ -58,9 +58,11 @@ class StepModel(Protocol):
     def rope(self, pos_yx: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos_TH, sin_TH)`` of these positions, on the device in the model's dtype."""
 
-    def prefix_input(self, req: ImageRequest, seed: int, rows: list[RowSpec]) -> list[torch.Tensor]:
+    def prefix_input(self, req: ImageRequest, seed: int, rows: list[RowSpec], cached: int = 0) -> list[torch.Tensor]:
         """``x_LD`` per row: the input of each row's whole prefix (token embeddings, plus whatever the
-        model places there, such as encoded reference images; ``seed`` is the request's)."""
+        model places there, such as encoded reference images; ``seed`` is the request's). Positions
+        before ``cached`` have their K/V in the pool already: their input is not read and need not be
+        computed (a model may skip encoding what only lives there)."""
 
     def prefix_segments(self, row: RowSpec) -> list[tuple[int, int, str]]:
         """``(start, stop, mask)`` covering ``[0, prefix_len)`` in order; mask ``causal`` or ``none``."""

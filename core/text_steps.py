@@ -32,7 +32,7 @@ import torch
 
 from .kv_pool import Run
 from .request import StageTimes, TextRequest, TextResult
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, draw
 
 
 @dataclass(frozen=True)
@@ -118,21 +118,31 @@ def admit_cot(engine, req, plan: CotPlan, row_type, image_rows: int, image_row_t
                      plan=plan, reserved=reserved)
 
 
-def next_token(s: TextState, logits_V: torch.Tensor) -> int:
-    """A forced token, the plan's greedy choice among its set, or a sample."""
-    if s.pending:
-        token, s.pending = s.pending[0], s.pending[1:]
-        return token
-    if s.choosing:
-        allowed = torch.tensor(s.plan.choose_from, device=logits_V.device)
-        return int(allowed[logits_V[allowed].argmax()])
-    return sample(logits_V, s.sampling, s.seed, len(s.tokens))
+def next_tokens(states: list[TextState], logits_TV: torch.Tensor) -> list[int]:
+    """Each state's next token: a forced one, the plan's greedy choice among its set, or a draw.
+
+    Every drawn token stays on the device until one read of them all: a
+    step costs one host sync, not one per answer.
+    """
+    drawn: dict[int, torch.Tensor] = {}
+    for i, (s, logits_V) in enumerate(zip(states, logits_TV)):
+        if s.choosing:
+            allowed = torch.tensor(s.plan.choose_from, device=logits_V.device)
+            drawn[i] = allowed[logits_V[allowed].argmax()]
+        elif not s.pending:
+            drawn[i] = draw(logits_V, s.sampling, s.seed, len(s.tokens))
+    read = dict(zip(drawn, torch.stack(list(drawn.values())).tolist())) if drawn else {}
+    out = []
+    for i, s in enumerate(states):
+        if i not in read:
+            read[i], s.pending = s.pending[0], s.pending[1:]
+        out.append(int(read[i]))
+    return out
 
 
-def emit(engine, s: TextState, logits_V: torch.Tensor) -> None:
-    """The next token of ``s``; stop at a stop token, after a plan's choice or at ``max_tokens``."""
+def emit(engine, s: TextState, token: int) -> None:
+    """Append ``token`` to ``s``; stop at a stop token, after a plan's choice or at ``max_tokens``."""
     was_choice = s.choosing
-    token = next_token(s, logits_V)
     s.tokens = s.tokens + (token,)
     forced = s.plan.forced.get(token, ()) if s.plan is not None else ()
     if forced:
@@ -158,7 +168,6 @@ def decode_step(engine, states: list[TextState]) -> None:
         pos.append((at, at))
         runs.append(Run(tuple(r.pages), at, at + 1, at + 1))
     h_TD = engine._backbone(engine.model.embed(ids), *engine.model.rope(pos), runs, "none")
-    logits_TV = engine.model.text_logits(h_TD)
-    for s, logits_V in zip(states, logits_TV):
-        emit(engine, s, logits_V)
+    for s, token in zip(states, next_tokens(states, engine.model.text_logits(h_TD))):
+        emit(engine, s, token)
         s.times.denoise += time.perf_counter() - t0

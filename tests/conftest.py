@@ -27,6 +27,21 @@ def instruct_golden():
 
 
 @pytest.fixture(scope="session")
+def instruct_g(instruct_golden):
+    """(json description, the golden tensors with their ``golden.`` prefix removed) of the Instruct-era set."""
+    meta, t = instruct_golden
+    return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}
+
+
+@pytest.fixture(scope="session")
+def instruct_checkpoint(instruct_golden, tmp_path_factory):
+    """The Instruct golden weights written once as an HF-format checkpoint directory."""
+    from golden_utils import write_instruct_checkpoint
+
+    return write_instruct_checkpoint(*instruct_golden, tmp_path_factory.mktemp("instruct_golden_ckpt"))
+
+
+@pytest.fixture(scope="session")
 def golden_data():
     """The base-era set: (json description, golden tensors without the ``golden.`` prefix, model weights)."""
     description, tensors = load_golden("hunyuan_image3_tiny")

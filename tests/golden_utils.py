@@ -40,3 +40,28 @@ def write_instruct_checkpoint(meta: dict, tensors: dict, root, keep_distil: bool
               str(root / "model.safetensors"))
     build(meta["tiny_vocab"]).save(str(root / "tokenizer.json"))
     return root
+
+
+def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = 1e-5) -> None:
+    """Same shape and max abs error <= ``atol`` (fp32 golden comparisons)."""
+    assert tuple(got.shape) == tuple(want.shape), (name, tuple(got.shape), tuple(want.shape))
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= atol, f"{name}: max abs err {err:.3g}"
+
+
+def instruct_engine(root, platform: str = "cpu", **changes):
+    """The deployment's Instruct pipeline over the checkpoint at ``root`` (``changes``: recipe paths)."""
+    from omni.models.hunyuan_image3.build import build_pipeline
+    from omni.platform_manager import select
+    from omni.recipe import load_recipe
+
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(root), **changes})
+    return build_pipeline(recipe, select(platform), progress=False)
+
+
+def run_to_end(engine, state):
+    """Prefill ``state`` and step it until it is done (a text answer or a CoT pass); returns it."""
+    engine.prefill([state])
+    while not state.done:
+        engine.denoise_step([state])
+    return state

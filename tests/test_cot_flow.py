@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from golden_utils import write_instruct_checkpoint
-from omni.platform_manager import select
+from golden_utils import instruct_engine, run_to_end
 from omni.request import ImageRequest
 from omni.scheduler import Scheduler
 
@@ -22,19 +21,13 @@ ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def golden(instruct_golden):
-    meta, t = instruct_golden
-    return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}
+def golden(instruct_g):
+    return instruct_g
 
 
 @pytest.fixture(scope="module")
-def engine(instruct_golden, tmp_path_factory):
-    from omni.models.hunyuan_image3.build import build_pipeline
-    from omni.recipe import load_recipe
-
-    root = write_instruct_checkpoint(*instruct_golden, tmp_path_factory.mktemp("cot_ckpt"))
-    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(root), "kv_cache.page_tokens": 4})
-    return build_pipeline(recipe, select("cpu"), progress=False)
+def engine(instruct_checkpoint):
+    return instruct_engine(instruct_checkpoint, **{"kv_cache.page_tokens": 4})
 
 
 class Script:
@@ -64,16 +57,12 @@ def think_request(meta, **kw) -> ImageRequest:
 
 
 def run_cot(engine, req, words):
-    """Admit, prefill and step the CoT pass to its end; the state (and the scheduler that ran it)."""
+    """Admit, prefill and step the CoT pass to its end under the script; the state."""
     script = Script(engine.model, words)
     try:
-        s = engine.admit(req)
-        engine.prefill([s])
-        while not s.done:
-            engine.denoise_step([s])
+        return run_to_end(engine, engine.admit(req))
     finally:
         script.close()
-    return s
 
 
 THINK_WORDS = ["a", "red", "cat", "make", "it", "</think>", None, "a", "red", "cat", "</recaption>"]
@@ -169,3 +158,23 @@ def test_cot_plan_is_the_official_rule(engine, golden, index):
         assert plan.choose_after is None
     else:
         assert plan.choose_after == tok.id_of(ratio["trigger"]) and list(plan.choose_from) == ratio["allowed_token_ids"]
+
+
+@torch.inference_mode()
+def test_an_edit_s_image_pass_does_not_encode_its_references_again(engine, golden):
+    """After the CoT pass the references' K/V are in the pool: the image pass prefills without the encoders."""
+    meta, g = golden
+    req = think_request(meta, images=(g["IMG.A.source_rgb_uint8"].numpy(),))
+    s = run_cot(engine, req, THINK_WORDS)
+    calls = []
+    inner = engine.model.encode_references
+    engine.model.encode_references = lambda *a: calls.append(1) or inner(*a)
+    try:
+        state = engine.continue_with(s)
+        assert min(r.cached for r in state.rows) > state.rows[0].seq.conds[0].vit[1]
+        engine.prefill([state])
+    finally:
+        del engine.model.encode_references
+        engine.release(state)
+    assert calls == [], "the references were encoded again"
+    assert engine.pool.free_pages == engine.pool.num_pages

@@ -17,38 +17,26 @@ import json
 import pytest
 import torch
 
-from golden_utils import write_instruct_checkpoint
+from golden_utils import assert_close as close, instruct_engine, write_instruct_checkpoint
 from omni.attention_context import DenseContext, dense_meta
-from omni.platform_manager import select
 from omni.request import ImageRequest
 
 ATOL = 1e-5
 
 
-def close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert tuple(got.shape) == tuple(want.shape), (name, tuple(got.shape), tuple(want.shape))
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= ATOL, f"{name}: max abs err {err:.3g}"
-
-
 @pytest.fixture(scope="module")
-def golden(instruct_golden):
-    meta, t = instruct_golden
-    return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}
+def golden(instruct_g):
+    return instruct_g
 
 
 @pytest.fixture(scope="module")
 def engine(instruct_golden, tmp_path_factory):
-    from omni.models.hunyuan_image3.build import build_pipeline
-    from omni.recipe import load_recipe
-
     meta, t = instruct_golden
     distil = {**meta, "tiny_config": {**meta["tiny_config"], "cfg_distilled": True, "use_meanflow": True}}
     root = tmp_path_factory.mktemp("distil_ckpt")
     write_instruct_checkpoint(distil, t, root, keep_distil=True)
     assert json.loads((root / "config.json").read_text())["cfg_distilled"]
-    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(root), "kv_cache.page_tokens": 6})
-    return build_pipeline(recipe, select("cpu"), progress=False)
+    return instruct_engine(root, **{"kv_cache.page_tokens": 6})
 
 
 def request_of(meta) -> ImageRequest:

@@ -24,44 +24,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from golden_utils import write_instruct_checkpoint
+from golden_utils import assert_close as close, instruct_engine
 from omni.attention_context import DenseContext, dense_meta
-from omni.platform_manager import select
 from omni.request import ImageRequest
 
 ATOL = 1e-5
 CASES = ["IT2I_1", "IT2I_2"]
 
 
-def close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert tuple(got.shape) == tuple(want.shape), (name, tuple(got.shape), tuple(want.shape))
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= ATOL, f"{name}: max abs err {err:.3g}"
+@pytest.fixture(scope="module")
+def golden(instruct_g):
+    return instruct_g
 
 
 @pytest.fixture(scope="module")
-def golden(instruct_golden):
-    meta, t = instruct_golden
-    return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(instruct_golden, tmp_path_factory):
-    """The golden weights as an HF-format checkpoint (config, one safetensors file, the tiny vocabulary)."""
-    return write_instruct_checkpoint(*instruct_golden, tmp_path_factory.mktemp("instruct_golden_ckpt"))
-
-
-def build_engine(checkpoint, **changes):
-    from omni.models.hunyuan_image3.build import build_pipeline
-    from omni.recipe import load_recipe
-
-    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(checkpoint), **changes})
-    return build_pipeline(recipe, select("cpu"), progress=False)
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint):
-    return build_engine(checkpoint)
+def engine(instruct_checkpoint):
+    return instruct_engine(instruct_checkpoint)
 
 
 def request_of(meta, g, case: str) -> ImageRequest:
@@ -180,9 +158,9 @@ def test_prediction_guidance_and_first_euler_step(engine, full_path, golden, cas
 
 
 @pytest.fixture(scope="module", params=[("paged", 7), ("contiguous", 16)], ids=["paged-7", "contiguous"])
-def kv_engine(request, checkpoint):
+def kv_engine(request, instruct_checkpoint):
     mode, page = request.param  # 7 divides no segment: pages straddle text, image and block boundaries
-    return build_engine(checkpoint, **{"kv_cache.mode": mode, "kv_cache.page_tokens": page})
+    return instruct_engine(instruct_checkpoint, **{"kv_cache.mode": mode, "kv_cache.page_tokens": page})
 
 
 @torch.inference_mode()

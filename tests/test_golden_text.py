@@ -18,9 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from golden_utils import write_instruct_checkpoint
+from golden_utils import assert_close as close, instruct_engine, run_to_end
 from omni.attention_context import DenseContext, dense_meta
-from omni.platform_manager import select
 from omni.request import TextRequest
 from omni.scheduler import Scheduler
 
@@ -28,26 +27,14 @@ ATOL = 1e-5
 CASES = ["T2T", "I2T"]
 
 
-def close(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    assert tuple(got.shape) == tuple(want.shape), (name, tuple(got.shape), tuple(want.shape))
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= ATOL, f"{name}: max abs err {err:.3g}"
+@pytest.fixture(scope="module")
+def golden(instruct_g):
+    return instruct_g
 
 
 @pytest.fixture(scope="module")
-def golden(instruct_golden):
-    meta, t = instruct_golden
-    return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}
-
-
-@pytest.fixture(scope="module")
-def engine(instruct_golden, tmp_path_factory):
-    from omni.models.hunyuan_image3.build import build_pipeline
-    from omni.recipe import load_recipe
-
-    root = write_instruct_checkpoint(*instruct_golden, tmp_path_factory.mktemp("text_golden_ckpt"))
-    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(root), "kv_cache.page_tokens": 5})
-    return build_pipeline(recipe, select("cpu"), progress=False)
+def engine(instruct_checkpoint):
+    return instruct_engine(instruct_checkpoint, **{"kv_cache.page_tokens": 5})
 
 
 def request_of(meta, g, case: str, **kw) -> TextRequest:
@@ -101,10 +88,7 @@ def test_greedy_tokens_and_step_logits_through_the_engine(engine, golden, case):
     meta, g = golden
     rec = LogitsRecorder(engine.model)
     try:
-        s = engine.admit(request_of(meta, g, case))
-        engine.prefill([s])
-        while not s.done:
-            engine.denoise_step([s])
+        s = run_to_end(engine, engine.admit(request_of(meta, g, case)))
     finally:
         rec.close()
         engine.release(s)

@@ -48,39 +48,35 @@ class GenerationParams(BaseModel):
                                      description="TeaCache threshold for this request (0 = off; default: recipe)")
 
 
-class ImageGenerationRequest(GenerationParams):
-    """``POST /v1/images/generations`` (OpenAI Images create, plus the diffusion extras)."""
+class _ImagesParams(GenerationParams):
+    """The fields OpenAI's Images create and edit share."""
 
     prompt: str
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
-    size: str | None = Field(None, description="WIDTHxHEIGHT or auto; snapped to the model's nearest aspect row")
     response_format: Literal["b64_json", "url"] | None = None
     quality: str | None = None  # accepted for OpenAI compatibility, no effect
-    style: str | None = None  # accepted for OpenAI compatibility, no effect
     background: Literal["auto", "opaque", "transparent"] | None = None
     moderation: str | None = None  # accepted for OpenAI compatibility, no effect
     user: str | None = None
     stream: bool | None = None
 
 
-class ImageEditRequest(GenerationParams):
+class ImageGenerationRequest(_ImagesParams):
+    """``POST /v1/images/generations`` (OpenAI Images create, plus the diffusion extras)."""
+
+    size: str | None = Field(None, description="WIDTHxHEIGHT or auto; snapped to the model's nearest aspect row")
+    style: str | None = None  # accepted for OpenAI compatibility, no effect
+
+
+class ImageEditRequest(_ImagesParams):
     """``POST /v1/images/edits`` form fields (OpenAI Images edit, plus the diffusion extras); the files are apart.
 
     Multipart fields arrive as strings: pydantic's lax mode turns "2", "1.5" and "true" into the declared types.
     """
 
-    prompt: str
-    model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
     size: str | None = Field(None, description="WIDTHxHEIGHT, or auto (default): the first image's size, snapped")
-    response_format: Literal["b64_json", "url"] | None = None
-    quality: str | None = None  # accepted for OpenAI compatibility, no effect
     input_fidelity: str | None = None  # accepted for OpenAI compatibility, no effect
-    background: Literal["auto", "opaque", "transparent"] | None = None
-    moderation: str | None = None  # accepted for OpenAI compatibility, no effect
-    user: str | None = None
-    stream: bool | None = None
     partial_images: int | None = Field(None, ge=0, le=0, description="partial images are not streamed: 0 or absent")
 
 

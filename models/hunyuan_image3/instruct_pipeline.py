@@ -47,6 +47,8 @@ class HunyuanImage3Instruct(HunyuanImage3T2I):
     large reference images, None encodes whole.
     """
 
+    DISTIL = False  # the CFG-distilled block (HunyuanImage3InstructDistil)
+
     def __init__(self, *, vision, vae_encode_tile: tuple[int, int] | None = None, **kw):
         super().__init__(**kw)
         self.vision, self.vae_encode_tile = vision, vae_encode_tile
@@ -70,8 +72,9 @@ class HunyuanImage3Instruct(HunyuanImage3T2I):
             return super().build_rows(req)
         conds = [self.cond_layout(im) for im in req.images]
         kw = dict(height=req.height, width=req.width, downsample=self.downsample, base_size=self.base_size,
-                  system_prompt=req.system_prompt, cot_text=req.cot_text, drop_think=req.drop_think)
-        if not req.use_cfg:
+                  system_prompt=req.system_prompt, cot_text=req.cot_text, drop_think=req.drop_think,
+                  distil=self.DISTIL)
+        if not req.use_cfg or self.DISTIL:  # Distil: one row, the guidance scale is a token
             return list(build_edit_pair(self.tok, req.prompt, conds, cfg=False, **kw))
         if req.negative_prompt is None:
             return list(build_edit_pair(self.tok, req.prompt, conds, cfg=True, **kw))
@@ -152,10 +155,14 @@ class HunyuanImage3Instruct(HunyuanImage3T2I):
         return segments + [(start, row.prefix_len, "causal")]
 
     # ---------------------------------------------------------------- prefix
-    def prefix_input(self, req: ImageRequest, seed: int, rows) -> list[torch.Tensor]:
-        """Token embeddings with the references' VAE tokens, ``<timestep>`` and ViT features placed."""
+    def prefix_input(self, req: ImageRequest, seed: int, rows, cached: int = 0) -> list[torch.Tensor]:
+        """Token embeddings with the references' VAE tokens, ``<timestep>`` and ViT features placed.
+
+        The references are not encoded when every slot they fill lies before ``cached`` (an image pass
+        after its CoT pass: their K/V are in the pool already).
+        """
         xs = super().prefix_input(req, seed, rows)
-        if not req.images:
+        if not req.images or all(c.vit[1] <= cached for r in rows for c in r.conds):
             return xs
         vae_LD, vit_PM = self.encode_references(req.images, seed)
         ts_1D = self.transformer.timestep_token(self._t(0.0, 1)).to(self.dtype)
@@ -218,34 +225,16 @@ class HunyuanImage3InstructDistil(HunyuanImage3Instruct):
     is the model's output as is (no unconditional row to combine with).
     """
 
-    SPECIALS = 3
+    DISTIL, SPECIALS = True, 3
 
     def build_rows(self, req: ImageRequest) -> list[EditSequence]:
         if req.negative_prompt is not None:
             raise ValueError("negative_prompt: a CFG-distilled checkpoint has no unconditional row to put it in")
         if req.template != "instruct":
             raise ValueError(f"template {req.template!r}: the Distil checkpoint uses the instruct template")
-        conds = [self.cond_layout(im) for im in req.images]
-        return list(build_edit_pair(self.tok, req.prompt, conds, height=req.height, width=req.width,
-                                    downsample=self.downsample, base_size=self.base_size, cfg=False, distil=True,
-                                    system_prompt=req.system_prompt, cot_text=req.cot_text,
-                                    drop_think=req.drop_think))
+        return super().build_rows(req)
 
-    def block_len(self, row) -> int:
-        return self.SPECIALS + row.token_h * row.token_w
-
-    def block_spans(self, row) -> list[tuple[int, int]]:
-        p = row.prefix_len
-        return [(p + i, p + i + 1) for i in range(self.SPECIALS)] + [(p + self.SPECIALS, p + self.block_len(row))]
-
-    def block_input(self, latents_1Chw, sigma: float, rows, *, sigma_next: float, guidance: float, **_):
-        t_1, r_1 = self._t(sigma, 1), self._t(sigma_next, 1)
-        g_1 = torch.full((1,), guidance, dtype=torch.float32, device=self.device)
-        tr = self.transformer
-        specials = [tr.timestep_token(t_1), tr.guidance_token(g_1), tr.timestep_r_token(r_1)]
-        img_1LD = tr.image_tokens(latents_1Chw.to(self.dtype), t_1)
-        return torch.cat([x for _ in rows for x in (*(s.to(self.dtype) for s in specials), img_1LD[0])])
-
-    def velocity(self, h_TD: torch.Tensor, rows, sigma: float) -> torch.Tensor:
-        h_BnD = h_TD.view(len(rows), -1, h_TD.shape[-1])[:, self.SPECIALS:]
-        return self.transformer.velocity(h_BnD, self._t(sigma, len(rows)), rows[0].token_h, rows[0].token_w).float()
+    def special_tokens(self, t_1: torch.Tensor, sigma_next: float, guidance: float) -> list[torch.Tensor]:
+        """``<timestep> <guidance> <timestep_r>``: t, the guidance scale, and the next timestep r."""
+        tr, g_1 = self.transformer, torch.full((1,), guidance, dtype=torch.float32, device=self.device)
+        return [tr.timestep_token(t_1), tr.guidance_token(g_1), tr.timestep_r_token(self._t(sigma_next, 1))]

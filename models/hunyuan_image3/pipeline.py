@@ -28,8 +28,14 @@ from .sequence import T2ISequence, build_t2i_pair
 
 
 class HunyuanImage3T2I:
-    """The transformer, VAE and tokenizer of one worker behind the step engine's model interface."""
+    """The transformer, VAE and tokenizer of one worker behind the step engine's model interface.
 
+    The step block is ``SPECIALS`` special tokens (``special_tokens``: here
+    ``<timestep>``) then the image run; each special token is its own causal
+    run, the image run sees the whole block.
+    """
+
+    SPECIALS = 1
     def __init__(self, *, transformer, vae, tokenizer, config, device, vae_dtype: torch.dtype = torch.float32):
         self.transformer, self.vae, self.tok, self.cfg = transformer, vae, tokenizer, config
         self.device, self.vae_dtype = torch.device(device), vae_dtype
@@ -57,12 +63,12 @@ class HunyuanImage3T2I:
             return list(build_t2i_pair(self.tok, req.prompt, cfg=True, **kw))
         return [build_t2i_pair(self.tok, p, cfg=False, **kw)[0] for p in (req.prompt, req.negative_prompt)]
 
-    def block_len(self, row: T2ISequence) -> int:  # <timestep> + image tokens
-        return 1 + row.token_h * row.token_w
+    def block_len(self, row: T2ISequence) -> int:  # special tokens + image tokens
+        return self.SPECIALS + row.token_h * row.token_w
 
     def block_spans(self, row: T2ISequence) -> list[tuple[int, int]]:
-        p = row.prefix_len
-        return [(p, p + 1), (p + 1, p + self.block_len(row))]
+        p, k = row.prefix_len, self.SPECIALS
+        return [(p + i, p + i + 1) for i in range(k)] + [(p + k, p + self.block_len(row))]
 
     def rope(self, pos_yx) -> tuple[torch.Tensor, torch.Tensor]:
         pos_T2 = torch.tensor(pos_yx, dtype=torch.long, device=self.device)
@@ -73,29 +79,32 @@ class HunyuanImage3T2I:
     def embed(self, ids) -> torch.Tensor:
         return self.transformer.embed_tokens(torch.tensor(ids, device=self.device))
 
-    def prefix_input(self, req: ImageRequest, seed: int, rows: list[T2ISequence]) -> list[torch.Tensor]:
+    def prefix_input(self, req: ImageRequest, seed: int, rows: list[T2ISequence],
+                     cached: int = 0) -> list[torch.Tensor]:
         """Text only: each prefix is its token embeddings."""
         return [self.embed(r.ids[: r.prefix_len]) for r in rows]
 
     def prefix_segments(self, row: T2ISequence) -> list[tuple[int, int, str]]:
         return [(0, row.prefix_len, "causal")]
 
-    def block_input(self, latents_1Chw: torch.Tensor, sigma: float, rows: list[T2ISequence], **_) -> torch.Tensor:
-        """``[<timestep>; image tokens]`` of the latents at ``sigma``, once per row (the rows share them).
-
-        The engine also passes ``sigma_next`` and ``guidance`` (what a Distil block embeds); unused here.
-        """
+    def block_input(self, latents_1Chw: torch.Tensor, sigma: float, rows: list[T2ISequence], *,
+                    sigma_next: float = 0.0, guidance: float = 1.0) -> torch.Tensor:
+        """``[special tokens; image tokens]`` of the latents at ``sigma``, once per row (the rows share them)."""
         t_1 = self._t(sigma, 1)
         img_1LD = self.transformer.image_tokens(latents_1Chw.to(self.dtype), t_1)
-        ts_1D = self.transformer.timestep_token(t_1).to(self.dtype)
-        return torch.cat([x for _ in rows for x in (ts_1D, img_1LD[0])])
+        specials = [x.to(self.dtype) for x in self.special_tokens(t_1, sigma_next, guidance)]
+        return torch.cat([x for _ in rows for x in (*specials, img_1LD[0])])
+
+    def special_tokens(self, t_1: torch.Tensor, sigma_next: float, guidance: float) -> list[torch.Tensor]:
+        """``[1, D]`` embeddings of the block's special tokens: ``<timestep>`` (t on the 0..1000 scale)."""
+        return [self.transformer.timestep_token(t_1)]
 
     def backbone(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
         return self.transformer.backbone(x_TD, cos_TH, sin_TH, ctx)
 
     def velocity(self, h_TD: torch.Tensor, rows: list[T2ISequence], sigma: float) -> torch.Tensor:
-        """The image head on each row's image tokens (its block without ``<timestep>``), fp32."""
-        h_BnD = h_TD.view(len(rows), -1, h_TD.shape[-1])[:, 1:]  # rows share one block length
+        """The image head on each row's image tokens (its block without the special tokens), fp32."""
+        h_BnD = h_TD.view(len(rows), -1, h_TD.shape[-1])[:, self.SPECIALS:]  # rows share one block length
         return self.transformer.velocity(h_BnD, self._t(sigma, len(rows)), rows[0].token_h, rows[0].token_w).float()
 
     def _t(self, sigma: float, n: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from golden_utils import write_instruct_checkpoint
+from golden_utils import instruct_engine, run_to_end
 from omni.request import ImageRequest
 
 pytestmark = [pytest.mark.gpu,
@@ -28,21 +28,13 @@ CASES = ("IT2I_1", "IT2I_2")
 
 
 @pytest.fixture(scope="module")
-def golden(instruct_golden, tmp_path_factory):
-    meta, t = instruct_golden
-    root = write_instruct_checkpoint(meta, t, tmp_path_factory.mktemp("gpu_edit_ckpt"))
-    return meta, {k.removeprefix("golden."): v for k, v in t.items() if k.startswith("golden.")}, root
+def golden(instruct_g, instruct_checkpoint):
+    return (*instruct_g, instruct_checkpoint)
 
 
 def engine_on_cuda(root, dtype: str, **changes):
-    from omni.models.hunyuan_image3.build import build_pipeline
-    from omni.platform_manager import select
-    from omni.recipe import load_recipe
-
-    recipe = load_recipe("cpu_tiny_instruct").replace_paths({
-        "platform": "cuda", "device.kind": "h200", "model.path": str(root), "model.dtype": dtype,
-        "kv_cache.mode": "contiguous", **changes})
-    return build_pipeline(recipe, select("cuda"), progress=False)
+    return instruct_engine(root, "cuda", **{"platform": "cuda", "device.kind": "h200", "model.dtype": dtype,
+                                            "kv_cache.mode": "contiguous", **changes})
 
 
 def request_of(meta, g, case: str) -> ImageRequest:
@@ -118,12 +110,15 @@ def test_text_answers_on_cuda_match_official_greedy_tokens(golden, no_tf32, case
                       seed=c.get("seed", 0), stop_ids=(),
                       images=tuple(g[f"IMG.{n}.source_rgb_uint8"].numpy() for n in c["images"]))
     logits, inner = [], engine.model.text_logits
-    engine.model.text_logits = lambda h: logits.append(inner(h).float().cpu()) or inner(h)
+
+    def recorded(h_TD):
+        out = inner(h_TD)
+        logits.append(out.float().cpu())
+        return out
+
+    engine.model.text_logits = recorded
     try:
-        s = engine.admit(req)
-        engine.prefill([s])
-        while not s.done:
-            engine.denoise_step([s])
+        s = run_to_end(engine, engine.admit(req))
     finally:
         del engine.model.text_logits
         engine.release(s)
