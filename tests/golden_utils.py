@@ -49,14 +49,15 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float =
     assert err <= atol, f"{name}: max abs err {err:.3g}"
 
 
-def instruct_engine(root, platform: str = "cpu", **changes):
-    """The deployment's Instruct pipeline over the checkpoint at ``root`` (``changes``: recipe paths)."""
+def instruct_engine(root, on: str = "cpu", **changes):
+    """The deployment's Instruct pipeline over the checkpoint at ``root`` on platform ``on`` (``changes``:
+    recipe paths, e.g. ``platform``)."""
     from omni.models.hunyuan_image3.build import build_pipeline
     from omni.platform_manager import select
     from omni.recipe import load_recipe
 
     recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(root), **changes})
-    return build_pipeline(recipe, select(platform), progress=False)
+    return build_pipeline(recipe, select(on), progress=False)
 
 
 def run_to_end(engine, state):
