@@ -42,6 +42,7 @@ from omni import quant as Q  # noqa: E402
 from omni.build_options import BuildOptions  # noqa: E402
 from omni.kv_pool import KVPool, PoolContext, Run, _meta  # noqa: E402
 from omni.moe import swiglu  # noqa: E402
+from omni.reference_glue import rms_norm, split_qkv  # noqa: E402
 from omni.platform_manager import select  # noqa: E402
 from omni.step_graphs import StepGraphs  # noqa: E402
 from omni.models.hunyuan_image3.rope import apply_rope, rope_cos_sin  # noqa: E402
@@ -240,9 +241,9 @@ def naive_step(s: Setup, x_BLD, cos_BLH, sin_BLH, mask_LL):
     for layer in s.model.model.layers:
         at = layer.self_attn
         xn = layer.input_layernorm(h).flatten(0, 1)
-        q, k, v = at.split_qkv(F.linear(xn, at.qkv_proj.weight))
-        q = at.query_layernorm(apply_rope(q, cos, sin))
-        k = at.key_layernorm(apply_rope(k, cos, sin))
+        q, k, v = split_qkv(F.linear(xn, at.qkv_proj.weight), at.shape_NKH[:2])
+        q = rms_norm(apply_rope(q, cos, sin), at.query_layernorm.weight, at.query_layernorm.eps)
+        k = rms_norm(apply_rope(k, cos, sin), at.key_layernorm.weight, at.key_layernorm.eps)
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         q, k, v = (t.reshape(B, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))

@@ -17,7 +17,8 @@ Call sequence of one deployment::
     omni_attention_impl /
     omni_linear_impl /
     omni_grouped_gemm_impl /
-    omni_moe_impl                 (once per distinct spec while the model is built)
+    omni_moe_impl /
+    omni_glue_impl                (once per distinct spec while the model is built)
     omni_communicator_impl        (once per mesh axis)
     omni_graph_runner_impl        (once per captured region)
     ... requests run: no hook is called per op or per step ...
@@ -64,6 +65,8 @@ from .specs import (
     MoEImpl,
     MoESpec,
     GemmSpec,
+    GlueImpl,
+    GlueSpec,
     PlanPatch,
     PlatformInfo,
     Reject,
@@ -234,7 +237,11 @@ def omni_linear_impl(spec: GemmSpec, reject: Reject) -> LinearImpl | None:
     quantize: fp8_tensor = e4m3 with one fp32 scale, fp8_row = e4m3 with a
     ``[O, 1]`` scale; activations are quantized dynamically per tensor or
     per token) and ``__call__(x_TI, w, bias_O) -> y_TO`` in ``spec.dtype``.
-    ``x`` may have leading dims; only the last is I.
+    ``x`` may have leading dims; only the last is I. An ``fp8_row`` linear
+    may set ``accepts_row_quantized = True``: its ``__call__`` then also takes
+    a ``omni.specs.RowQuantized`` for ``x`` (rows quantized already by a
+    fused glue kernel, ``omni_glue_impl``) and uses its e4m3 rows and scales
+    as they are; without the attribute the model passes plain rows.
 
     Kernel choice: ``spec.memory_bound`` (``kernels.memory_bound``) says how
     the memory-bound steps (the activation quantization of fp8 schemes) run:
@@ -314,6 +321,51 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
     Versions: 0.3 (``memory_bound``).
+    """
+
+
+@hookspec(firstresult=True)
+def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
+    """Return the fused memory-bound steps ("glue") between one decoder layer's GEMMs.
+
+    When called: once per distinct ``spec`` at model build (one per layer
+    shape; layers of equal shape share the cached object).
+
+    Result: first non-None wins; an object with these methods (``w_*`` are
+    the norm weights in ``spec.dtype``; ``quantize=True`` asks for a
+    ``RowQuantized`` of the result: e4m3 rows with per-row fp32 scales exactly
+    as ``omni.quant.quantize_fp8(y, per_row=True)``, plus ``y`` itself):
+
+    - ``rms_norm(x_TD, w_D, quantize) -> y_TD | RowQuantized``:
+      ``w * round(x * rsqrt(mean(x^2) + eps))``, the mean over the last dim in
+      fp32, rounded to ``x.dtype`` before the weight multiplies (the official
+      double rounding), ``eps = spec.eps``.
+    - ``add_rms_norm(x_TD, d_TD, w_D, quantize) -> (h_TD, y)``: ``h = x + d``
+      (the residual add, in ``x.dtype``) and ``rms_norm(h)``.
+    - ``rope_qk_norm(qkv_TO, cos_TH, sin_TH, wq_H, wk_H, (N, K)) -> (q_TNH, k_TKH, v_TKH)``:
+      splits the packed ``qkv_proj`` output (per KV group g: query heads
+      ``g*N/K .. (g+1)*N/K - 1``, then k head g, then v head g), rotates q and
+      k with rotate-half RoPE (fp32 ``[T, H]`` tables, computed in fp32,
+      rounded), then RMSNorms each head over ``H`` with ``wq`` / ``wk``; ``v``
+      untouched (a view is fine).
+    - ``swiglu(h_T2I, quantize) -> a_TI | RowQuantized``: ``x1 * silu(x2)``
+      with ``[x1, x2]`` the halves of ``h`` (SiLU on the SECOND half).
+    - ``route(logits_TE) -> (weights_Tk fp32, ids_Tk int64)``: softmax over
+      ``E`` in fp32, the ``spec.topk`` largest (descending), renormalised to
+      sum 1.
+
+    ``T`` may be 0 (a sequence-parallel rank with no tokens). Results match
+    the reference within the activation dtype's rounding (a fused kernel
+    that keeps fp32 between steps rounds once where the reference rounds
+    twice); ties in ``route`` may pick either expert.
+
+    Kernel choice: ``spec.memory_bound`` as ``omni_linear_impl`` says
+    (``triton`` demands Triton; a platform without it refuses naming the field).
+    Capture safety: no host sync, no value-dependent shapes.
+    Default implementation: ``omni.reference_glue.ReferenceGlue``, plain torch
+    ops that run on any device (the fallback of every platform without fused
+    glue; it refuses ``memory_bound="triton"``).
+    Versions: 0.1.
     """
 
 

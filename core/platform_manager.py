@@ -22,8 +22,8 @@ import pluggy
 from . import hookspecs
 from .hookspecs import hookimpl
 from .reference import plugin as reference_plugin
-from .specs import (AttentionSpec, CaptureSpec, CollectiveSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo,
-                    Reject)
+from .specs import (AttentionSpec, CaptureSpec, CollectiveSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec,
+                    PlatformInfo, Reject)
 
 log = logging.getLogger("omni.platforms")
 ENTRY_POINT_GROUP = "omni.platforms"
@@ -208,6 +208,9 @@ class Platform:
 
     def moe(self, spec: MoESpec):
         return self._resolve("omni_moe_impl", spec)
+
+    def glue(self, spec: GlueSpec):
+        return self._resolve("omni_glue_impl", spec)
 
     def graph_runner(self, spec: CaptureSpec):
         """A fresh runner per region (runners hold their captured graph, so no caching)."""

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from . import quant
 from .device import DeviceServices
 from .hookspecs import hookimpl
-from .specs import (AttentionSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo, PreparedMoE, PreparedWeight,
-                    VarlenMeta)
+from .reference_glue import ReferenceGlue
+from .specs import (AttentionSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec, PlatformInfo, PreparedMoE,
+                    PreparedWeight, RowQuantized, VarlenMeta)
 
 REFERENCE_QUANT = ("none", "fp8_tensor", "fp8_row", "w8a8")
 NO_TRITON = "reference: kernels.memory_bound=triton cannot be met: the reference runs plain torch ops (no Triton)"
@@ -115,12 +116,16 @@ class ReferenceLinear:
     def __init__(self, spec: GemmSpec):
         self.spec = spec
         self.name = f"reference-linear[{spec.quant}]"
+        self.accepts_row_quantized = spec.quant == "fp8_row"
 
     def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
         return quant.prepare_weight(w_OI, self.spec.quant)
 
     def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
-        y = quant.quantized_linear(x_TI.to(self.spec.dtype), w, self.spec.quant)
+        if isinstance(x_TI, RowQuantized):  # the same product, with the rows quantized already
+            y = F.linear(x_TI.q_TI.float() * x_TI.scale_T1, quant.dequantize(w)).to(self.spec.dtype)
+        else:
+            y = quant.quantized_linear(x_TI.to(self.spec.dtype), w, self.spec.quant)
         return y if bias_O is None else y + bias_O
 
 
@@ -223,6 +228,12 @@ class ReferencePlatform:
             return reject(f"reference: quant.scheme={spec.quant!r} has no reference semantics yet "
                           f"(reference schemes: {', '.join(REFERENCE_QUANT)})")
         return ReferenceMoE(spec)
+
+    @hookimpl(trylast=True)
+    def omni_glue_impl(self, spec: GlueSpec, reject):
+        if spec.memory_bound == "triton":
+            return reject(NO_TRITON)
+        return ReferenceGlue(spec)
 
     @hookimpl(trylast=True)
     def omni_check_recipe(self, recipe, info, reject) -> None:

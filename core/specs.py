@@ -182,6 +182,66 @@ class GroupedGemmImpl(Protocol):
     def __call__(self, x_TI: torch.Tensor, w: PreparedWeight, offsets_E: torch.Tensor) -> torch.Tensor: ...
 
 
+@dataclass(slots=True)
+class RowQuantized:
+    """Activation rows already quantized for an ``fp8_row`` linear: e4m3 ``q_TI`` and fp32 ``scale_T1``.
+
+    Exactly what ``omni.quant.quantize_fp8(x_TI, per_row=True)`` gives for the
+    rows ``x_TI`` (kept beside them after a norm: a consumer that needs the rows
+    themselves, the router, reads ``x_TI``). A fused glue kernel (``omni_glue_impl``) hands
+    these to a linear whose ``accepts_row_quantized`` is true, which then
+    skips its own activation quantization.
+    """
+
+    q_TI: torch.Tensor
+    scale_T1: torch.Tensor
+    x_TI: torch.Tensor | None = None  # None where the producer did not keep them (nothing reads them)
+
+
+# ----------------------------------------------------------------- glue between the GEMMs
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GlueSpec:
+    """The memory-bound steps of one decoder layer between its GEMMs (see ``omni_glue_impl``).
+
+    RMSNorm over ``hidden`` (and over ``head_dim`` for the QK-norm) with ``eps``,
+    the residual add before it, RoPE, the shared expert's SwiGLU and the
+    router's softmax / top-``topk``; activations in ``dtype``.
+    """
+
+    hidden: int
+    head_dim: int
+    eps: float
+    dtype: torch.dtype
+    topk: int = 1
+    memory_bound: str = "auto"  # one of MEMORY_BOUND
+    capturable: bool = False
+
+    def __post_init__(self) -> None:
+        _check_memory_bound("GlueSpec", self.memory_bound)
+        if self.head_dim % 2:
+            raise ValueError(f"GlueSpec.head_dim must be even (rotate-half RoPE), got {self.head_dim}")
+
+
+class GlueImpl(Protocol):
+    """The fused glue of ``omni_glue_impl`` (every method capturable where the platform captures)."""
+
+    name: str
+
+    def rms_norm(self, x_TD: torch.Tensor, w_D: torch.Tensor, quantize: bool) -> torch.Tensor | RowQuantized: ...
+
+    def add_rms_norm(self, x_TD: torch.Tensor, d_TD: torch.Tensor, w_D: torch.Tensor,
+                     quantize: bool) -> tuple[torch.Tensor, torch.Tensor | RowQuantized]: ...
+
+    def rope_qk_norm(self, qkv_TO: torch.Tensor, cos_TH: torch.Tensor, sin_TH: torch.Tensor, wq_H: torch.Tensor,
+                     wk_H: torch.Tensor, heads_NK: tuple[int, int]) -> tuple[torch.Tensor, ...]: ...
+
+    def swiglu(self, h_T2I: torch.Tensor, quantize: bool) -> torch.Tensor | RowQuantized: ...
+
+    def route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 # ----------------------------------------------------------------- fused MoE
 
 

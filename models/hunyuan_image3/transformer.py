@@ -35,17 +35,15 @@ from typing import Iterator, Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from omni.build_options import BuildOptions
 from omni.weights import LoadTarget, load_state_dict
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
                          finalize_experts)
-from omni.specs import MoESpec, PreparedMoE, PreparedWeight
+from omni.specs import GlueSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .config import HunyuanImage3Config
 from .image_io import TimestepEmbedder, UNetDown, UNetUp
-from .rope import apply_rope
 
 MASKS = ("none", "causal", "dense")
 FOREIGN_PREFIXES = ("vae.", "vision_model.", "vision_aligner.")  # checkpoint parts other modules own
@@ -54,18 +52,28 @@ _PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_and_
                          r"(weight|weight_scale|input_scale)")
 
 
-class RMSNorm(nn.Module):
-    """``weight * (x * rsqrt(mean(x^2) + eps))``; normalised in fp32, cast back before the weight."""
+def glue_spec(cfg: HunyuanImage3Config, layer_idx: int, opts: BuildOptions) -> GlueSpec:
+    """The memory-bound steps of one decoder layer (norms, residual, RoPE + QK-norm, SwiGLU, routing)."""
+    return GlueSpec(hidden=cfg.hidden_size, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, dtype=opts.dtype,
+                    topk=min(cfg.moe_topk[layer_idx], cfg.num_experts), memory_bound=opts.memory_bound,
+                    capturable=opts.capturable)
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+
+def takes_rows(linear: Linear) -> bool:
+    """Whether ``linear`` takes rows quantized by a glue kernel (an fp8_row kernel that says so)."""
+    return linear.spec.quant == "fp8_row" and getattr(linear.kernel, "accepts_row_quantized", False)
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x * rsqrt(mean(x^2) + eps))``; normalised in fp32, rounded before the weight (``glue``)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, glue=None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
-        self.eps = eps
+        self.eps, self.glue = eps, glue  # glue: None for the per-head QK-norms (run inside rope_qk_norm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm: one fused kernel for pow/mean/rsqrt/mul (same fp32 math as the official code)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, quantize: bool = False):
+        return self.glue.rms_norm(x, self.weight, quantize)
 
 
 # ---------------------------------------------------------------- attention
@@ -84,18 +92,13 @@ class Attention(nn.Module):
         self.query_layernorm = RMSNorm(H, cfg.rms_norm_eps, opts.dtype)
         self.key_layernorm = RMSNorm(H, cfg.rms_norm_eps, opts.dtype)
         self.attn = {mask: platform.attention(opts.attention_spec(N, K, H, mask)) for mask in MASKS}
-
-    def split_qkv(self, qkv_TO: torch.Tensor):
-        """The packed rows of KV group g are [q heads g*N/K .. (g+1)*N/K - 1, k head g, v head g]."""
-        N, K, H = self.shape_NKH
-        T = qkv_TO.shape[0]  # explicit sizes: T may be 0 (a sequence-parallel rank with no tokens)
-        qkv_TKGH = qkv_TO.view(T, K, N // K + 2, H)
-        return qkv_TKGH[:, :, :-2].reshape(T, N, H), qkv_TKGH[:, :, -2], qkv_TKGH[:, :, -1]
+        self.glue = platform.glue(glue_spec(cfg, layer_idx, opts))
 
     def forward(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
-        q_TNH, k_TKH, v_TKH = self.split_qkv(self.qkv_proj(x_TD))
-        q_TNH = self.query_layernorm(apply_rope(q_TNH, cos_TH, sin_TH))
-        k_TKH = self.key_layernorm(apply_rope(k_TKH, cos_TH, sin_TH))
+        """``x_TD``: the normed rows (or their ``RowQuantized`` form for an fp8_row ``qkv_proj``)."""
+        N, K, _ = self.shape_NKH
+        q_TNH, k_TKH, v_TKH = self.glue.rope_qk_norm(self.qkv_proj(x_TD), cos_TH, sin_TH, self.query_layernorm.weight,
+                                                     self.key_layernorm.weight, (N, K))
         k_all, v_all, meta = ctx.keys_values(self.layer_idx, k_TKH, v_TKH)
         o_TNH = self.attn[ctx.mask](q_TNH, k_all, v_all, meta)
         return self.o_proj(o_TNH.flatten(1))
@@ -104,37 +107,31 @@ class Attention(nn.Module):
 # ---------------------------------------------------------------- mixture of experts
 
 
-def swiglu(x_T2I: torch.Tensor) -> torch.Tensor:
-    """``x1 * silu(x2)``: the SiLU gates with the SECOND half of gate_and_up_proj."""
-    x1, x2 = x_T2I.chunk(2, dim=-1)
-    return x1 * F.silu(x2)
-
-
 class SwiGLU(nn.Module):
     """The shared expert: ``down(swiglu(gate_and_up(x)))``."""
 
-    def __init__(self, dim: int, inner: int, *, platform, dtype, quant, memory_bound):
+    def __init__(self, dim: int, inner: int, *, platform, dtype, quant, memory_bound, glue):
         super().__init__()
         kw = dict(platform=platform, dtype=dtype, quant=quant, memory_bound=memory_bound)
         self.gate_and_up_proj = Linear(dim, 2 * inner, **kw)
         self.down_proj = Linear(inner, dim, **kw)
+        self.glue = glue
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_and_up_proj(x_TD)))
+    def forward(self, x_TD) -> torch.Tensor:
+        a_TI = self.glue.swiglu(self.gate_and_up_proj(x_TD), takes_rows(self.down_proj))
+        return self.down_proj(a_TI)
 
 
 class Router(nn.Module):
     """``wg`` in fp32; softmax over all experts, top-k, renormalised to sum 1."""
 
-    def __init__(self, dim: int, num_experts: int, topk: int, *, platform):
+    def __init__(self, dim: int, num_experts: int, topk: int, *, platform, glue):
         super().__init__()
         self.wg = Linear(dim, num_experts, platform=platform, dtype=torch.float32)
-        self.topk = topk
+        self.topk, self.glue = topk, glue  # glue.route: softmax, top-k, renormalise in one pass
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs_TE = torch.softmax(self.wg(x_TD.float()), dim=-1)
-        weights_Tk, experts_Tk = probs_TE.topk(self.topk, dim=-1)
-        return weights_Tk / weights_Tk.sum(dim=-1, keepdim=True), experts_Tk
+        return self.glue.route(self.wg(x_TD.float()))
 
 
 def expert_offsets(expert_R: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -196,30 +193,40 @@ class MoE(nn.Module):
         super().__init__()
         D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[layer_idx], cfg.num_experts
         kw = dict(platform=platform, dtype=opts.dtype, memory_bound=opts.memory_bound)
-        self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform)
-        self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], quant=opts.dense_quant, **kw)
+        glue = platform.glue(glue_spec(cfg, layer_idx, opts))
+        self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform, glue=glue)
+        self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], quant=opts.dense_quant, glue=glue, **kw)
         self.experts = RoutedExperts(E, D, inner, quant=opts.quant, topk=cfg.moe_topk[layer_idx],
                                      capturable=opts.capturable, **kw)
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def forward(self, n_TD) -> torch.Tensor:
+        """``n_TD``: the normed rows, or their ``RowQuantized`` form (the shared expert takes it as is)."""
+        x_TD = n_TD.x_TI if isinstance(n_TD, RowQuantized) else n_TD
         weights_Tk, experts_Tk = self.gate(x_TD)
-        return self.shared_mlp(x_TD) + self.experts(x_TD, weights_Tk, experts_Tk)
+        return self.shared_mlp(n_TD) + self.experts(x_TD, weights_Tk, experts_Tk)
 
 
 # ---------------------------------------------------------------- decoder
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MoE; the norms, the first residual add and the fp8 row quantization of
+    their outputs run as the platform's fused glue (``omni_glue_impl``)."""
+
     def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, opts: BuildOptions):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
+        self.glue = glue = platform.glue(glue_spec(cfg, layer_idx, opts))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype, glue)
         self.self_attn = Attention(cfg, layer_idx, platform=platform, opts=opts)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype, glue)
         self.mlp = MoE(cfg, layer_idx, platform=platform, opts=opts)
 
     def forward(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
-        h_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), cos_TH, sin_TH, ctx)
-        return h_TD + self.mlp(self.post_attention_layernorm(h_TD))
+        n_TD = self.input_layernorm(x_TD, takes_rows(self.self_attn.qkv_proj))
+        a_TD = self.self_attn(n_TD, cos_TH, sin_TH, ctx)
+        h_TD, n_TD = self.glue.add_rms_norm(x_TD, a_TD, self.post_attention_layernorm.weight,
+                                            takes_rows(self.mlp.shared_mlp.gate_and_up_proj))
+        return h_TD + self.mlp(n_TD)
 
 
 class Decoder(nn.Module):
@@ -230,7 +237,7 @@ class Decoder(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id, dtype=opts.dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, platform=platform, opts=opts)
                                     for i in range(cfg.num_hidden_layers))
-        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype)
+        self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype, platform.glue(glue_spec(cfg, 0, opts)))
 
 
 class HunyuanImage3Transformer(nn.Module):

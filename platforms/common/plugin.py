@@ -13,6 +13,8 @@ the vendor's package, in modules of one shape:
     gemm          ``resolve_linear(spec, caps, reject)``, ``resolve_grouped(spec, caps, reject)``.
     moe           optional: ``resolve_moe(spec, caps, reject)``, a fused MoE; without it
                   ``omni_moe_impl`` composes the platform's grouped GEMMs (``omni.moe.ComposedMoE``).
+    glue          optional: ``resolve_glue(spec, caps, reject)``, the fused norms / RoPE / SwiGLU /
+                  routing between the GEMMs; without it the reference's torch ops answer.
 
 ``omni.platform_parts`` states these shapes as typed Protocols (one per module).
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 from omni.hookspecs import hookimpl
 from omni.moe import composed_moe
 from omni.platform_parts import AttentionModule, CapabilitiesModule, GemmModule, MoEModule
-from omni.specs import AttentionSpec, CaptureSpec, GemmSpec, GroupedGemmSpec, MoESpec, PlatformInfo
+from omni.specs import AttentionSpec, CaptureSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec, PlatformInfo
 
 from .graphs import DeviceGraphRunner, GraphApi, GraphPools
 
@@ -41,6 +43,7 @@ class DevicePlatform:
     attention: AttentionModule
     gemm: GemmModule
     moe: MoEModule | None = None
+    glue: object | None = None  # a module with ``resolve_glue(spec, caps, reject)``
     triton_kernels: bool = False  # its gemm/moe modules honour kernels.memory_bound=triton themselves
 
     def __init__(self, caps=None):
@@ -108,6 +111,12 @@ class DevicePlatform:
         if self.moe is not None:
             return self.moe.resolve_moe(spec, self.device_caps(), reject)
         return composed_moe(spec, lambda g, r: self.gemm.resolve_grouped(g, self.device_caps(), r), reject)
+
+    @hookimpl
+    def omni_glue_impl(self, spec: GlueSpec, reject):
+        if self.glue is None:
+            return None  # the reference's torch ops run on this device
+        return self.glue.resolve_glue(spec, self.device_caps(), reject)
 
     @hookimpl
     def omni_graph_runner_impl(self, spec: CaptureSpec, reject):

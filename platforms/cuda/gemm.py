@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from omni import quant
-from omni.specs import GemmSpec, GroupedGemmSpec, PreparedWeight
+from omni.specs import GemmSpec, GroupedGemmSpec, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
 
@@ -79,16 +79,16 @@ class Fp8Linear:
         any_out = not self.per_row or (caps.sm[0] == 9 and caps.cuda_version >= (12, 9))
         self.out_dtype = spec.dtype if any_out else torch.bfloat16
         self.fuse_bias = self.out_dtype in (torch.bfloat16, torch.float16)
+        self.accepts_row_quantized = self.per_row  # rows quantized by the fused glue skip quant_rows
 
     def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
         return quant.prepare_weight(w_OI.contiguous(), self.spec.quant)
 
     def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
-        lead, x = x_TI.shape[:-1], x_TI.reshape(-1, self.spec.in_features).to(self.spec.dtype)
-        if self.per_row and x.is_cuda:  # the memory-bound kernels: with Triton, one pass instead of five torch ops
-            xq, x_scale = self.kernels.quant_rows(x)
+        if isinstance(x_TI, RowQuantized):  # quantized already, by the norm or SwiGLU that made the rows
+            lead, xq, x_scale = x_TI.q_TI.shape[:-1], x_TI.q_TI.reshape(-1, self.spec.in_features), x_TI.scale_T1
         else:
-            xq, x_scale = quant.quantize_fp8(x, per_row=self.per_row)
+            lead, xq, x_scale = self._quantize(x_TI)
         w_scale = w.scale.view(1, -1) if self.per_row else w.scale
         bias = bias_O.to(self.out_dtype) if bias_O is not None and self.fuse_bias else None
         y = _unwrap(torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale, bias=bias,
@@ -96,6 +96,12 @@ class Fp8Linear:
         if bias_O is not None and bias is None:
             y = y + bias_O
         return y.reshape(*lead, self.spec.out_features)
+
+    def _quantize(self, x_TI):
+        lead, x = x_TI.shape[:-1], x_TI.reshape(-1, self.spec.in_features).to(self.spec.dtype)
+        if self.per_row and x.is_cuda:  # the memory-bound kernels: with Triton, one pass instead of five torch ops
+            return (lead, *self.kernels.quant_rows(x))
+        return (lead, *quant.quantize_fp8(x, per_row=self.per_row))
 
 
 def resolve_linear(spec: GemmSpec, caps: Caps, reject):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from omni.platforms.common.graphs import GraphApi
 from omni.platforms.common.plugin import DevicePlatform
 
-from . import attention, capabilities, gemm, moe
+from . import attention, capabilities, gemm, glue, moe
 
 
 class CudaPlatform(DevicePlatform):
@@ -21,7 +21,7 @@ class CudaPlatform(DevicePlatform):
 
     name = "cuda"
     graphs = GraphApi(device_type="cuda", graph_class="CUDAGraph", label="cuda-graph")
-    capabilities, attention, gemm, moe = capabilities, attention, gemm, moe  # what the shared hooks call
+    capabilities, attention, gemm, moe, glue = capabilities, attention, gemm, moe, glue  # what the shared hooks call
     triton_kernels = True  # gemm and moe pick Triton or torch ops from kernels.memory_bound themselves
 
 

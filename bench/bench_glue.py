@@ -1,0 +1,139 @@
+"""The glue between a decoder layer's GEMMs at the released shapes: today's torch ops vs kernel libraries vs ours.
+
+One 1024x1024 CFG step packs T = 8194 tokens (2 rows x (1 + 4096)); hidden
+4096, 32 query / 8 KV heads of 128, shared-expert width 3072, 64 experts top 8.
+For each step of the glue (``omni_glue_impl``) it times, in the same run:
+
+    torch     the reference's ops (``omni.reference_glue``: what the model ran before fusion)
+    liger     liger-kernel's Triton kernel for the same step where it has one (rms_norm,
+              fused_add_rms_norm, rope, swiglu), plus our quant_rows where the step also quantizes
+    ours      ``omni.platforms.cuda.glue.TritonGlue`` (one pass, quantization fused)
+
+and the bytes floor (read + write once at the measured copy bandwidth). Times
+are CUDA-event medians over ``--iters`` after warm-up.
+
+    python bench/bench_glue.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from omni.platform_manager import select
+from omni.reference_glue import ReferenceGlue
+from omni.specs import GlueSpec
+
+T, D, N, K, H, I, E, TOPK = 8194, 4096, 32, 8, 128, 3072, 64, 8
+
+
+def timed(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(out)
+
+
+def liger():
+    try:
+        from liger_kernel.ops import fused_add_rms_norm, rms_norm, rope, swiglu
+    except Exception as e:  # noqa: BLE001 - reported, not fatal: the other candidates still run
+        return None, f"{type(e).__name__}: {e}"
+    return dict(rms=rms_norm.rms_norm_forward, add_rms=fused_add_rms_norm.fused_add_rms_norm_forward,
+                rope=rope.rope_forward, swiglu=swiglu.swiglu_forward), None
+
+
+def cases(ours, ref, lig, quant_rows):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    x, d, w, hq = r(T, D), r(T, D), r(D), r(H)
+    qkv, h2 = r(T, (N + 2 * K) * H), r(T, 2 * I)
+    cos, sin = torch.rand(T, H, device="cuda", generator=g), torch.rand(T, H, device="cuda", generator=g)
+    logits = torch.randn(T, E, device="cuda", generator=g)
+    c = {
+        "rms_norm + fp8 rows (input_layernorm -> qkv)": (2 * T * D * 2 + T * D, {
+            "torch": lambda: ref.rms_norm(x, w, True), "ours": lambda: ours.rms_norm(x, w, True)}),
+        "add + rms_norm + fp8 rows (post_attention_layernorm)": (3 * T * D * 2 + T * D * 3, {
+            "torch": lambda: ref.add_rms_norm(x, d, w, True), "ours": lambda: ours.add_rms_norm(x, d, w, True)}),
+        "rope + qk-norm (q and k) + v": (2 * T * (N + 2 * K) * H * 2 + 2 * T * H * 4, {
+            "torch": lambda: ref.rope_qk_norm(qkv, cos, sin, hq, hq, (N, K)),
+            "ours": lambda: ours.rope_qk_norm(qkv, cos, sin, hq, hq, (N, K))}),
+        "shared-expert swiglu + fp8 rows": (T * 2 * I * 2 + T * I, {
+            "torch": lambda: ref.swiglu(h2, True), "ours": lambda: ours.swiglu(h2, True)}),
+        "router softmax + top-8 + renormalise": (T * E * 4 + T * TOPK * 12, {
+            "torch": lambda: ref.route(logits), "ours": lambda: ours.route(logits)}),
+    }
+    if lig is not None:
+        def lig_rms():
+            y = lig["rms"](x, w, 1e-5, 0.0, "llama", None)[0]
+            return quant_rows(y)
+
+        def lig_add_rms():
+            y, h = lig["add_rms"](x, d, w, 1e-5, 0.0, "llama")[:2]
+            return h, quant_rows(y)
+
+        def lig_rope():
+            q, k, v = ref_split(qkv)
+            q, k = lig["rope"](q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])[:2]
+            return ref.rms_norm(q, hq, False), ref.rms_norm(k, hq, False), v
+
+        def lig_swiglu():
+            x1, x2 = h2.chunk(2, -1)
+            return quant_rows(lig["swiglu"](x2.contiguous(), x1.contiguous())[2])
+
+        for name, fn in zip(list(c)[:4], (lig_rms, lig_add_rms, lig_rope, lig_swiglu)):
+            c[name][1]["liger (+ our quant_rows)" if "fp8" in name else "liger (+ torch qk-norm)"] = fn
+    return c
+
+
+def ref_split(qkv):
+    from omni.reference_glue import split_qkv
+
+    return split_qkv(qkv, (N, K))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    plat = select("cuda")
+    plat.device_services(0)
+    spec = GlueSpec(hidden=D, head_dim=H, eps=1e-5, dtype=torch.bfloat16, topk=TOPK)
+    ours, ref = plat.glue(spec), ReferenceGlue(spec)
+    from omni.platforms.cuda.moe_triton import TritonKernels
+
+    lig, why = liger()
+    src = torch.empty(T * D * 4, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / (timed(lambda: dst.copy_(src), 20) * 1e-6)  # bytes/s, read + write
+    rows = []
+    for name, (nbytes, fns) in cases(ours, ref, lig, TritonKernels().quant_rows).items():
+        row = {"step": name, "floor_us": nbytes / bw * 1e6}
+        for k, f in fns.items():
+            try:
+                row[k] = timed(f, a.iters)
+            except Exception as e:  # noqa: BLE001 - a candidate that fails is reported, the others still run
+                row[k + " error"] = f"{type(e).__name__}: {e}"[:200]
+        rows.append(row)
+        print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    out = {"T": T, "copy_bandwidth_TBps": bw / 1e12, "liger": "0.8.5" if lig else why, "ours": ours.name,
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+           "total_us": {k: sum(r.get(k, 0.0) for r in rows) for k in ("torch", "ours", "floor_us")}}
+    print(json.dumps(out["total_us"]))
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

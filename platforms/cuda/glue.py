@@ -1,0 +1,117 @@
+"""The fused glue of the CUDA platform (``omni_glue_impl``): Triton kernels, or the reference's torch ops.
+
+May assume: tensors live on the worker's CUDA device. One launch per step,
+none reads the host, so all of it is capturable:
+
+    rms_norm / add_rms_norm   residual add, RMSNorm and the fp8 row quantization of the result (one pass)
+    rope_qk_norm              split of the packed qkv, RoPE and the per-head QK-norm of q and k (one pass)
+    swiglu                    x1 * silu(x2) and its fp8 row quantization (the MoE's SwiGLU kernel)
+    route                     softmax, top-k and renormalisation of the router logits (one pass)
+
+``spec.memory_bound`` picks as for the GEMMs: ``auto`` Triton when it
+imports, ``torch`` the reference's ops (``omni.reference_glue``), ``triton``
+demands Triton. Shapes Triton cannot tile (a head_dim that is not a power of
+two) are refused with the reason, and the reference answers.
+"""
+from __future__ import annotations
+
+import torch
+
+from omni.reference_glue import ReferenceGlue
+from omni.specs import GlueSpec, RowQuantized
+
+from .capabilities import Caps
+from .moe import memory_kernels, triton_found
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class TritonGlue:
+    """``GlueImpl`` over ``glue_triton``'s kernels (see the module docstring)."""
+
+    def __init__(self, spec: GlueSpec, moe_kernels):
+        import triton
+
+        from . import glue_triton
+
+        self.spec, self.k, self.swiglu_kernels, self.triton = spec, glue_triton, moe_kernels, triton
+        self.block = triton.next_power_of_2(spec.hidden)
+        self.name = "cuda-triton-glue"
+        self.host = ReferenceGlue(spec)  # CPU tensors (the plugin's CPU tests) take the reference's ops
+
+    def _norm(self, x, d, w, quantize: bool):
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        T, D = x2.shape
+        y, h = torch.empty_like(x2), (torch.empty_like(x2) if d is not None else None)
+        q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device) if quantize else y
+        s = torch.empty(T, 1, dtype=torch.float32, device=x.device) if quantize else y
+        if T:
+            dd = d.reshape(-1, D).contiguous() if d is not None else x2
+            self.k.norm_kernel[(T,)](x2, dd, w, h if h is not None else y, y, q, s, D, self.spec.eps,
+                                     BLOCK=self.block, ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX,
+                                     num_warps=8 if self.block >= 2048 else 4)
+        y = y.view(x.shape)
+        out = RowQuantized(q, s, y) if quantize else y
+        return out if h is None else (h.view(x.shape), out)
+
+    def rms_norm(self, x_TD, w_D, quantize: bool):
+        if not x_TD.is_cuda:
+            return self.host.rms_norm(x_TD, w_D, quantize)
+        return self._norm(x_TD, None, w_D, quantize)
+
+    def add_rms_norm(self, x_TD, d_TD, w_D, quantize: bool):
+        if not x_TD.is_cuda:
+            return self.host.add_rms_norm(x_TD, d_TD, w_D, quantize)
+        return self._norm(x_TD, d_TD, w_D, quantize)
+
+    def rope_qk_norm(self, qkv_TO, cos_TH, sin_TH, wq_H, wk_H, heads_NK):
+        if not qkv_TO.is_cuda:
+            return self.host.rope_qk_norm(qkv_TO, cos_TH, sin_TH, wq_H, wk_H, heads_NK)
+        N, K = heads_NK
+        T, H = qkv_TO.shape[0], self.spec.head_dim
+        qkv = qkv_TO.contiguous()
+        q = torch.empty(T, N, H, dtype=qkv.dtype, device=qkv.device)
+        k, v = torch.empty(T, K, H, dtype=qkv.dtype, device=qkv.device), torch.empty(T, K, H, dtype=qkv.dtype,
+                                                                                    device=qkv.device)
+        if T:
+            self.k.rope_norm_kernel[(T, K)](qkv, cos_TH.contiguous(), sin_TH.contiguous(), wq_H, wk_H, q, k, v,
+                                            self.spec.eps, K=K, G=N // K, H=H, num_warps=2)
+        return q, k, v
+
+    def swiglu(self, h_T2I, quantize: bool):
+        if not h_T2I.is_cuda:
+            return self.host.swiglu(h_T2I, quantize)
+        out, scale = self.swiglu_kernels.swiglu(h_T2I, quantize=quantize)
+        return RowQuantized(out, scale) if quantize else out
+
+    def route(self, logits_TE):
+        if not logits_TE.is_cuda:
+            return self.host.route(logits_TE)
+        x = logits_TE.contiguous()
+        T, E = x.shape
+        k = self.spec.topk
+        w = torch.empty(T, k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+        if T:
+            block_t = 16
+            self.k.route_kernel[(self.triton.cdiv(T, block_t),)](
+                x, w, ids, T, E, TOPK=k, BLOCK_T=block_t, BLOCK_E=self.triton.next_power_of_2(E),
+                KPAD=self.triton.next_power_of_2(k), num_warps=4)
+        return w, ids
+
+
+def resolve_glue(spec: GlueSpec, caps: Caps, reject):
+    """Triton glue where it imports and the shapes tile; the reference's torch ops under ``memory_bound: torch``."""
+    kernels = memory_kernels(spec.memory_bound, reject)
+    if kernels is None:
+        return None
+    if kernels.name == "torch":
+        return ReferenceGlue(spec)
+    if not _pow2(spec.head_dim):
+        return reject(f"cuda-glue: the Triton RoPE + QK-norm kernel needs a power-of-two head_dim, "
+                      f"got {spec.head_dim}")
+    if spec.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return reject(f"cuda-glue: no Triton glue for activations of {spec.dtype}")
+    return TritonGlue(spec, kernels) if triton_found() else None
