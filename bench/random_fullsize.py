@@ -6,36 +6,15 @@ layers; per-layer figures extrapolate linearly to 32 layers.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from omni.build_options import BuildOptions
 from omni.layers import finalize_all
 from omni.models.hunyuan_image3.config import HunyuanImage3Config
+from omni.models.hunyuan_image3.random_weights import init_param_ as _init_param_, random_init_, released_layers
 from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
 
-
-def released_layers(n: int) -> HunyuanImage3Config:
-    cfg = HunyuanImage3Config.released()
-    per_layer = {k: getattr(cfg, k)[:n] for k in ("moe_topk", "moe_intermediate_size", "num_shared_expert")}
-    return dataclasses.replace(cfg, num_hidden_layers=n, **per_layer)
-
-
-@torch.no_grad()
-def random_init_(model: torch.nn.Module, seed: int = 0) -> None:
-    """Norm weights ~1, biases ~0, matrices ~N(0, 1/fan_in): activations stay O(1) through the layers."""
-    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        _init_param_(name, p, g)
-
-
-def _init_param_(name: str, p: torch.Tensor, g: torch.Generator) -> None:
-    if p.dim() == 1:
-        p.fill_(1.0 if name.endswith("weight") else 0.0)
-    else:
-        fan_in = p[0].numel() if p.dim() == 2 or "experts" not in name else p[0, 0].numel()
-        p.normal_(0.0, fan_in ** -0.5, generator=g)
+__all__ = ["build_random_model", "build_random_model_layerwise", "random_init_", "released_layers"]
 
 
 @torch.no_grad()

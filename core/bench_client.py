@@ -143,17 +143,12 @@ class InProcessTarget:
     def _engine(self, args):
         if not args.full_size_layers:
             return self.deployment.open_engine()
-        import sys
-
         from omni.engine_loop import EngineLoop
         from omni.scheduler import Scheduler
 
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-        from random_model import build_random_pipeline  # noqa: the bench/ helpers of a source checkout
-
         d = self.deployment
         build = lambda: Scheduler.from_recipe(  # noqa: E731 - built on the engine thread, as open_engine does
-            build_random_pipeline(d.recipe, d.platform(), num_layers=args.full_size_layers), d.recipe)
+            d.build_pipeline(random_layers=args.full_size_layers, progress=False), d.recipe)
         return EngineLoop(build)
 
     def check(self) -> None:

@@ -213,6 +213,12 @@ def omni_attention_impl(spec: AttentionSpec, reject: Reject) -> AttentionImpl | 
     ``spec.backend`` other than ``auto`` is a demand: a plugin that is not that
     backend rejects (the reference answers only ``auto`` and ``sdpa``).
 
+    Host lengths: an object may set ``reads_host_lengths = False`` when it
+    reads sequence lengths only from the device tensors of ``VarlenMeta``
+    (``cu_seqlens_*_B1``, ``seqused_k_B``) and takes ``max_seqlen_*`` as upper
+    bounds; a captured step may then be replayed for prompts of other lengths
+    with padded tables (``omni.step_graphs.step_key``). Without it the host
+    lists are assumed read and every prompt length is its own graph.
     Capture safety: with ``spec.capturable`` the callable must not sync the
     host, read tensor values on the host or allocate by tensor values (use the
     ``*_host`` lengths in ``meta``).

@@ -100,12 +100,15 @@ class Run:
 class PoolContext:
     """Attention context of one forward over ``runs`` (in packing order) against ``pool``."""
 
-    def __init__(self, pool: KVPool, runs: list[Run], mask: str, paged: bool, device):
+    def __init__(self, pool: KVPool, runs: list[Run], mask: str, paged: bool, device, keys_to: int = 0):
+        """``keys_to`` > 0: pad the key tables to that many keys (paged: per row; gathered: in all), so that
+        forwards of other prompt lengths have tables of the same shapes (a captured step replays them)."""
         self.pool, self.mask, self.paged = pool, mask, paged
         written = [pool.slots(list(r.pages), r.q_start, r.q_end) for r in runs if r.write]
         self.write_slots = torch.cat(written).to(device) if written else None
-        self.gather_S = None if paged else torch.cat([pool.slots(list(r.pages), 0, r.k_end) for r in runs]).to(device)
-        self.meta = _meta(runs, paged, device)
+        self.gather_S = None if paged else _padded(torch.cat([pool.slots(list(r.pages), 0, r.k_end) for r in runs]),
+                                                   keys_to).to(device)
+        self.meta = _meta(runs, paged, device, keys_to, pool.page_size)
 
     def keys_values(self, layer: int, k_TKH: torch.Tensor, v_TKH: torch.Tensor):
         kp, vp = self.pool.k[layer], self.pool.v[layer]
@@ -124,16 +127,23 @@ def _cumsum(lengths: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _meta(runs: list[Run], paged: bool, device) -> VarlenMeta:
+def _padded(slots_S: torch.Tensor, keys_to: int) -> torch.Tensor:
+    """Gathered key slots padded with slot 0 up to ``keys_to`` (past the last sequence: never attended)."""
+    return torch.cat([slots_S, slots_S.new_zeros(max(0, keys_to - slots_S.numel()))])
+
+
+def _meta(runs: list[Run], paged: bool, device, keys_to: int = 0, page_size: int = 1) -> VarlenMeta:
+    """Varlen metadata of ``runs``; ``keys_to`` > 0 pads the block table (paged) and sets ``max_seqlen_k`` to it
+    (an upper bound: the kernels read the true lengths from the device tensors)."""
     cu_q, cu_k = _cumsum([r.q_len for r in runs]), _cumsum([r.k_end for r in runs])
     block_table = seqused = None
     if paged:
-        width = max(len(r.pages) for r in runs)
+        width = max(max(len(r.pages) for r in runs), -(-keys_to // page_size))
         block_table = torch.tensor([list(r.pages) + [0] * (width - len(r.pages)) for r in runs],
                                    dtype=torch.int32, device=device)
         seqused = torch.tensor([r.k_end for r in runs], dtype=torch.int32, device=device)
     return VarlenMeta(cu_seqlens_q_B1=torch.tensor(cu_q, dtype=torch.int32, device=device),
                       cu_seqlens_k_B1=torch.tensor(cu_k, dtype=torch.int32, device=device),
-                      max_seqlen_q=max(r.q_len for r in runs), max_seqlen_k=max(r.k_end for r in runs),
+                      max_seqlen_q=max(r.q_len for r in runs), max_seqlen_k=max([r.k_end for r in runs] + [keys_to]),
                       cu_seqlens_q_host=cu_q, cu_seqlens_k_host=cu_k,
                       block_table_BP=block_table, seqused_k_B=seqused)

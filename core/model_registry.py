@@ -50,11 +50,15 @@ class ModelFlavor(Protocol):
     def claims(self, config: dict) -> bool:
         """Whether a checkpoint's parsed config.json is this flavour (used to resolve ``auto``)."""
 
-    def build_pipeline(self, recipe, platform, *, local_rank: int = 0, parallel=None, progress: bool = True):
+    def build_pipeline(self, recipe, platform, *, local_rank: int = 0, parallel=None, progress: bool = True,
+                       random_layers: int = 0):
         """The pipeline one worker runs (the scheduler's pipeline protocol) for a final recipe.
 
         Called once per worker, on the engine thread; ``parallel`` is the
         worker's ``omni.parallel.runtime.ParallelRuntime`` under a mesh.
+        ``random_layers`` > 0 (``omni-run bench --full-size-layers``): the
+        released shapes with that many decoder layers and random values, built
+        exactly as a checkpoint is (a flavour without such a build raises ValueError).
         """
 
     def serving_helpers(self):

@@ -34,7 +34,7 @@ from . import text_steps
 from .kv_pool import KVPool, PoolContext, Run
 from .request import ImageRequest, StageTimes, TextRequest
 from .step_cache import StepCache, after_step, plan_skips
-from .step_graphs import StepGraphs, step_key
+from .step_graphs import StepGraphs, padded_keys, step_key
 from .step_model import RowSpec, StepModel
 from .vae_tiling import TileLanes
 
@@ -116,7 +116,9 @@ class StepEngine:
 
     ``model``: the model side (``StepModel``). ``runtime``: ``SingleDevice``
     or this rank's ``ParallelRuntime``. ``step_graphs`` / ``vae_graphs``: ``StepGraphs`` under ``graph.mode: capture``
-    (None: eager). ``vae_tiles``: ``(tile, overlap)`` latents, None decodes
+    (None: eager). ``synchronize``: waits for the device (``DeviceServices.synchronize``); called
+    where a stage time is read, since kernels and graph replays run asynchronously (without it a
+    replayed step's time shows up in whatever waits next, the VAE decode). ``vae_tiles``: ``(tile, overlap)`` latents, None decodes
     whole. ``offloaders``: ``omni.offload.LayerOffloader`` objects (their hooks
     do the work; kept here for their stats). ``on_velocity(state, v_BChw)``:
     called with every row's velocity of a request after each step (tests
@@ -127,8 +129,10 @@ class StepEngine:
                  step_cache: float = 0.0, step_graphs: StepGraphs | None = None,
                  vae_graphs: StepGraphs | None = None, vae_tiles: tuple[int, int] | None = None,
                  vae_lanes: TileLanes | None = None, offloaders=(),
-                 on_velocity: Callable[[RequestState, torch.Tensor], None] | None = None):
+                 on_velocity: Callable[[RequestState, torch.Tensor], None] | None = None,
+                 synchronize: Callable[[], None] | None = None):
         self.model, self.pool, self.runtime = model, pool, runtime
+        self.synchronize = synchronize or (lambda: None)  # stage times are the device's, not the launch queue's
         self.device, self.paged, self.step_cache = torch.device(device), paged, step_cache
         self.step_graphs, self.vae_graphs = step_graphs, vae_graphs
         self.vae_tiles, self.vae_lanes = vae_tiles, vae_lanes or TileLanes()  # lanes: tiles on several streams
@@ -267,6 +271,7 @@ class StepEngine:
                 if b == r.seq.prefix_len:
                     last[id(r)] = h_TD[ends - 1]
         self._first_tokens([s for s in states if isinstance(s, text_steps.TextState)], last)
+        self.synchronize()
         for s in states:  # the forwards are shared: each request waited for all of them
             s.times.prefill += time.perf_counter() - t0
 
@@ -304,6 +309,8 @@ class StepEngine:
                                                   [s.total_rows for s in states])
         for s, v_BChw in zip(states, preds):
             self._update(s, v_BChw)
+        self.synchronize()
+        for s in states:
             s.times.denoise += time.perf_counter() - t0
             s.times.steps_skipped = s.cache.skipped
 
@@ -325,16 +332,17 @@ class StepEngine:
         cos_TH, sin_TH = b.rope_TH()
         if self.step_graphs is None:
             return self._backbone(b.x_TD, cos_TH, sin_TH, b.runs, "none")
-        return self.step_graphs.run(step_key(states), b.x_TD, self.model.backbone,
-                                    lambda: (cos_TH, sin_TH, self._context(b.runs, "none")))
+        keys_to = padded_keys(b.runs, self.step_graphs.key_bucket, self.paged, self.pool.page_size)
+        return self.step_graphs.run(step_key(states, keys_to), b.x_TD, self.model.backbone,
+                                    lambda: (cos_TH, sin_TH, self._context(b.runs, "none", keys_to)))
 
     def _backbone(self, x_TD, cos_TH, sin_TH, runs: list[Run], mask: str) -> torch.Tensor:
         """The model over one packed forward whose attention reads and writes the KV pool."""
         return self.runtime.run_backbone(self.model, x_TD, cos_TH, sin_TH, pool=self.pool, runs=runs, mask=mask,
                                          paged=self.paged, device=self.device)
 
-    def _context(self, runs: list[Run], mask: str) -> PoolContext:
-        return PoolContext(self.pool, runs, mask=mask, paged=self.paged, device=self.device)
+    def _context(self, runs: list[Run], mask: str, keys_to: int = 0) -> PoolContext:
+        return PoolContext(self.pool, runs, mask=mask, paged=self.paged, device=self.device, keys_to=keys_to)
 
     def _velocities(self, states, blocks, skip, h_TD) -> list[torch.Tensor]:
         """Per request, ``v_BChw`` of its rows here; a skipped request's output comes from its step cache."""

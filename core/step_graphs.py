@@ -16,7 +16,17 @@ context) outside the capture. When the same signature comes back with other
 KV pages (another request set of the same shapes: the *binding* changed),
 the new slot tables are copied into the captured ones in place (same shapes
 by construction) and the graph is replayed, not re-captured. Graphs are kept
-LRU (``max_graphs``), each in its own memory pool.
+LRU (``max_graphs``). With ``key_bucket`` (attention kernels that read
+sequence lengths on the device only), prompts of other lengths share a graph:
+the key tables are padded to a bucket of key lengths (``step_key``), so a
+serving process captures a handful of graphs, not one per request.
+
+Memory: all graphs of one ``StepGraphs`` share ONE memory pool, so the
+captures of many signatures cost about one step's working set, not one per
+signature (a pool per graph grew reserved memory by ~2 GiB per request at
+the released shapes). Sharing is safe because replays never overlap and a
+replay's output is consumed before the next replay of any graph of the
+object: the output is valid until then (callers copy what they keep).
 
 Rules the captured region obeys (checked by the GPU test, capture == eager):
 no host sync, no allocation by value; every kernel the model resolved must be
@@ -29,6 +39,7 @@ reason in ``refusal`` (logged once).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,6 +51,7 @@ from .platform_manager import NoImplementationError, PlatformError
 from .specs import CaptureSpec
 
 log = logging.getLogger("omni.step_graphs")
+_POOL_IDS = itertools.count(1)
 
 
 def batch_signature(states) -> tuple:
@@ -47,9 +59,35 @@ def batch_signature(states) -> tuple:
     return tuple((r.seq.prefix_len, r.seq.token_h, r.seq.token_w) for s in states for r in s.rows)
 
 
-def step_key(states) -> tuple:
-    """(signature, binding): the binding (each row's KV pages) says which slots the tables hold."""
-    return batch_signature(states), tuple(tuple(r.pages) for s in states for r in s.rows)
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def step_key(states, keys_to: int = 0) -> tuple:
+    """(signature, binding): what a step graph is looked up by; the binding (prefix lengths, KV pages) says
+    which values its tables hold.
+
+    ``keys_to`` 0: the signature is every row's ``(prefix_len, token_h, token_w)``
+    (tables of another prefix length have other shapes). ``keys_to`` > 0 (the
+    key tables padded to that length, ``padded_keys``): prefix lengths leave the
+    signature, so requests of other prompt lengths replay the same graph with
+    their tables copied in.
+    """
+    rows = [r for s in states for r in s.rows]
+    binding = tuple((r.seq.prefix_len, tuple(r.pages)) for r in rows)
+    if not keys_to:
+        return batch_signature(states), binding
+    return (tuple((r.seq.token_h, r.seq.token_w) for r in rows), keys_to), binding
+
+
+def padded_keys(runs, bucket: int, paged: bool, page_size: int) -> int:
+    """The key length a step's tables pad to: the longest run's pages (paged) or all runs' gathered keys,
+    rounded up to ``bucket`` tokens; 0 (no padding) when ``bucket`` is 0."""
+    if not bucket:
+        return 0
+    if paged:
+        return round_up(max(len(r.pages) for r in runs) * page_size, round_up(bucket, page_size))
+    return round_up(sum(r.k_end for r in runs), bucket)
 
 
 def static_tensors(obj) -> list[torch.Tensor]:
@@ -77,10 +115,12 @@ class _Entry:
 class StepGraphs:
     """Captured step backbones per batch signature (see the module docstring)."""
 
-    def __init__(self, platform, device_type: str, *, max_graphs: int = 4, strict: bool = True, name: str = "denoise_step"):
+    def __init__(self, platform, device_type: str, *, max_graphs: int = 4, strict: bool = True, name: str = "denoise_step",
+                 key_bucket: int = 0):
         self.platform, self.device_type, self.max_graphs, self.name = platform, device_type, max_graphs, name
+        self.key_bucket = key_bucket  # > 0: prompt lengths share graphs (``step_key``)
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
-        self._next_pool = 1
+        self.pool_id = next(_POOL_IDS)  # one memory pool for all this object's graphs (see the module docstring)
         self.refusal: str | None = None
         self.captures = self.replays = self.rebinds = 0
         try:  # ask once, up front: a platform that cannot capture says why now, not at the first step
@@ -116,8 +156,7 @@ class StepGraphs:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)  # the graph and its pool go with the entry
         spec = CaptureSpec(device_type=self.device_type, name=f"{self.name}[{len(signature)} rows, {x_TD.shape[0]} tok]",
-                           pool_id=self._next_pool)
-        self._next_pool += 1
+                           pool_id=self.pool_id)
         runner = self.platform.graph_runner(spec)
         x, args = x_TD.clone(), make_args()
         out = runner.capture(lambda: forward(x, *args))

@@ -23,6 +23,7 @@ from .config import HunyuanImage3Config
 from .instruct_pipeline import HunyuanImage3Instruct, HunyuanImage3InstructDistil
 from .parallel import PLANS
 from .pipeline import HunyuanImage3T2I
+from .random_weights import random_init_, released_layers
 from .tiny import ensure_tiny_checkpoint
 from .tokenizer import Tokenizer
 from .transformer import HunyuanImage3Transformer
@@ -113,9 +114,10 @@ def prequantized(root: Path, recipe, model) -> str | None:
 STREAMED = {"layers": ALL, "experts": EXPERTS_ONLY}
 
 
-def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress: bool, instruct: bool = False):
+def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress: bool, instruct: bool = False,
+                 random_values: bool = False):
     """The loaded, prepared transformer, VAE and vision encoder (or None), placed as ``offload.mode`` says,
-    and their offloaders.
+    and their offloaders (``random_values``: ``random_weights``' values where the checkpoint's would load).
 
     Never the whole model in memory anywhere: the model is built on ``meta``
     (cut to this rank's shard under ``parallel``); each decoder layer in turn
@@ -128,24 +130,52 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
     """
     o, dev, keep = recipe.offload, services.device, STREAMED.get(recipe.offload.mode)
     model, vae, vision, target = build_modules(cfg, platform, recipe, "meta", parallel, instruct)
-    prequantized(root, recipe, model)
-    targets, skipped = _targets(target, vae, vision)
-    stream = StreamingLoad(root, targets, skip_prefixes=skipped)
+    fill, finish = (_random_source(model, vae, vision) if random_values
+                    else _checkpoint_source(root, recipe, model, target, vae, vision))
     layers = list(model.model.layers)
     for i, layer in enumerate(tqdm(layers, desc="loading layers", disable=not progress, leave=False)):
         materialize_meta_(layer, dev)
-        stream.load(lambda key, prefix=f"model.layers.{i}.": key.startswith(prefix))
+        fill(i, layer)
         finalize_all(layer)
         if keep is not None and i >= o.resident_layers:
             park_on_host(layer, services, keep)
     for m in (model, vae, vision):
         if m is not None:
             materialize_meta_(m, dev)
-    stream.finish()
+    finish()
     model.finalize()
     if vision is not None:
         vision.finalize()
     return model, vae, vision, _offloaders(recipe, model, vae, services)
+
+
+def _checkpoint_source(root: Path, recipe, model, target, vae, vision):
+    """(fill layer i, fill the rest): the checkpoint's tensors, streamed shard by shard."""
+    prequantized(root, recipe, model)
+    targets, skipped = _targets(target, vae, vision)
+    stream = StreamingLoad(root, targets, skip_prefixes=skipped)
+    return (lambda i, layer: stream.load(lambda key, prefix=f"model.layers.{i}.": key.startswith(prefix)),
+            stream.finish)
+
+
+def _random_source(model, vae, vision):
+    """(fill layer i, fill the rest): random values (``random_weights``), layer i seeded with i."""
+    def finish():
+        random_init_(model, seed=len(model.model.layers), skip=("model.layers.",))
+        for m in (vae, vision):
+            if m is not None:
+                random_init_(m, seed=0)
+    return (lambda i, layer: random_init_(layer, seed=i)), finish
+
+
+KEY_BUCKET = 1024  # tokens: prompts whose keys round up to the same multiple share a captured step
+
+
+def key_bucket(model) -> int:
+    """``KEY_BUCKET`` when the step's attention reads lengths on the device only (prompt lengths then share
+    captured steps), else 0 (one graph per prompt-length set)."""
+    attn = model.model.layers[0].self_attn.attn["none"]
+    return 0 if getattr(attn, "reads_host_lengths", True) else KEY_BUCKET
 
 
 def _offloaders(recipe, model, vae, services) -> list[LayerOffloader]:
@@ -162,20 +192,26 @@ def _offloaders(recipe, model, vae, services) -> list[LayerOffloader]:
 
 
 def build_pipeline(recipe, platform, *, model_path: str | None = None, local_rank: int = 0,
-                   progress: bool = True, cache_dir: Path | None = None, parallel=None) -> StepEngine:
+                   progress: bool = True, cache_dir: Path | None = None, parallel=None,
+                   random_layers: int = 0) -> StepEngine:
     """Everything one worker needs to generate images for ``recipe`` on ``platform``.
 
     ``parallel``: this worker's ``omni.parallel.runtime.ParallelRuntime`` when
     the recipe spreads the model over several ranks (built by the launcher).
+    ``random_layers``: no checkpoint; the released text-to-image shapes with
+    that many decoder layers and random values, built the same way (benchmarks).
     """
     services = platform.device_services(local_rank)
     if recipe.device.memory_limit_gib:  # a share of the card: the allocator refuses to grow past it
         fraction = services.limit_memory(int(recipe.device.memory_limit_gib * 2**30))
         log.info("device memory capped at %g GiB (%.0f%% of the card)", recipe.device.memory_limit_gib, 100 * fraction)
-    root = checkpoint_dir(recipe, model_path, cache_dir)
-    cfg = HunyuanImage3Config.from_file(root / "config.json")
-    instruct = is_instruct(root)
-    model, vae, vision, offloaders = load_weights(recipe, cfg, platform, root, services, parallel, progress, instruct)
+    if random_layers:
+        root, cfg, instruct = ensure_tiny_checkpoint(cache_dir), released_layers(random_layers), False
+    else:
+        root = checkpoint_dir(recipe, model_path, cache_dir)
+        cfg, instruct = HunyuanImage3Config.from_file(root / "config.json"), is_instruct(root)
+    model, vae, vision, offloaders = load_weights(recipe, cfg, platform, root, services, parallel, progress, instruct,
+                                                  random_values=bool(random_layers))
     runtime = SingleDevice() if parallel is None else parallel
     pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
                               page_size=recipe.kv_cache.page_tokens,
@@ -195,7 +231,8 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     return StepEngine(
         t2i, pool=pool, runtime=runtime, device=services.device, paged=recipe.kv_cache.mode == "paged",
         step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
-        step_graphs=StepGraphs(platform, services.device.type) if capture else None,
+        step_graphs=StepGraphs(platform, services.device.type, key_bucket=key_bucket(model)) if capture else None,
+        synchronize=services.synchronize,
         vae_graphs=StepGraphs(platform, services.device.type, name="vae_decode",
                               max_graphs=2 * recipe.vae.streams) if capture else None,
         vae_tiles=(recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None,

@@ -47,10 +47,15 @@ class HunyuanImage3Flavor:
         return kind == {"hunyuan_image3": "base", "hunyuan_image3_instruct": "instruct",
                         "hunyuan_image3_instruct_distil": "distil"}[self.name]
 
-    def build_pipeline(self, recipe, platform, *, local_rank: int = 0, parallel=None, progress: bool = True):
+    def build_pipeline(self, recipe, platform, *, local_rank: int = 0, parallel=None, progress: bool = True,
+                       random_layers: int = 0):
         from .build import build_pipeline
 
-        return build_pipeline(recipe, platform, local_rank=local_rank, parallel=parallel, progress=progress)
+        if random_layers and self.name != "hunyuan_image3":
+            raise ValueError(f"--full-size-layers builds the base text-to-image shapes; flavor {self.name} "
+                             "has no random-weight build (use recipe h200_fp8, or a checkpoint)")
+        return build_pipeline(recipe, platform, local_rank=local_rank, parallel=parallel, progress=progress,
+                              random_layers=random_layers)
 
     def serving_helpers(self):
         from omni.recipe import parse_size  # "WxH" -> (width, height); RecipeError is a ValueError

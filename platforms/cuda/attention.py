@@ -48,6 +48,8 @@ def _cu_from_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
 
 
 class Fa3Attention:
+    reads_host_lengths = False  # lengths from the device tensors; the host maxima are only upper bounds
+
     def __init__(self, spec: AttentionSpec, fa3: Fa3):
         self.name = f"cuda-fa3({fa3.name})"
         self.mod, self.paged = fa3.module, spec.paged
@@ -95,6 +97,7 @@ def _fa3_build_fits(spec: AttentionSpec, fa3: Fa3, reject):
 
 class VarlenAttention:
     name = "cuda-varlen"
+    reads_host_lengths = False  # as FA3: cu_seqlens / seqused tensors; max_seqlen_* are upper bounds
 
     def __init__(self, spec: AttentionSpec, params: frozenset[str]):
         from torch.nn.attention.varlen import varlen_attn
