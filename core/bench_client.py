@@ -136,8 +136,10 @@ class InProcessTarget:
         self.deployment = d = prepare(recipe, platform=args.platform, overrides=overrides)
         self.name = f"in-process {d.recipe.name} on {d.recipe.platform}"
         self.services = d.platform().device_services(0) if d.world_size == 1 else None
+        t0 = time.perf_counter()
         self.engine = self._engine(args).start()
         self.engine.wait_ready()
+        self.time_to_ready_s = round(time.perf_counter() - t0, 2)  # build: load or fill, quantize, KV pool
         self.defaults = d.recipe.defaults
 
     def _engine(self, args):
@@ -277,7 +279,8 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--steps", type=int, default=None, help="num_inference_steps (default: the server's)")
     load.add_argument("--guidance", type=float, default=None, help="guidance_scale (default: the server's)")
     load.add_argument("--seed", type=int, default=0, help="seed of the first request (then +1 each)")
-    load.add_argument("--warmup", type=int, default=1, help="unmeasured requests per size first (default 1)")
+    load.add_argument("--warmup", type=int, default=1, help="unmeasured requests per size first, then one "
+                      "unmeasured round at each concurrency level (0: none; default 1)")
     load.add_argument("--timeout-s", type=float, default=1800.0, help="HTTP timeout per request")
     p.add_argument("--json", default="bench.json", help="where to write the results (default bench.json)")
     return p
@@ -296,6 +299,8 @@ def bench_main(argv_or_args=None) -> int:
             target.send({**corpus(args)[0], "size": sizes[i % len(sizes)]})
         levels = []
         for c in args.levels:
+            if args.warmup:  # one unmeasured round at this concurrency: its batch shapes are captured here
+                run_level(target, corpus(args)[:c], c)
             levels.append(run_level(target, corpus(args), c))
             print(f"concurrency {c}: {levels[-1]['ok']}/{levels[-1]['requests']} ok, "
                   f"p50 {_fmt(levels[-1]['latency_s']['p50'])} s", flush=True)
@@ -304,7 +309,7 @@ def bench_main(argv_or_args=None) -> int:
     print(table(levels))
     out = {"benchmark": "omni-run bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "target": target.name, "args": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
-           "levels": levels}
+           "time_to_ready_s": getattr(target, "time_to_ready_s", None), "levels": levels}
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")
     return 0 if all(lv["ok"] == lv["requests"] for lv in levels) else 1
