@@ -133,7 +133,8 @@ class InProcessTarget:
         if args.max_running or "serving.max_running" not in overrides:
             overrides["serving.max_running"] = args.max_running or max(recipe.serving.max_running, max(args.levels))
         overrides.setdefault("serving.max_queue", max(args.levels))  # a closed loop never has more waiting
-        self.deployment = d = prepare(recipe, platform=args.platform, overrides=overrides)
+        self.deployment = d = prepare(recipe, platform=args.platform, overrides=overrides,
+                                      random_weights=bool(args.full_size_layers))
         self.name = f"in-process {d.recipe.name} on {d.recipe.platform}"
         self.services = d.platform().device_services(0) if d.world_size == 1 else None
         t0 = time.perf_counter()
