@@ -64,6 +64,7 @@ def parse():
     p.add_argument("--timed", type=int, default=10, help="timed steps per variant")
     p.add_argument("--quant", default="fp8_row")
     p.add_argument("--no-naive", action="store_true")
+    p.add_argument("--attn-fp8", action="store_true", help="the fp8 engine also runs attention in e4m3 (attention.fp8)")
     p.add_argument("--no-vae", action="store_true")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--json", type=Path)
@@ -118,7 +119,8 @@ class Setup:
         cfg = self.cfg = bench_config(a)
         with torch.device(device):
             self.model = HunyuanImage3Transformer(cfg, platform, BuildOptions(
-                dtype=torch.bfloat16, quant=quant, capturable=platform.info.accelerator))
+                dtype=torch.bfloat16, quant=quant, capturable=platform.info.accelerator,
+                attn_fp8=a.attn_fp8 and quant != "none"))
         random_init_(self.model, seed=0)  # same seed: the bf16 and fp8 models share their bf16 weights
         self.model.finalize()
         self.model.eval()

@@ -33,6 +33,7 @@ class BuildOptions:
     attn_backend: str = "auto"  # ``attention.backend``: the attention kernel the platform should prefer
     capturable: bool = False  # ``graph.mode == "capture"``: the denoising step is recorded into a device graph
     memory_bound: str = "auto"  # ``kernels.memory_bound``: auto | triton | torch (``omni.specs.MEMORY_BOUND``)
+    attn_fp8: bool = False  # ``attention.fp8``: e4m3 Q/K/V in the attention products (docs/quality.md gates it)
 
     @classmethod
     def from_recipe(cls, recipe) -> BuildOptions:
@@ -40,7 +41,7 @@ class BuildOptions:
         return cls(dtype=DTYPES[recipe.model.dtype], quant=recipe.quant.scheme, experts_only=recipe.quant.experts_only,
                    paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0,
                    attn_backend=recipe.attention.backend, capturable=recipe.graph.mode == "capture",
-                   memory_bound=recipe.kernels.memory_bound)
+                   memory_bound=recipe.kernels.memory_bound, attn_fp8=recipe.attention.fp8)
 
     @property
     def dense_quant(self) -> str:
@@ -51,4 +52,5 @@ class BuildOptions:
         """The attention kernel's spec for N query heads, K kv heads of width H under ``mask``."""
         return AttentionSpec(num_heads=N, num_kv_heads=K, head_dim=H, dtype=self.dtype, mask=mask,
                              paged=self.paged_kv, page_size=self.page_size, backend=self.attn_backend,
-                             capturable=self.capturable and mask == "none")  # only the denoising step is captured
+                             capturable=self.capturable and mask == "none",  # only the denoising step is captured
+                             fp8=self.attn_fp8 and mask != "dense")

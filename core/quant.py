@@ -27,6 +27,12 @@ def quantize_fp8(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Te
     return q, scale
 
 
+def fake_quantize_fp8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through e4m3 and back with one dynamic scale (per tensor), in ``x.dtype``: what an fp8 product sees."""
+    q, scale = quantize_fp8(x, per_row=False)
+    return (q.float() * scale).to(x.dtype)
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per row (last dim) with fp32 scales ``[..., 1]``."""
     scale = absmax_scale(x, INT8_MAX, -1)

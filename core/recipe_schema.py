@@ -109,6 +109,8 @@ class Attention(_Validated):
     backend: str = _opt("auto", "auto (the platform picks); sdpa; varlen (torch varlen); fa3 (FlashAttention-3); "
                                 "flex (FlexAttention); fia (Ascend fused infer attention); aiter (AMD)",
                         choices=ATTENTION_BACKENDS)
+    fp8: bool = _opt(False, "e4m3 queries, keys and values in the attention products (one dynamic scale each; "
+                            "CUDA: FA3 on gathered KV; other backends refuse it); gated in docs/quality.md")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -62,6 +62,9 @@ class AttentionSpec:
     # -inf where a query sees no key (its o is 0). Ring attention merges partial results with it. A
     # platform whose kernel cannot produce it must refuse the spec (the reference implements it).
     return_lse: bool = False
+    # Q, K and V quantized to e4m3 for the two products (``omni.quant.quantize_fp8`` per tensor, dynamic:
+    # one scale each for the queries, the keys and the values of the call); output in ``dtype``.
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

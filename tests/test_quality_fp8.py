@@ -117,3 +117,29 @@ def test_fp8_vision_encoder_on_golden_instruct_weights(instruct_golden, scheme):
     err = _rel(feats[scheme], feats["none"])
     print(f"vision encoder {scheme} vs none: relative L2 {err:.4f}")
     assert 1e-4 < err <= VISION_REL[scheme]
+
+
+ATTENTION_FP8_GATE = 0.06  # docs/quality.md: e4m3 Q/K/V, one dynamic scale each, vs the fp32 product
+
+
+def test_fp8_attention_on_golden_like_heads():
+    """``attention.fp8`` (the reference's semantics): queries and keys after the QK-norm (RMS 1 per head, as the
+    model feeds them), values of unit scale, one image block attending to its prefix and itself."""
+    from omni.platform_manager import select
+    from omni.specs import AttentionSpec, VarlenMeta
+
+    g = torch.Generator().manual_seed(0)
+    T, S, N, K, H = 256, 320, 8, 2, 64
+    q = torch.nn.functional.rms_norm(torch.randn(T, N, H, generator=g) * 3, (H,))
+    k = torch.nn.functional.rms_norm(torch.randn(S, K, H, generator=g) * 3, (H,))
+    v = torch.randn(S, K, H, generator=g)
+    meta = VarlenMeta(cu_seqlens_q_B1=torch.tensor([0, T], dtype=torch.int32),
+                      cu_seqlens_k_B1=torch.tensor([0, S], dtype=torch.int32), max_seqlen_q=T, max_seqlen_k=S,
+                      cu_seqlens_q_host=(0, T), cu_seqlens_k_host=(0, S))
+    outs = {}
+    for fp8 in (False, True):
+        spec = AttentionSpec(num_heads=N, num_kv_heads=K, head_dim=H, dtype=torch.float32, fp8=fp8)
+        outs[fp8] = select("cpu").attention(spec)(q, k, v, meta)
+    err = ((outs[True] - outs[False]).norm() / outs[False].norm()).item()
+    print(f"fp8 attention vs fp32: relative L2 {err:.4f}")
+    assert 1e-4 < err <= ATTENTION_FP8_GATE, err  # above 0: the fp8 path really quantized

@@ -34,7 +34,7 @@ RECIPE_FIELD_PATHS = [
     "model.flavor", "model.path", "model.dtype", "model.vae_dtype",
     "parallel.tp", "parallel.ep", "parallel.ulysses", "parallel.ring", "parallel.cfg", "parallel.dp",
     "quant.scheme", "quant.experts_only",
-    "attention.backend",
+    "attention.backend", "attention.fp8",
     "kernels.memory_bound",
     "kv_cache.mode", "kv_cache.budget_bytes", "kv_cache.page_tokens",
     "offload.mode", "offload.resident_layers", "offload.prefetch_window",

@@ -31,12 +31,14 @@ def softmax_scale(spec: AttentionSpec) -> float:
 
 
 def first_fit(platform: str, spec: AttentionSpec, caps, reject: Reject, builders: Mapping[str, Builder],
-              auto: Sequence[str], lse: Sequence[str] = ()):
+              auto: Sequence[str], lse: Sequence[str] = (), fp8: Sequence[str] = ()):
     """The first backend of ``auto`` (or the one ``spec.backend`` names) that fits ``spec``.
 
     ``lse`` names the backends that can also return the log-sum-exp (ring
     attention merges partial results with it); a spec asking for it is
-    declined here, for every platform alike, by any other backend.
+    declined here, for every platform alike, by any other backend. ``fp8``
+    names the backends with e4m3 attention products (``spec.fp8``): the same
+    rule, so no backend computes an fp8 spec in bf16 unnoticed.
 
     The answer carries ``skipped``: why faster backends were passed over, for
     the trace. When none fits, every reason goes to ``reject`` prefixed with
@@ -45,8 +47,11 @@ def first_fit(platform: str, spec: AttentionSpec, caps, reject: Reject, builders
     if spec.return_lse and (spec.backend not in ("auto", *lse) or not lse):
         serving = f"only {', '.join(lse)} returns it here" if lse else "no backend here returns it yet"
         return reject(f"{platform}: attention with a log-sum-exp output: {serving}; the reference serves it")
+    if spec.fp8 and (spec.backend not in ("auto", *fp8) or not fp8):
+        serving = f"only {', '.join(fp8)} has fp8 kernels here" if fp8 else "no backend here has fp8 kernels"
+        return reject(f"{platform}: attention.fp8: {serving}; the reference emulates it")
     if spec.backend == "auto":
-        order = tuple(auto)
+        order = tuple(a for a in auto if not spec.fp8 or a in fp8)
     elif spec.backend in builders:
         order = (spec.backend,)
     else:

@@ -38,6 +38,7 @@ from .capabilities import Caps, Fa3, load_fa3
 HALF = (torch.float16, torch.bfloat16)
 BACKENDS = ("fa3", "varlen", "sdpa", "flex")
 LSE_BACKENDS = ("flex",)  # the backends that can also return the log-sum-exp (``AttentionSpec.return_lse``)
+FP8_BACKENDS = ("fa3",)  # the backends with e4m3 products (``AttentionSpec.fp8``, recipe attention.fp8)
 
 
 def _cu_from_lengths(lengths_B: torch.Tensor) -> torch.Tensor:
@@ -51,11 +52,13 @@ class Fa3Attention:
     reads_host_lengths = False  # lengths from the device tensors; the host maxima are only upper bounds
 
     def __init__(self, spec: AttentionSpec, fa3: Fa3):
-        self.name = f"cuda-fa3({fa3.name})"
-        self.mod, self.paged = fa3.module, spec.paged
+        self.name = f"cuda-fa3({fa3.name}{', fp8' if spec.fp8 else ''})"
+        self.mod, self.paged, self.fp8 = fa3.module, spec.paged, spec.fp8
         self.kw = {"softmax_scale": softmax_scale(spec), "causal": spec.mask == "causal"}
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        if self.fp8:
+            return self._fp8(q_TNH, k, v, meta)
         if self.paged:
             out = self.mod.flash_attn_with_kvcache(
                 q_TNH, k, v, cache_seqlens=meta.seqused_k_B, page_table=meta.block_table_BP,
@@ -65,6 +68,23 @@ class Fa3Attention:
                 q_TNH, k, v, meta.cu_seqlens_q_B1, meta.cu_seqlens_k_B1,
                 meta.max_seqlen_q, meta.max_seqlen_k, **self.kw)
         return out[0] if isinstance(out, tuple) else out  # older builds return (out, lse)
+
+    def _fp8(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
+        """e4m3 q, k, v with one dynamic scale each (``omni.quant``'s per-tensor rule); bf16 out."""
+        (qq, sq), (kq, sk), (vq, sv) = (fp8_per_tensor(t) for t in (q_TNH, k, v))
+        shape = (meta.num_seqs, k.shape[-2])  # FA3 takes descales per (sequence, kv head)
+        out = self.mod.flash_attn_varlen_func(
+            qq, kq, vq, meta.cu_seqlens_q_B1, meta.cu_seqlens_k_B1, meta.max_seqlen_q, meta.max_seqlen_k,
+            q_descale=sq.expand(shape), k_descale=sk.expand(shape), v_descale=sv.expand(shape), **self.kw)
+        return (out[0] if isinstance(out, tuple) else out).to(q_TNH.dtype)
+
+
+def fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 ``x``, its fp32 scale ``[1, 1]``): absmax / 448 over the whole tensor, no host read."""
+    from omni import quant
+
+    q, scale = quant.quantize_fp8(x, per_row=False)
+    return q, scale.reshape(1, 1)
 
 
 def build_fa3(spec: AttentionSpec, caps: Caps, reject, load=load_fa3):
@@ -89,6 +109,9 @@ def _fa3_build_fits(spec: AttentionSpec, fa3: Fa3, reject):
         return reject(f"fa3: {fa3.name} has no kernel for head_dim {spec.head_dim}")
     if spec.paged and not (fa3.paged and hasattr(fa3.module, "flash_attn_with_kvcache")):
         return reject(f"fa3: {fa3.name} was built without paged KV")
+    if spec.fp8 and (spec.paged or not fa3.fp8):
+        why = "paged KV (gathered keys only)" if spec.paged else f"{fa3.name} was built without fp8 kernels"
+        return reject(f"fa3: attention.fp8 is not served with {why}")
     return Fa3Attention(spec, fa3)
 
 
@@ -224,4 +247,4 @@ def resolve(spec: AttentionSpec, caps: Caps, reject, builders=BUILDERS):
         auto = LSE_BACKENDS
     else:
         auto = ("sdpa",) if spec.mask == "dense" else ("fa3", "varlen", "sdpa")
-    return first_fit("cuda", spec, caps, reject, builders, auto, lse=LSE_BACKENDS)
+    return first_fit("cuda", spec, caps, reject, builders, auto, lse=LSE_BACKENDS, fp8=FP8_BACKENDS)

@@ -109,6 +109,7 @@ class Fa3:
     fp16: bool = True
     paged: bool = True
     head_dims: tuple[int, ...] = (64, 96, 128, 192, 256)
+    fp8: bool = True  # e4m3 q/k/v with descales (FLASHATTENTION_DISABLE_FP8 unset)
 
 
 def load_fa3(name: str) -> Fa3 | str:
@@ -120,7 +121,8 @@ def load_fa3(name: str) -> Fa3 | str:
     flags = _fa3_build_flags(name)
     dims = tuple(d for d in (64, 96, 128, 192, 256) if not flags.get(f"FLASHATTENTION_DISABLE_HDIM{d}", False))
     return Fa3(module, name, fp16=not flags.get("FLASHATTENTION_DISABLE_FP16", False),
-               paged=not flags.get("FLASHATTENTION_DISABLE_PAGEDKV", False), head_dims=dims)
+               paged=not flags.get("FLASHATTENTION_DISABLE_PAGEDKV", False), head_dims=dims,
+               fp8=not flags.get("FLASHATTENTION_DISABLE_FP8", False))
 
 
 def _fa3_build_flags(name: str) -> dict:
