@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from .specs import (AttentionImpl, AttentionSpec, GemmSpec, GroupedGemmImpl, GroupedGemmSpec, LinearImpl, MoEImpl,
-                    MoESpec, PlatformInfo, Reject)
+from .specs import (AttentionImpl, AttentionSpec, GemmSpec, GlueImpl, GlueSpec, GroupedGemmImpl, GroupedGemmSpec,
+                    LinearImpl, MoEImpl, MoESpec, PlatformInfo, Reject)
 
 
 @runtime_checkable
@@ -97,4 +97,16 @@ class MoEModule(Protocol):
 
         When called: by ``omni_moe_impl``, once per distinct spec at model build.
         Result: a ``MoEImpl`` as that hook specifies, or None after ``reject``.
+        """
+
+
+@runtime_checkable
+class GlueModule(Protocol):
+    """Optional: fused memory-bound glue between a layer's GEMMs (without it the reference's torch ops run)."""
+
+    def resolve_glue(self, spec: GlueSpec, caps: Any, reject: Reject, /) -> GlueImpl | None:
+        """Pick the glue kernels for ``spec``.
+
+        When called: by ``omni_glue_impl``, once per distinct spec at model build.
+        Result: a ``GlueImpl`` as that hook specifies, or None after ``reject``.
         """

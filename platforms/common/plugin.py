@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from omni.hookspecs import hookimpl
 from omni.moe import composed_moe
-from omni.platform_parts import AttentionModule, CapabilitiesModule, GemmModule, MoEModule
+from omni.platform_parts import AttentionModule, CapabilitiesModule, GemmModule, GlueModule, MoEModule
 from omni.specs import AttentionSpec, CaptureSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec, PlatformInfo
 
 from .graphs import DeviceGraphRunner, GraphApi, GraphPools
@@ -43,7 +43,7 @@ class DevicePlatform:
     attention: AttentionModule
     gemm: GemmModule
     moe: MoEModule | None = None
-    glue: object | None = None  # a module with ``resolve_glue(spec, caps, reject)``
+    glue: GlueModule | None = None
     triton_kernels: bool = False  # its gemm/moe modules honour kernels.memory_bound=triton themselves
 
     def __init__(self, caps=None):
