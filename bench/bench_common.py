@@ -44,3 +44,20 @@ def emit(out: dict, path: Path | None) -> int:
     if path:
         path.write_text(text)
     return 0
+
+
+def cuda_event_median(fn: Callable[[], object], iters: int = 30, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` on the current CUDA stream, timed with events (after ``warmup`` calls)."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(out)

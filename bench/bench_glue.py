@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -27,21 +27,15 @@ from omni.platform_manager import select
 from omni.reference_glue import ReferenceGlue
 from omni.specs import GlueSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import cuda_event_median  # noqa: E402
+
 T, D, N, K, H, I, E, TOPK = 8194, 4096, 32, 8, 128, 3072, 64, 8
 
 
 def timed(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(out)
+    """Microseconds (CUDA-event median)."""
+    return cuda_event_median(fn, iters) * 1e6
 
 
 def liger():

@@ -17,27 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import cuda_event_median  # noqa: E402
 
 E, ROWS = 64, 1024
 SHAPES = {"gate_up": (4096, 6144), "down": (3072, 4096)}
 
 
 def timed(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
+    return cuda_event_median(fn, iters)
 
 
 def fp8(x):
