@@ -68,7 +68,7 @@ def test_fp8_image_psnr_ssim_through_the_engine():
         recipe = load_recipe("cpu_tiny").replace_paths({"quant.scheme": scheme, "model.dtype": "bfloat16",
                                                         "quant.experts_only": experts_only})
         pipes[label] = build_pipeline(recipe, select("cpu"), progress=False)
-        req = ImageRequest(prompt="a red cat", height=256, width=256, steps=3, seed=7)  # snapped to 1024x1024
+        req = ImageRequest(prompt="a red cat", height=256, width=256, steps=3, seed=7)  # snapped to 128x128
         imgs[label] = torch.from_numpy(Engine(pipes[label]).run([req])[0].image_HW3)
     p, s = psnr(imgs["fp8_row"], imgs["none"]), ssim(imgs["fp8_row"], imgs["none"])
     print(f"fp8_row vs none, tiny engine image: PSNR {p:.1f} dB, SSIM {s:.4f}")

@@ -3,7 +3,9 @@
     hunyuan_image3                  the base checkpoint: text-to-image, pretrain template
     hunyuan_image3_instruct         HunyuanImage-3.0-Instruct (same parameter names; editing, text, CoT)
     hunyuan_image3_instruct_distil  HunyuanImage-3.0-Instruct-Distil (CFG-distilled 8-step meanflow)
-    hunyuan_image3_tiny             the embedded tiny checkpoint of the base architecture (no download)
+    hunyuan_image3_tiny             the embedded tiny checkpoint of the base architecture, trained to draw
+                                    coloured shapes at 128x128 (no download; assets/tiny_trained/README.md)
+    hunyuan_image3_tiny_random      the same architecture with random weights, generated (code-path tests)
     hunyuan_image3_instruct_tiny    the embedded tiny Instruct checkpoint (editing on the CPU, no download)
 
 Which checkpoint is which is read from config.json: the Distil flags
@@ -74,8 +76,8 @@ class HunyuanImage3Flavor:
             return ModelHelpers(lambda size: parse_size(size)[::-1],
                                 lambda h, w: resolution.instruct_size((h, w), self.base_size)[:2], system_prompt,
                                 max_images=MAX_REFERENCE_IMAGES, writes_text=True)
-        return ModelHelpers(lambda size: parse_size(size)[::-1], lambda h, w: resolution.snap(h, w)[1:],
-                            system_prompt)
+        return ModelHelpers(lambda size: parse_size(size)[::-1],
+                            lambda h, w: resolution.snap(h, w, base=self.base_size)[1:], system_prompt)
 
     def recipe_problems(self, recipe) -> list[str]:
         """A CFG-distilled checkpoint has no unconditional row: nothing for cfg parallel to split."""
@@ -104,8 +106,10 @@ instruct = HunyuanImage3Flavor(
 instruct_distil = HunyuanImage3Flavor(
     "hunyuan_image3_instruct_distil", "HunyuanImage-3.0-Instruct-Distil: CFG-distilled 8-step meanflow (one "
     "forward per step; editing and text as Instruct)", instruct=True, distil=True)
-tiny = HunyuanImage3Flavor("hunyuan_image3_tiny", "embedded tiny checkpoint of the base architecture (CPU, no "
-                           "download; random weights)", needs_weights=False)
+tiny = HunyuanImage3Flavor("hunyuan_image3_tiny", "embedded tiny checkpoint of the base architecture, trained "
+                           "to draw coloured shapes at 128x128 (CPU, no download)", needs_weights=False, base_size=128)
+tiny_random = HunyuanImage3Flavor("hunyuan_image3_tiny_random", "the tiny base architecture with random weights "
+                                  "(generated; noise images, for code-path tests)", needs_weights=False)
 instruct_tiny = HunyuanImage3Flavor(
     "hunyuan_image3_instruct_tiny", "embedded tiny Instruct checkpoint: editing on the CPU, no download "
     "(random weights, image_base_size 256)", needs_weights=False, instruct=True, base_size=256)

@@ -54,8 +54,9 @@ class HunyuanImage3T2I:
     def build_rows(self, req: ImageRequest) -> list[T2ISequence]:
         if req.images:  # the API and the CLI refuse these first (ModelHelpers.max_images is 0)
             raise ValueError("this checkpoint does not take reference images (editing needs an Instruct flavour)")
-        _, h_px, w_px = snap(req.height, req.width)
-        kw = dict(template=req.template, height=h_px, width=w_px, downsample=self.downsample,
+        base = self.cfg.image_base_size  # 1024 for the released model, 256 for the embedded tiny one
+        _, h_px, w_px = snap(req.height, req.width, base=base)
+        kw = dict(template=req.template, height=h_px, width=w_px, downsample=self.downsample, base_size=base,
                   system_prompt=req.system_prompt, cot_text=req.cot_text, drop_think=req.drop_think)
         if not req.use_cfg:
             return list(build_t2i_pair(self.tok, req.prompt, cfg=False, **kw))

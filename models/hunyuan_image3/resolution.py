@@ -17,6 +17,7 @@ strings are parsed by ``omni.recipe.parse_size``.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 BASE_SIZE = 1024
@@ -43,6 +44,7 @@ def _walk(base: int, step: int, dh: int, align: int) -> list[tuple[int, int]]:
     return rows
 
 
+@lru_cache(maxsize=8)
 def ratio_table(base: int = BASE_SIZE, step: int | None = None, align: int = 1) -> Table:
     """The official sorted ratio rows (height, width); index = ratio token k. ``step`` defaults to base // 16."""
     step = base // 16 if step is None else step
@@ -73,9 +75,14 @@ def instruct_table(base_size: int = BASE_SIZE) -> Table:
     return tuple(table)
 
 
-def rows(extra: bool = False) -> Table:
-    """The addressable rows: 33 for the base model, 37 with the Instruct extras."""
-    return RESOLUTIONS + INSTRUCT_EXTRA if extra else RESOLUTIONS
+def rows(extra: bool = False, base: int = BASE_SIZE) -> Table:
+    """The addressable rows: 33 for the base model, 37 with the Instruct extras.
+
+    ``base`` is the checkpoint's ``image_base_size`` (the official base code
+    builds its table from it too; the embedded tiny model draws at 256).
+    """
+    table = RESOLUTIONS if base == BASE_SIZE else ratio_table(base)
+    return table + INSTRUCT_EXTRA if extra else table
 
 
 def nearest(table: Table, height: int, width: int) -> int:
@@ -86,13 +93,13 @@ def nearest(table: Table, height: int, width: int) -> int:
     return min(range(len(table)), key=lambda i: abs(table[i][0] / table[i][1] - ratio))
 
 
-def snap(height: int, width: int, *, extra: bool = False) -> tuple[int, int, int]:
-    """Snap a requested size to the nearest-ratio row: (k, h_px, w_px).
+def snap(height: int, width: int, *, extra: bool = False, base: int = BASE_SIZE) -> tuple[int, int, int]:
+    """Snap a requested size to the nearest-ratio row of the ``base`` table: (k, h_px, w_px).
 
     Ties go to the lower k (``np.argmin`` semantics). ``extra=True`` also
     considers the Instruct rows k 33..36.
     """
-    table = rows(extra)
+    table = rows(extra, base)
     k = nearest(table, height, width)
     return (k, *table[k])
 

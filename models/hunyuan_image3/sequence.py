@@ -144,9 +144,9 @@ def template_pieces(template: str, prompt: str, system_prompt: str | None,
     return pieces + assistant_pieces(cot_text, answer, drop_think) + [TextPiece(sep)]
 
 
-def _image_block(tok: Tokenizer, ratio_k: int, n_image: int) -> list[int]:
-    """``<boi> <img_size_1024> <img_ratio_k> <timestep> <img>*n <eoi>``."""
-    head = [tok.boi, tok.img_size(BASE_SIZE), tok.img_ratio(ratio_k), tok.timestep]
+def _image_block(tok: Tokenizer, ratio_k: int, n_image: int, base_size: int = BASE_SIZE) -> list[int]:
+    """``<boi> <img_size_B> <img_ratio_k> <timestep> <img>*n <eoi>`` (B = 1024 for the released model)."""
+    head = [tok.boi, tok.img_size(base_size), tok.img_ratio(ratio_k), tok.timestep]
     return head + [tok.img] * n_image + [tok.eoi]
 
 
@@ -197,7 +197,7 @@ def _to_sequence(ids: list[int], boi_index: int, token_h: int, token_w: int) -> 
 def build_t2i_pair(tok: Tokenizer, prompt: str, *, template: str, height: int, width: int,
                    downsample: int, system_prompt: str | None = None, cot_text: str | None = None,
                    cfg: bool = True, drop_think: bool = False,
-                   extra_ratios: bool = False) -> tuple[T2ISequence, ...]:
+                   extra_ratios: bool = False, base_size: int = BASE_SIZE) -> tuple[T2ISequence, ...]:
     """Build the conditional row, then (when ``cfg``) the unconditional one.
 
     ``height``/``width`` are the requested pixels; they are snapped to the
@@ -205,10 +205,11 @@ def build_t2i_pair(tok: Tokenizer, prompt: str, *, template: str, height: int, w
     (``extra_ratios`` adds the Instruct rows k 33..36). ``downsample`` is
     vae_downsample_factor * patch_size (16 for the released model).
     ``system_prompt`` is the text itself (see ``system_prompts.resolve_system_prompt``).
+    ``base_size`` is the checkpoint's ``image_base_size``: its ratio table and ``<img_size_B>``.
     """
-    ratio_k, h_px, w_px = snap(height, width, extra=extra_ratios)
+    ratio_k, h_px, w_px = snap(height, width, extra=extra_ratios, base=base_size)
     token_h, token_w = token_grid(h_px, w_px, downsample)
     pieces = template_pieces(template, prompt, system_prompt, cot_text, drop_think=drop_think)
-    image_ids = _image_block(tok, ratio_k, token_h * token_w)
+    image_ids = _image_block(tok, ratio_k, token_h * token_w, base_size)
     rows = (False, True) if cfg else (False,)
     return tuple(_to_sequence(*_encode_row(tok, pieces, image_ids, u), token_h, token_w) for u in rows)

@@ -1,11 +1,19 @@
-"""The embedded defaults: tiny HunyuanImage-3.0 checkpoints (base and Instruct) generated deterministically.
+"""The embedded defaults: tiny HunyuanImage-3.0 checkpoints (base and Instruct).
 
 Same architecture and checkpoint layout as the released model (official
 names, per-expert tensors, ``config.json``, ``tokenizer.json``, two shards
 with ``model.safetensors.index.json``), with tiny widths so the whole
-text-to-image path runs on a CPU in seconds. Weights are random (seed 0):
-images look like coloured noise; the point is that every real code path runs
-with no download. The generator writes the directory once; later runs reuse it.
+text-to-image path runs on a CPU in seconds.
+
+``trained`` (flavour ``hunyuan_image3_tiny``, the default) ships in the
+package (``assets/tiny_trained/``, model card beside it): trained by
+``train_tiny`` to draw coloured shapes at named positions at 128x128. It is
+read in place by the same loader as any checkpoint.
+
+``base`` (``hunyuan_image3_tiny_random``) and ``instruct`` are generated
+here with random weights (seed 0): images look like coloured noise; they
+exist so that every code path runs with no download. The generator writes the
+directory once; later runs reuse it.
 
 The Instruct one adds what editing needs: a tiny SigLIP2 ViT and aligner
 (``vision_model.*``, ``vision_aligner.*``), the VAE encoder, the Instruct
@@ -55,6 +63,14 @@ KINDS = {"base": (TINY_CONFIG, "tiny_tokenizer.json", FORMAT_VERSION),
          "instruct": (TINY_INSTRUCT_CONFIG, "tiny_instruct_tokenizer.json", INSTRUCT_FORMAT_VERSION)}
 
 
+TRAINED_ASSET = "tiny_trained"
+
+
+def trained_checkpoint_dir() -> Path:
+    """The shipped trained checkpoint (a directory inside the installed package)."""
+    return Path(str(resources.files("omni.models.hunyuan_image3.assets").joinpath(TRAINED_ASSET)))
+
+
 def default_cache_dir(kind: str = "base") -> Path:
     name = "hunyuan_image3_tiny" if kind == "base" else f"hunyuan_image3_{kind}_tiny"
     return Path.home() / ".cache" / "omni-run" / f"{name}-v{KINDS[kind][2]}"
@@ -82,7 +98,7 @@ def official_tensors(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Ten
     return out
 
 
-def _modules(kind: str) -> dict[str, torch.nn.Module]:
+def _modules(config: dict) -> dict[str, torch.nn.Module]:
     """The checkpoint's modules by official-name prefix, freshly built (random weights follow)."""
     from omni.build_options import BuildOptions
     from omni.platform_manager import select
@@ -92,10 +108,10 @@ def _modules(kind: str) -> dict[str, torch.nn.Module]:
     from .vae import AutoencoderKLConv3D, VAEConfig
     from .vision import HunyuanVisionEncoder, VisionConfig
 
-    config, platform, opts = KINDS[kind][0], select("cpu"), BuildOptions(dtype=torch.float32)
+    platform, opts = select("cpu"), BuildOptions(dtype=torch.float32)
     modules = {"": HunyuanImage3Transformer(HunyuanImage3Config.from_json_dict(config), platform, opts),
                "vae.": AutoencoderKLConv3D(VAEConfig.from_dict(config["vae"]))}
-    if kind == "instruct":
+    if "vit" in config:  # the Instruct checkpoints carry the vision encoder
         modules["vision."] = HunyuanVisionEncoder(VisionConfig.from_model_config(config), platform, opts)
     return modules
 
@@ -103,7 +119,21 @@ def _modules(kind: str) -> dict[str, torch.nn.Module]:
 def write_tiny_checkpoint(dest: Path, kind: str = "base") -> Path:
     """Generate the tiny checkpoint of ``kind`` (base | instruct) into ``dest`` (atomically) and return it."""
     config, tokenizer_asset, _ = KINDS[kind]
-    modules = _modules(kind)
+    tok = resources.files("omni.models.hunyuan_image3.assets").joinpath(tokenizer_asset)
+    return write_random_checkpoint(dest, config, tok.read_text())
+
+
+def write_random_like(dest: Path, source: Path) -> Path:
+    """Random weights (seed 0) with ``source``'s config and tokenizer: what the gate of a trained
+    checkpoint must fail on (tests/test_quality_tiny.py)."""
+    source = Path(source)
+    config = json.loads((source / "config.json").read_text())
+    return write_random_checkpoint(dest, config, (source / "tokenizer.json").read_text())
+
+
+def write_random_checkpoint(dest: Path, config: dict, tokenizer_json: str) -> Path:
+    """A checkpoint of ``config`` with seeded random weights and ``tokenizer_json``, written atomically."""
+    modules = _modules(config)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for m in modules.values():
@@ -118,8 +148,7 @@ def write_tiny_checkpoint(dest: Path, kind: str = "base") -> Path:
     tmp.mkdir(parents=True)
     _write_shards(tmp, tensors)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    tok = resources.files("omni.models.hunyuan_image3.assets").joinpath(tokenizer_asset)
-    (tmp / "tokenizer.json").write_text(tok.read_text())
+    (tmp / "tokenizer.json").write_text(tokenizer_json)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
@@ -140,7 +169,10 @@ def _write_shards(root: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def ensure_tiny_checkpoint(cache_dir: Path | None = None, kind: str = "base") -> Path:
-    """The tiny checkpoint directory of ``kind`` (base | instruct), generated on first use."""
+    """The tiny checkpoint directory of ``kind``: the shipped one for ``trained``; ``base`` | ``instruct``
+    generated on first use (into ``cache_dir`` or the user cache)."""
+    if kind == "trained":
+        return trained_checkpoint_dir()
     dest = Path(cache_dir) if cache_dir else default_cache_dir(kind)
     if not (dest / "model.safetensors.index.json").is_file():
         write_tiny_checkpoint(dest, kind)

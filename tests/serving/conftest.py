@@ -19,8 +19,10 @@ MODEL_ID = "hunyuan_image3_tiny"
 
 @pytest.fixture(scope="session")
 def tiny_recipe():
-    """cpu_tiny sized for the tests: room for 16 CFG requests, 2 steps, CFG off unless asked."""
+    """cpu_tiny sized for the tests: room for 16 CFG requests, 2 steps, CFG off unless asked; the random-weight
+    tiny flavour (1024 size table, noise images: these tests check serving, not pictures)."""
     return load_recipe("cpu_tiny").replace_paths({
+        "model.flavor": "hunyuan_image3_tiny_random",
         "kv_cache.budget_bytes": 160 << 20, "serving.max_batch_tokens": 1 << 17, "serving.max_running": 8,
         "serving.max_queue": 32, "defaults.steps": 2, "defaults.guidance": 1.0})
 

@@ -9,7 +9,9 @@ created: each added token already has its vocabulary id.
 ``tiny_instruct_tokenizer.json`` (the embedded Instruct checkpoint) is the
 same vocabulary plus the Instruct-era specials it lacks (``<img_size_256>``,
 the 4 extra ratio rows, ``<timestep_r>``) and a few editing words, appended
-after the existing ids.
+after the existing ids. ``tiny_trained/tokenizer.json`` (the trained embedded
+default) is the base vocabulary plus ``<img_size_128>`` and the caption words
+of the synthetic data set (``trained_vocab``), also appended.
 
 Usage: python make_tiny_tokenizer.py [path/to/hunyuan_image3_tiny.json]
 """
@@ -49,10 +51,23 @@ def instruct_vocab(vocab: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def trained_vocab(vocab: dict[str, int]) -> dict[str, int]:
+    """The vocabulary of the trained embedded default (``tiny_trained/``): the base tiny vocabulary,
+    ``<img_size_128>`` and the caption words of ``train_tiny.data`` appended (existing ids unchanged)."""
+    from omni.models.hunyuan_image3.train_tiny.data import WORDS
+
+    out = dict(vocab)
+    for token in ("<img_size_128>", *WORDS):
+        out.setdefault(token, len(out))
+    return out
+
+
 def main(golden_json: Path) -> None:
     vocab = json.loads(golden_json.read_text())["tiny_vocab"]
     build(vocab).save(str(HERE / "tiny_tokenizer.json"), pretty=True)
     build(instruct_vocab(vocab)).save(str(HERE / "tiny_instruct_tokenizer.json"), pretty=True)
+    if (HERE / "tiny_trained").is_dir():
+        build(trained_vocab(vocab)).save(str(HERE / "tiny_trained" / "tokenizer.json"), pretty=True)
 
 
 if __name__ == "__main__":
