@@ -23,6 +23,7 @@ imported only by the commands that need them, so ``--help`` and ``recipes
 --check`` stay fast.
 """
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -152,10 +153,38 @@ def cmd_models(args) -> int:
 def _deployment(args, serving: bool):
     from .deployment import prepare
 
+    _check_platform(args.platform or load_recipe(args.recipe).platform)
     overrides = {"model.path": args.model} if args.model else {}
     if serving:
         overrides |= {k: v for k, v in (("serving.host", args.host), ("serving.port", args.port)) if v is not None}
     return prepare(args.recipe, platform=args.platform, overrides=overrides, trace=args.trace)
+
+
+def _check_platform(name: str) -> None:
+    """An unknown platform named with the list; one not usable here reported first (before weights or the
+    recipe's other requirements), with the extra that installs its software."""
+    from .platform_manager import detect, discover
+
+    if name == "auto":
+        return
+    installed = discover()
+    if name not in installed:
+        raise UsageError(f"unknown platform {name!r}; known: {', '.join(sorted(installed))} (or auto)")
+    found = detect(name, installed[name])
+    if found.info is None:
+        reason = "; ".join(found.reasons) or "no reason given"
+        extra = (f"; its software installs with pip install 'omni-run[{name}]' (on a machine with its devices)"
+                 if name in _extras() else "")
+        raise UsageError(f"platform {name!r} is not usable here: {reason}{extra}")
+
+
+def _extras() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    try:
+        return metadata("omni-run").get_all("Provides-Extra") or []
+    except PackageNotFoundError:
+        return []
 
 
 def cmd_generate(args) -> int:
@@ -163,7 +192,8 @@ def cmd_generate(args) -> int:
     deployment = _deployment(args, serving=False)
     helpers = _helpers(deployment, args.bot_task != "image", "--bot-task " + args.bot_task)
     generate_main = _generate_main()
-    return generate_main(deployment, _job(args, _image_request(args, deployment.recipe.defaults, helpers)))
+    d = deployment.recipe.defaults
+    return generate_main(deployment, _job(args, _image_request(args, d, helpers), d.size))
 
 
 def cmd_edit(args) -> int:
@@ -173,8 +203,9 @@ def cmd_edit(args) -> int:
     helpers = _helpers(deployment, args.bot_task != "image", "--bot-task " + args.bot_task)
     images, size = _reference_images(args.image, deployment.recipe)
     generate_main = _generate_main()
-    request = _image_request(args, deployment.recipe.defaults, helpers, images=images, default_size=size)
-    return generate_main(deployment, _job(args, request))
+    d = deployment.recipe.defaults
+    request = _image_request(args, d, helpers, images=images, default_size=size)
+    return generate_main(deployment, _job(args, request, d.size, images))
 
 
 def cmd_chat(args) -> int:
@@ -214,15 +245,51 @@ def _helpers(deployment, writes_text: bool, what: str):
 
 
 def _check_generation_flags(args) -> None:
-    if args.size is not None and args.size != "auto":
-        _parse_size_arg(args.size)
-    if (args.steps is not None and args.steps < 1) or (args.guidance is not None and args.guidance < 0):
-        raise UsageError(f"--steps must be >= 1 and --guidance >= 0, got {args.steps} and {args.guidance}")
+    """The API's bounds (omni.serving.schemas / validation), each refusal naming its flag."""
+    from .serving.schemas import MAX_TEXT_TOKENS
+
+    _check_size_flag(args.size)
+    _check_number_flags(args)
+    _check_text_flags(args)
     if args.drop_think and args.bot_task not in ("think", "think_recaption"):
         raise UsageError("--drop-think applies to --bot-task think or think_recaption (a CoT with a <think> section)")
-    if args.cot_max_tokens is not None and (args.bot_task == "image" or args.cot_max_tokens < 1):
-        raise UsageError("--cot-max-tokens must be >= 1 and needs a --bot-task that writes a CoT (recaption, think, "
-                         "think_recaption)")
+    cot = args.cot_max_tokens
+    if cot is not None and (args.bot_task == "image" or not 1 <= cot <= MAX_TEXT_TOKENS):
+        raise UsageError(f"--cot-max-tokens must be 1..{MAX_TEXT_TOKENS} and needs a --bot-task that writes a CoT "
+                         "(recaption, think, think_recaption)")
+
+
+def _check_size_flag(size: str | None) -> None:
+    from .serving.validation import NATIVE_SIZES, size_problem
+
+    if size is not None and size not in NATIVE_SIZES:
+        width, height = _parse_size_arg(size)
+        problem = size_problem(height, width)
+        if problem:
+            raise UsageError(f"--size: {problem}")
+
+
+def _check_number_flags(args) -> None:
+    """--steps, --guidance (finite: inf drew an all-black image) and --seed within the API's ranges."""
+    from .serving.schemas import MAX_GUIDANCE, MAX_SEED, MAX_STEPS
+
+    steps, g, seed = args.steps, args.guidance, args.seed
+    _check_range(steps, "--steps", steps is not None and 1 <= steps <= MAX_STEPS, f"1..{MAX_STEPS}")
+    _check_range(g, "--guidance", g is not None and math.isfinite(g) and 0 <= g <= MAX_GUIDANCE,
+                 f"a finite number in 0..{MAX_GUIDANCE:g}")
+    _check_range(seed, "--seed", seed is not None and 0 <= seed <= MAX_SEED, f"0..{MAX_SEED}")
+
+
+def _check_text_flags(args) -> None:
+    """Valid Unicode (a command line decoded with surrogateescape can hold lone surrogates)."""
+    from .serving.errors import APIError
+    from .serving.json_body import check_unicode
+
+    for flag, text in (("--prompt", args.prompt), ("--negative-prompt", args.negative_prompt)):
+        try:
+            check_unicode(text, flag)
+        except APIError as e:  # its message names the flag
+            raise UsageError(e.message) from None
 
 
 def _generate_main():
@@ -233,8 +300,22 @@ def _generate_main():
     return generate_main
 
 
-def _job(args, request: ImageRequest) -> GenerateJob:
-    return GenerateJob(request, Path(args.output), Path(args.latents) if args.latents else None)
+def _job(args, request: ImageRequest, default: str, images: tuple = ()) -> GenerateJob:
+    return GenerateJob(request, Path(args.output), Path(args.latents) if args.latents else None,
+                       output_size=_output_size(args, default, images), verbose=args.verbose)
+
+
+def _output_size(args, default: str, images: tuple) -> tuple[int, int] | None:
+    """(h, w) the written image has: --size exactly, else an edit's first image, else defaults.size;
+    --size auto / native: the model's own size, untouched."""
+    from .serving.validation import NATIVE_SIZES
+
+    if args.size in NATIVE_SIZES:
+        return None
+    if args.size is None and images:
+        return tuple(images[0].shape[:2])
+    width, height = _parse_size_arg(args.size or default)
+    return height, width
 
 
 def _reference_images(paths: list[str], recipe) -> tuple[tuple, tuple[int, int]]:
@@ -269,7 +350,7 @@ def _image_request(args, d, helpers, images: tuple = (), default_size: tuple[int
     ``--size auto``: with a CoT ``--bot-task`` the model picks the ratio (``auto_size``); without one it is the
     default size, as over the API. The recipe's system prompt mode is resolved for the bot task.
     """
-    size = None if args.size == "auto" else args.size
+    size = None if args.size in ("auto", "native") else args.size
     if size is not None or default_size is None:
         width, height = _parse_size_arg(size or d.size)
     else:
@@ -302,11 +383,25 @@ def cmd_serve(args) -> int:
                              "pass --api-key)")
     if serving.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", serving.host)
+    if getattr(args, "ray", False) or getattr(args, "ray_address", None):  # only the serve command has them
+        return _serve_ray(args, deployment, Endpoint(serving.host, serving.port, api_key))
     try:
         from .serving.server import serve_main
     except ModuleNotFoundError as e:
         _missing(e, "omni.serving.server", "serve")
     return serve_main(deployment, Endpoint(serving.host, serving.port, api_key))
+
+
+def _serve_ray(args, deployment, endpoint: Endpoint) -> int:
+    if not args.ray:
+        raise UsageError("--ray-address needs --ray")
+    try:
+        from .serving.ray_serve import serve_ray_main
+    except ModuleNotFoundError as e:
+        if e.name != "ray" and not (e.name or "").startswith("ray."):
+            raise
+        raise UsageError("--ray needs Ray Serve: pip install 'omni-run[ray]'") from None
+    return serve_ray_main(deployment, endpoint, args.ray_address)
 
 
 def cmd_bench(args) -> int:
@@ -357,10 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run omni-run with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    if not argv:
-        parser.print_help()
-        return EXIT_USAGE
-    try:
+    try:  # no command (argv empty too) serves, as the help says
         args, extra = parser.parse_known_args(argv)
         if extra and args.command != "bench":
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -101,13 +101,17 @@ def _image_flags(p: argparse.ArgumentParser, prompt_help: str, size_help: str) -
     g = p.add_argument_group("image")
     g.add_argument("--prompt", required=True, help=prompt_help)
     g.add_argument("--negative-prompt", default=None, help="text of the unconditional CFG row (default: the official <cfg>-token row)")
-    g.add_argument("--size", metavar="WxH|auto", help=size_help + "; auto with a CoT --bot-task: the model picks "
-                                                               "the aspect ratio")
-    g.add_argument("--steps", type=int, help="denoising steps (default: defaults.steps)")
-    g.add_argument("--guidance", type=float, help="guidance scale (default: defaults.guidance)")
+    g.add_argument("--size", metavar="WxH|native|auto",
+                   help=size_help + "; the image has exactly this size (generated at the model's nearest native size, "
+                                    "centre-cropped to the aspect, resampled); native: the model's size untouched; "
+                                    "auto: the same, and with a CoT --bot-task the model picks the aspect ratio")
+    g.add_argument("--steps", type=int, help="denoising steps, 1..200 (default: defaults.steps)")
+    g.add_argument("--guidance", type=float, help="guidance scale, 0..30 (default: defaults.guidance)")
     g.add_argument("--seed", type=int, help="random seed (default: random)")
     g.add_argument("-o", "--output", default="out.png", metavar="PNG", help="output file (default: out.png)")
     g.add_argument("--latents", metavar="FILE", help="also write the final latents as safetensors (parity checks)")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="also print the model's native size the image was generated at before the fit to --size")
     t = p.add_argument_group("think / recaption before drawing (Instruct models)")
     t.add_argument("--bot-task", choices=BOT_TASKS, default="image",
                    help="image: draw directly (default); recaption / think / think_recaption: write a CoT first "
@@ -206,10 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _command(sub, "serve", "serve the OpenAI-style images API (also: omni-run without a command)",
                  "examples:\n  omni-run serve\n  omni-run serve --platform npu --recipe a2_tp4 --model /ckpt/HI3 "
-                 "--port 9000\n  omni-run --platform npu --recipe a2_tp4 --model /ckpt/HI3   (same, bare form)")
+                 "--port 9000\n  omni-run --platform npu --recipe a2_tp4 --model /ckpt/HI3   (same, bare form)"
+                 "\n  omni-run serve --ray --ray-address auto --recipe h200_fp8 --model /ckpt/HI3   (Ray Serve replicas)")
     _common(p, top=False)
     _deployment(p, top=False)
     _serving(p, top=False)
+    g = p.add_argument_group("scale-out (Ray Serve; docs/parallel.md)")
+    g.add_argument("--ray", action="store_true", help="serve the replicas as Ray Serve deployments (recipe ray: "
+                                                      "bounds), behind Ray's HTTP proxy on --host/--port")
+    g.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to join: auto, or HOST:PORT of its head "
+                                                         "(default: start a local one); needs --ray")
 
     _command(sub, "bench", "benchmark a running server (all arguments go to the benchmark client)",
              "example:\n  omni-run bench --help", add_help=False)

@@ -5,7 +5,9 @@ client talk to. Three classes implement it:
 
     omni.engine_loop.EngineLoop     the engine thread of this process (world size 1, or a replica's driver)
     omni.parallel.replica_link.RemoteReplica  one replica in other processes, over a connection
-    omni.parallel.dp.ReplicaRouter  least-loaded routing over replicas (what a multi-rank deployment serves)
+    omni.parallel.dp.ReplicaRouter  least-loaded routing over replicas (what a multi-rank deployment serves);
+                                    the single-host path: across hosts, omni.serving.ray_serve runs one
+                                    handle per Ray Serve replica
 
 ``open_engine(deployment)`` picks between the first and the last; none of
 them gets attributes attached after construction.

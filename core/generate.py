@@ -33,11 +33,15 @@ def generate_main(deployment: Deployment, job: GenerateJob) -> int:
         result = _run_one(engine, job.request, steps_here=deployment.world_size == 1)
     finally:
         engine.stop()
-    _write(job, result)
+    height, width = _write(job, result)
     if result.revised_prompt is not None:
         print(f"revised prompt ({job.request.bot_task}): {result.revised_prompt}", file=sys.stderr)
+    if job.verbose:
+        fit = "untouched" if (height, width) == (result.height, result.width) else \
+            f"fitted to {width}x{height} (centre crop to the aspect, Lanczos)"
+        print(f"native size {result.width}x{result.height} (the model's nearest to the request), {fit}")
     edited = f"edit of {len(job.request.images)} image(s), " if job.request.images else ""
-    print(f"wrote {job.output} ({edited}{result.width}x{result.height}, {result.steps} steps, seed {result.seed}, "
+    print(f"wrote {job.output} ({edited}{width}x{height}, {result.steps} steps, seed {result.seed}, "
           f"platform {deployment.recipe.platform}, world {deployment.world_size}, "
           f"{time.perf_counter() - t0:.1f}s total; stages {result.times.as_dict()})")
     return 0
@@ -62,13 +66,18 @@ def _run_one(engine, req: ImageRequest, steps_here: bool):
         bar.close()
 
 
-def _write(job: GenerateJob, result) -> None:
+def _write(job: GenerateJob, result) -> tuple[int, int]:
+    """Write the image at ``job.output_size`` (the size contract, as the server fits it); returns its (h, w)."""
     from PIL import Image
 
+    from .serving.resize import fit_image
+
+    image = result.image_HW3 if job.output_size is None else fit_image(result.image_HW3, *job.output_size)
     job.output.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(result.image_HW3).save(job.output)
+    Image.fromarray(image).save(job.output)
     if job.latents is not None:
         from safetensors.torch import save_file
 
         job.latents.parent.mkdir(parents=True, exist_ok=True)
         save_file({"latents": result.latents.contiguous()}, str(job.latents))
+    return image.shape[0], image.shape[1]

@@ -76,6 +76,7 @@ from .recipe_schema import (
     Offload,
     Parallel,
     Quant,
+    Ray,
     Recipe,
     Serving,
     StepCache,
@@ -88,7 +89,7 @@ __all__ = [
     "RecipeError", "parse_size", "parse_bytes", "parse_requirement", "unmet_requirement", "FrozenDict",
     "platform_choices",
     "Device", "Model", "Parallel", "Quant", "Attention", "Kernels", "KvCache", "Offload", "StepCache", "Graph", "Vae",
-    "Serving", "Defaults", "Recipe",
+    "Serving", "Ray", "Defaults", "Recipe",
     "apply_patches", "parse_recipe", "load_recipe", "list_recipes", "field_paths", "schema_rows",
 ]
 

@@ -61,12 +61,24 @@ def command_lines(recipe: Recipe) -> list[str]:
     p = recipe.parallel
     ranks = "" if p.world_size == 1 else f"    # launches {p.world_size // p.dp} ranks (one replica)"
     lines.append(f'{gen} --prompt "a red fox in the snow" -o fox.png{ranks}')
+    lines.append(f"{serve.replace('omni-run --platform', 'omni-run serve --ray --ray-address auto --platform')}"
+                 f"    # {_ray_words(recipe)}")
     lines.append("# or ask the running server:")
     lines.append(f"curl -s http://{recipe.serving.host}:{recipe.serving.port}/v1/images/generations "
                  "-H 'Content-Type: application/json' \\")
     lines.append("  -d '{\"prompt\": \"a red fox in the snow\", \"size\": \"1024x1024\", "
                  "\"response_format\": \"b64_json\"}'")
     return lines
+
+
+def _ray_words(recipe: Recipe) -> str:
+    """What ``serve --ray`` runs for ``recipe``: replicas (the ``ray`` bounds, else dp) of world / dp devices."""
+    p, ray = recipe.parallel, recipe.ray
+    lo = ray.min_replicas or p.dp
+    count = f"{lo}..{ray.max_replicas} replicas" if ray.max_replicas and ray.max_replicas != lo else \
+        f"{lo} replica{'s' if lo > 1 else ''}"
+    size = p.world_size // p.dp
+    return f"Ray Serve on a Ray cluster: {count} of {size} device{'s' if size > 1 else ''} each"
 
 
 def layout_lines(recipe: Recipe, cfg) -> list[str]:

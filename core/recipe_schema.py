@@ -15,6 +15,7 @@ from .recipe_fields import (
     _SIZE_RULE,
     FrozenDict,
     RecipeError,
+    _Rule,
     _apply,
     _at_least,
     _field_of,
@@ -208,6 +209,30 @@ class Serving(_Validated):
                                             "request any URL it can reach")
 
 
+_REPLICAS = _Rule(">= 1 or null", lambda v: v is None or v >= 1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Ray(_Validated):
+    """Replicas as Ray Serve deployments across hosts (omni-run serve --ray); unused otherwise."""
+
+    min_replicas: int | None = _opt(None, "engine replicas Ray Serve keeps running, each one engine of "
+                                          "world size / dp ranks on one host; null = parallel.dp", rule=_REPLICAS)
+    max_replicas: int | None = _opt(None, "most engine replicas autoscaling may run; null = min_replicas "
+                                          "(a fixed count, no autoscaling)", rule=_REPLICAS)
+    target_ongoing_requests: int | None = _opt(None, "HTTP requests per replica autoscaling aims at; null = "
+                                                     "serving.max_running", rule=_REPLICAS)
+    ingress_replicas: int = _opt(1, "replicas of the ingress that forwards each request to an engine replica "
+                                    "and retries it if that replica dies", rule=_at_least(1))
+    retries: int = _opt(2, "times an accepted request is sent again when its replica dies before answering",
+                        rule=_at_least(0))
+
+    def _rules(self) -> None:
+        if self.min_replicas and self.max_replicas and self.max_replicas < self.min_replicas:
+            raise RecipeError(f"must be >= ray.min_replicas ({self.min_replicas}), got {self.max_replicas}",
+                              "max_replicas")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Defaults(_Validated):
     """Generation parameters used when a request does not give them."""
@@ -249,6 +274,7 @@ class Recipe(_Validated):
     graph: Graph = _section(Graph)
     vae: Vae = _section(Vae)
     serving: Serving = _section(Serving)
+    ray: Ray = _section(Ray)
     defaults: Defaults = _section(Defaults)
     validated: tuple[FrozenDict, ...] = _opt((), "results on real hardware: a list of {date, hardware, commit, "
                                                  "<metric>: <value>} entries", parse=_parse_validated)

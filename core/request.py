@@ -113,3 +113,5 @@ class GenerateJob:
     request: ImageRequest
     output: Path
     latents: Path | None = None  # also write the final latents here (safetensors)
+    output_size: tuple[int, int] | None = None  # (h, w) written; None: the model's native size, untouched
+    verbose: bool = False  # also print the native size

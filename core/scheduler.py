@@ -167,7 +167,7 @@ class Scheduler:
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.running: list[Ticket] = []
         self.admitting: list[Ticket] = []  # taken off the queue, not yet running (admit + prefill)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered: cancel() holds it while it resolves a waiting ticket
         self.initial_free_pages = self.pool.free_pages
         self.stats = collections.Counter()  # steps, step_tokens, admitted, finished, failed, cancelled, rejected
         self._service_s: float | None = None  # moving average of admitted -> finished seconds
@@ -289,7 +289,8 @@ class Scheduler:
             finished.append(t)
 
     def _resolve_cancelled(self, t: Ticket) -> None:
-        self.stats["cancelled"] += 1
+        with self._lock:  # also called from the decode thread
+            self.stats["cancelled"] += 1
         _settle(t.future, error=RequestCancelled(f"request {t.request_id} was cancelled"))
         log.info("request %s cancelled (step %s)", t.request_id, getattr(t.state, "step", "queued"))
 
@@ -379,6 +380,11 @@ class Scheduler:
                 self.running.remove(t)
         for t in [t for t in self.running if t.state.done]:
             self.running.remove(t)
+            if t.cancelled:  # its client left during the last step: a decode nobody will read is not run
+                self._release(t)
+                self._resolve_cancelled(t)
+                finished.append(t)
+                continue
             if isinstance(t.request, TextRequest):  # nothing to decode: the answer is the result
                 self._finish_text(t)
                 finished.append(t)
@@ -392,7 +398,10 @@ class Scheduler:
 
     def _decode_off_thread(self, t: Ticket) -> None:
         done: list[Ticket] = []
-        if self._try(t, done, "decode", lambda: self._decode(t)):
+        if t.cancelled:  # its client left while it waited for the decode thread
+            self._resolve_cancelled(t)
+            done.append(t)
+        elif self._try(t, done, "decode", lambda: self._decode(t)):
             done.append(t)
         self._decoded.extend(done)
 

@@ -27,14 +27,14 @@ CLI_SURFACE = {
     "recipes": ["--check", "--docs", "--help", "--log-level", "--platform", "--schema", "--trace", "-h"],
     "generate": ["--bot-task", "--cot-max-tokens", "--drop-think", "--guidance", "--help", "--latents", "--log-level",
                  "--model", "--negative-prompt", "--output", "--platform", "--prompt", "--recipe", "--seed", "--size",
-                 "--steps", "--trace", "-h", "-o"],
+                 "--steps", "--trace", "--verbose", "-h", "-o", "-v"],
     "edit": ["--bot-task", "--cot-max-tokens", "--drop-think", "--guidance", "--help", "--image", "--latents",
              "--log-level", "--model", "--negative-prompt", "--output", "--platform", "--prompt", "--recipe", "--seed",
-             "--size", "--steps", "--trace", "-h", "-o"],
+             "--size", "--steps", "--trace", "--verbose", "-h", "-o", "-v"],
     "chat": ["--help", "--image", "--log-level", "--max-tokens", "--model", "--platform", "--prompt", "--recipe",
              "--seed", "--system-prompt", "--temperature", "--top-k", "--top-p", "--trace", "-h"],
-    "serve": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe",
-              "--trace", "-h"],
+    "serve": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--ray",
+              "--ray-address", "--recipe", "--trace", "-h"],
     "bench": [],  # everything after `bench` goes to the benchmark client
 }
 
@@ -76,6 +76,16 @@ def handover(monkeypatch):
     return fake
 
 
+def _cuda_first() -> str | None:
+    """The refusal a cuda recipe gets first on this machine when CUDA is not usable here (None: it is)."""
+    from omni.platform_manager import detect, discover
+
+    return None if detect("cuda", discover()["cuda"]).info else "platform 'cuda' is not usable here"
+
+
+CUDA_FIRST = _cuda_first()
+
+
 def recipe_file(tmp_path, text: str, name: str = "x_test.yaml"):
     path = tmp_path / name
     path.write_text(text)
@@ -93,9 +103,11 @@ def test_help_teaches_every_command():
     assert "examples:" in result.stdout and "exit status" in result.stdout
 
 
-def test_no_arguments_prints_help_and_exits_2(capsys):
-    assert main([]) == 2
-    assert "examples:" in capsys.readouterr().out
+def test_no_arguments_serves_as_the_help_says(handover):
+    calls = handover("omni.serving.server", "serve_main")
+    assert main([]) == 0
+    [(deployment, endpoint)] = calls
+    assert deployment.recipe.name == "cpu_tiny" and (endpoint.host, endpoint.port) == ("127.0.0.1", 8091)
 
 
 def test_console_script_is_installed():
@@ -201,7 +213,7 @@ def test_generate_hands_over_the_deployment_and_a_resolved_job(handover, capsys)
     assert deployment.recipe == load_recipe("cpu_tiny") and deployment.trace
     req = job.request
     assert (req.prompt, req.seed, str(job.output), job.latents) == ("a red fox", 7, "out.png", None)
-    assert (req.width, req.height, req.steps, req.guidance) == (1024, 1024, 20, 5.0)
+    assert (req.width, req.height, req.steps, req.guidance) == (128, 128, 20, 5.0)
     assert req.negative_prompt is None  # None: the official <cfg>-token unconditional row
 
 
@@ -224,15 +236,24 @@ def test_generate_exit_status_and_runtime_errors(handover, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--size", "big"], "--size: expected WIDTHxHEIGHT"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "--steps must be 1..200, got 0"),
     (["--model", "/nonexistent/ckpt"], "model path '/nonexistent/ckpt' is not a directory"),
     (["--recipe", "nope"], "unknown recipe 'nope'; packaged recipes:"),
-    (["--recipe", "h200_fp8"], "recipe h200_fp8 runs hunyuan_image3, which needs its weights: pass --model PATH"),
-    (["--recipe", "h200_fp8", "--platform", "cuda"], "recipe h200_fp8 runs hunyuan_image3, which needs its weights"),
+    (["--recipe", "h200_fp8"], CUDA_FIRST or "recipe h200_fp8 runs hunyuan_image3, which needs its weights"),
+    (["--recipe", "h200_fp8", "--platform", "cuda"], CUDA_FIRST or "recipe h200_fp8 runs hunyuan_image3, which needs"),
     (["--recipe", "h200_fp8", "--platform", "cpu"], "recipe h200_fp8 is for platform cuda; --platform cpu conflicts"),
-    (["--platform", "tpu"], "recipe cpu_tiny is for platform cpu; --platform tpu conflicts"),
+    (["--platform", "tpu"], "unknown platform 'tpu'; known: cpu, cuda, "),
+    (["--size", "100000x100000"], "--size: 100000x100000 (WxH) is out of range"),
+    (["--size", "4096x256"], "--size: 4096x256 (WxH) has aspect ratio beyond 4:1"),
+    (["--guidance", "inf"], "--guidance must be a finite number in 0..30, got inf"),
+    (["--guidance", "nan"], "--guidance must be a finite number in 0..30, got nan"),
+    (["--guidance", "31"], "--guidance must be a finite number in 0..30"),
+    (["--steps", "201"], "--steps must be 1..200, got 201"),
+    (["--seed", "-1"], "--seed must be 0.."),
+    (["--prompt", "a \udc80 b"], "--prompt: the text is not valid Unicode"),
 ])
 def test_generate_configuration_errors_exit_2(handover, capsys, argv, message):
+    """Each refusal names its flag (the API's bounds); the platform is checked before the weights are asked for."""
     calls = handover("omni.generate", "generate_main")
     assert main(["generate", "--prompt", "x", *argv]) == 2
     err = capsys.readouterr().err
@@ -252,8 +273,18 @@ def test_unusable_platform_exits_2_with_the_managers_reason(handover, tmp_path, 
     calls = handover("omni.generate", "generate_main")
     npu = recipe_file(tmp_path, "platform: npu\ndevice: {kind: a2}\n", "a2_tiny.yaml")
     assert main(["generate", "--prompt", "x", "--recipe", npu]) == 2
-    assert "omni-run: error: platform 'npu' is not usable here: npu: " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "omni-run: error: platform 'npu' is not usable here: npu: " in err and "pip install 'omni-run[npu]'" in err
     assert not calls
+
+
+def test_an_unusable_platform_is_reported_before_the_weights_are_asked_for(handover, capsys):
+    """The issue's case: a2_tp4 (80B weights, --model needed) on a box without an NPU."""
+    calls = handover("omni.serving.server", "serve_main")
+    assert main(["--platform", "npu", "--recipe", "a2_tp4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omni-run: error: platform 'npu' is not usable here") and "--model" not in err
+    assert "pip install 'omni-run[npu]'" in err and not calls
 
 
 def test_auto_recipe_takes_the_platform_flag(handover, tmp_path):

@@ -58,7 +58,8 @@ def test_edit_hands_over_the_images_and_the_first_images_size(handed, tmp_path):
     assert req.template == deployment.recipe.defaults.template == "instruct"
     assert len(req.images) == 2 and np.array_equal(req.images[0], a) and np.array_equal(req.images[1], b)
     helpers = model_registry.get(deployment.recipe.model.flavor).serving_helpers()
-    assert (req.height, req.width) == helpers.snap(256, 320)  # no --size: image 0's size, snapped by the model
+    assert (req.height, req.width) == helpers.snap(256, 320)  # generated at the model's snap of image 0
+    assert job.output_size == (256, 320)  # and written at image 0's own size (the size contract)
 
 
 def test_edit_size_flag_wins(handed, tmp_path):
@@ -66,7 +67,16 @@ def test_edit_size_flag_wins(handed, tmp_path):
     assert main(["edit", "--recipe", INSTRUCT, "--image", str(tmp_path / "a.jpg"), "--prompt", "x",
                  "--size", "512x256"]) == 0
     ((_, job),) = handed
-    assert (job.request.width, job.request.height) == (512, 256)
+    assert (job.request.width, job.request.height) == (512, 256) and job.output_size == (256, 512)
+
+
+@pytest.mark.parametrize("flag,output", [([], (256, 256)), (["--size", "native"], None), (["--size", "300x200"],
+                                                                                          (200, 300))])
+def test_generate_writes_exactly_the_size_asked_for(handed, tmp_path, flag, output):
+    """No --size: defaults.size exactly; native: the model's own size; WxH: exactly WxH."""
+    assert main(["generate", "--recipe", INSTRUCT, "--prompt", "x", *flag]) == 0
+    ((_, job),) = handed
+    assert job.output_size == output
 
 
 def _bad_files(tmp_path) -> dict:
@@ -140,3 +150,13 @@ def test_edit_end_to_end_writes_a_png(tmp_path):
     h, w = helpers.snap(256, 256)
     pixels = np.asarray(Image.open(out))
     assert pixels.shape == (h, w, 3) and pixels.std() > 1  # a real (noisy) image through the real VAE
+
+
+def test_generate_end_to_end_writes_the_requested_size_and_says_the_native_one(tmp_path, capsys):
+    out = tmp_path / "wide.png"
+    assert main(["generate", "--recipe", INSTRUCT, "--prompt", "a red fox", "--size", "300x200", "--steps", "1",
+                 "--guidance", "1", "--seed", "2", "-v", "-o", str(out)]) == 0
+    assert Image.open(out).size == (300, 200)
+    printed = capsys.readouterr().out
+    assert "native size " in printed and "fitted to 300x200 (centre crop to the aspect, Lanczos)" in printed
+    assert "(300x200, 1 steps, seed 2" in printed

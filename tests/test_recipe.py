@@ -43,6 +43,7 @@ RECIPE_FIELD_PATHS = [
     "vae.tiling", "vae.tile_latents", "vae.overlap", "vae.streams",
     "serving.host", "serving.port", "serving.max_queue", "serving.max_running", "serving.max_batch_tokens",
     "serving.text_tokens_per_image_step", "serving.request_timeout_s", "serving.api_key_env", "serving.max_image_pixels", "serving.fetch_remote_images",
+    "ray.min_replicas", "ray.max_replicas", "ray.target_ongoing_requests", "ray.ingress_replicas", "ray.retries",
     "defaults.steps", "defaults.guidance", "defaults.size", "defaults.shift", "defaults.template",
     "defaults.system_prompt",
     "validated",
@@ -92,8 +93,8 @@ def test_packaged_recipe_loads_by_path_too():
 def test_cpu_tiny_is_the_embedded_default():
     r = load_recipe("cpu_tiny")
     assert (r.platform, r.model.flavor, r.model.path, r.model.dtype) == ("cpu", "hunyuan_image3_tiny", None, "float32")
-    assert (r.defaults.steps, r.defaults.guidance, r.defaults.size) == (20, 5.0, "1024x1024")
-    assert r.defaults.width_height == (1024, 1024)
+    assert (r.defaults.steps, r.defaults.guidance, r.defaults.size) == (20, 5.0, "128x128")
+    assert r.defaults.width_height == (128, 128)
     assert (r.kv_cache.mode, r.graph.mode) == ("paged", "eager")
     assert r.kv_cache.budget_bytes < 1 << 30
 

@@ -15,6 +15,11 @@ Replicas in the server's process are plain ``EngineLoop``s; replicas in
 other processes are ``RemoteReplica`` clients of ``serve_replica`` over a
 ``multiprocessing.connection`` (replica_link.py; ``replica_worker`` is the
 launcher target that does all of it for a deployment).
+
+This router is the single-host fast path: every rank on this host, links on
+127.0.0.1, no Ray needed. Replicas across hosts are Ray Serve deployments
+(``omni-run serve --ray``, ``omni.serving.ray_serve``); each Ray replica that
+has more than one rank launches them with ``start_replicas`` (dp 1) as here.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 
 from omni.request import TextResult
 
-from .errors import APIError, ClientGone
+from .errors import APIError, ClientGone, shutting_down
 from .generation import Generator, failure
 from .metrics import Metrics
 from .options import ServingOptions
@@ -113,6 +113,8 @@ class TextChat:
                                code="timeout")
             if waiting and now >= next_check:
                 next_check = now + DISCONNECT_POLL_S
+                if self.generator.closing:
+                    raise shutting_down()
                 if await request.is_disconnected():
                     raise ClientGone()
             if waiting:

@@ -24,7 +24,7 @@ from omni.engine_handle import EngineHandle
 
 from .chat_text import TextChat
 from .edit_form import read_edit_form
-from .errors import APIError, ClientGone, error_response, internal_error
+from .errors import APIError, ClientGone, error_response, internal_error, shutting_down
 from .generation import Generator
 from .image_input import (ImageInputError, ImageRules, check_count, data_uri_bytes, decode_images, does_not_edit,
                           fetch_url)
@@ -32,8 +32,8 @@ from .metrics import Metrics
 from .options import ServingOptions
 from .schemas import COT_TASKS, ChatCompletionRequest, GenerationParams, ImageEditRequest, ImageGenerationRequest
 from .text_requests import wants_text
-from .validation import (RequestBuilder, chat_body_limit, chat_input, edit_body_limit, image_error, parse_body,
-                         validated)
+from .json_body import check_unicode, parse_body, validated
+from .validation import RequestBuilder, SizePlan, chat_body_limit, chat_input, edit_body_limit, image_error
 
 log = logging.getLogger("omni.serving")
 
@@ -60,6 +60,8 @@ class Api:
         try:
             if auth:
                 self._check_key(request)
+            if self.generator.closing and endpoint != "health":  # health says so itself
+                raise shutting_down()
             response = await fn(request, rid)
             status = response.status_code
         except APIError as e:
@@ -74,11 +76,12 @@ class Api:
         self.metrics.requests.labels(endpoint, str(status)).inc()
         return response
 
+    def begin_shutdown(self) -> None:
+        """The server was told to stop: calls in flight answer 503 now (their requests are cancelled)."""
+        self.generator.closing = True
+
     def _check_key(self, request: Request) -> None:
-        if self.opt.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.opt.api_key.encode()):
+        if not bearer_matches(request, self.opt.api_key):
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
@@ -86,6 +89,9 @@ class Api:
     # ------------------------------------------------------------ small endpoints
 
     async def health(self, request: Request, rid: str) -> Response:
+        if self.generator.closing:  # a load balancer stops sending here while the server drains
+            return JSONResponse({"status": "stopping", "reason": "the server is shutting down"}, status_code=503,
+                                headers={"Retry-After": "5"})
         if self.engine.ready:
             return JSONResponse({"status": "ok", "model": self.opt.model_id})
         body = {"status": self.engine.status, "reason": self.engine.unavailable_reason()}
@@ -109,26 +115,27 @@ class Api:
         body = await parse_body(request, ImageGenerationRequest)
         self.builder.check_model(body.model)
         _check_images_options(body)
-        h, w = self.builder.size(body.size, "size")
-        reqs = self.builder.requests(rid, body, body.prompt, body.n, h, w, body.system_prompt,
+        plan = self.builder.size(body.size, "size")
+        reqs = self.builder.requests(rid, body, body.prompt, body.n, plan, body.system_prompt,
                                      auto_size=_auto_size(body))
-        results = await self.generator.generate(request, reqs, body)
-        out = _images_body(results, body)
+        results = await self.generator.generate(request, reqs, body, _output(plan, body))
+        out = _images_body(results, body, _output(plan, body))
         return self._answer("images", out, body, t0, results)
 
     async def edits(self, request: Request, rid: str) -> Response:
         """OpenAI Images edit: multipart form, 1..max_images reference images, the generations answer."""
         t0 = time.perf_counter()
         form = await read_edit_form(request, edit_body_limit(self.opt))
+        check_unicode(form.values())
         body = validated(ImageEditRequest, form.values())
         self.builder.check_model(body.model)
         _check_images_options(body)
         images = await self._decoded(self._edit_images(form.images))
-        h, w = self.builder.edit_size(body.size, "size", images)
-        reqs = self.builder.requests(rid, body, body.prompt, body.n, h, w, body.system_prompt, images,
+        plan = self.builder.edit_size(body.size, "size", images)
+        reqs = self.builder.requests(rid, body, body.prompt, body.n, plan, body.system_prompt, images,
                                      auto_size=_auto_size(body))
-        results = await self.generator.generate(request, reqs, body)
-        return self._answer("edits", _images_body(results, body), body, t0, results)
+        results = await self.generator.generate(request, reqs, body, _output(plan, body))
+        return self._answer("edits", _images_body(results, body, _output(plan, body)), body, t0, results)
 
     async def chat(self, request: Request, rid: str) -> Response:
         """An image (modalities absent or ["image"]) or a text answer (["text"], chat_text.py)."""
@@ -143,17 +150,18 @@ class Api:
         images = await self._chat_images(chat.images)
         if text:
             return await self.text.answer(request, rid, body, chat, images, t0)
-        h, w = self._chat_size(body, images)
+        plan = self._chat_size(body, images)
         n = body.num_outputs_per_prompt or body.n
-        reqs = self.builder.requests(rid, body, chat.prompt, n, h, w, body.system_prompt or chat.system, images,
+        system = body.system_prompt if body.system_prompt is not None else chat.system
+        reqs = self.builder.requests(rid, body, chat.prompt, n, plan, system, images,
                                      auto_size=_auto_size(body))
-        results = await self.generator.generate(request, reqs, body)
+        results = await self.generator.generate(request, reqs, body, _output(plan, body))
         out = self._chat_body(rid, chat.prompt, results, body)
         return self._answer("chat", out, body, t0, results)
 
-    def _chat_size(self, body: ChatCompletionRequest, images: tuple) -> tuple[int, int]:
+    def _chat_size(self, body: ChatCompletionRequest, images: tuple) -> SizePlan:
         """``size`` wins; else height / width (one of them alone means a square); else the first reference
-        image's size (snapped), else the default."""
+        image's size, else the default."""
         if body.size is not None:
             return self.builder.size(body.size, "size")
         if body.height is not None or body.width is not None:
@@ -210,7 +218,7 @@ class Api:
                 content.append({"type": "text", "text": r.revised_prompt})
             content.append({"type": "image_url", "image_url": {"url": f"data:{mime};base64,"
                                                                       f"{base64.b64encode(blob).decode()}"},
-                            **_timings(r, body)})
+                            "native_size": f"{r.width}x{r.height}", **_timings(r, body)})
         return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.opt.model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
@@ -249,12 +257,28 @@ def _auto_size(body: GenerationParams) -> bool:
     return getattr(body, "size", None) == "auto" and body.bot_task in COT_TASKS
 
 
-def _images_body(results, body: ImageGenerationRequest | ImageEditRequest) -> dict:
+def _output(plan: SizePlan, body: GenerationParams) -> tuple[int, int] | None:
+    """The (h, w) the client gets; None (native, untouched) also when the model picks the ratio after its CoT."""
+    return None if _auto_size(body) else plan.output
+
+
+def _images_body(results, body: ImageGenerationRequest | ImageEditRequest, output: tuple[int, int] | None) -> dict:
+    """``size``: what the images are; ``native_size``: what the model generated before the fit."""
+    first = results[0][0]
+    h, w = output or (first.height, first.width)
     data = [{"b64_json": base64.b64encode(blob).decode(), "revised_prompt": r.revised_prompt, "seed": r.seed,
              **_timings(r, body)} for r, blob in results]
-    return {"created": int(time.time()), "data": data, "output_format": body.output_format,
-            "size": f"{results[0][0].width}x{results[0][0].height}"}
+    return {"created": int(time.time()), "data": data, "output_format": body.output_format, "size": f"{w}x{h}",
+            "native_size": f"{first.width}x{first.height}"}
 
 
 def _timings(r, body: GenerationParams) -> dict:
     return {"timings": r.times.as_dict()} if body.return_timings else {}
+
+
+def bearer_matches(request: Request, api_key: str | None) -> bool:
+    """No key set, or ``Authorization: Bearer <key>`` (compared in constant time)."""
+    if api_key is None:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())

@@ -6,9 +6,9 @@ Retry-After, not ready 503 with Retry-After, a failure inside the pipeline
 """
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
-
 import re
+
+from fastapi.responses import JSONResponse
 
 from omni.scheduler import EngineUnavailable, QueueFull, RequestInvalid, RequestTooLarge
 
@@ -30,6 +30,13 @@ class ClientGone(Exception):
 def error_response(e: APIError, rid: str) -> JSONResponse:
     body = {"message": e.message, "type": e.type, "param": e.param, "code": e.code, "request_id": rid}
     return JSONResponse({"error": body}, status_code=e.status, headers=e.headers)
+
+
+def shutting_down() -> APIError:
+    """The answer to a call still running (or arriving) when the server is told to stop."""
+    return APIError(503, "the server is shutting down; this request was cancelled: retry it (on another replica, "
+                         "or here once the server is back)", type="server_error", code="shutting_down",
+                    headers={"Retry-After": "5"})
 
 
 def internal_error(rid: str) -> APIError:

@@ -19,7 +19,8 @@ from omni.request import ImageRequest, ImageResult
 from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestInvalid, RequestTooLarge
 
 from .encode import encode_image
-from .errors import APIError, ClientGone, internal_error, submit_refused
+from .errors import APIError, ClientGone, internal_error, shutting_down, submit_refused
+from .resize import fit_image
 from .schemas import GenerationParams
 
 log = logging.getLogger("omni.serving")
@@ -30,12 +31,14 @@ class Generator:
 
     def __init__(self, engine: EngineHandle, request_timeout_s: float):
         self.engine, self.timeout_s = engine, request_timeout_s
+        self.closing = False  # set when the server is told to stop: waiting calls answer 503 at once
 
-    async def generate(self, request: Request, reqs: list[ImageRequest],
-                       body: GenerationParams) -> list[tuple[ImageResult, bytes]]:
-        """Submit, await (watching for a disconnect and the timeout), then encode; cancels on any exit."""
+    async def generate(self, request: Request, reqs: list[ImageRequest], body: GenerationParams,
+                       output: tuple[int, int] | None = None) -> list[tuple[ImageResult, bytes]]:
+        """Submit, await (watching for a disconnect and the timeout), then fit to ``output`` (h, w; None: the
+        native size) and encode; cancels on any exit."""
         results = await self.run(request, reqs)
-        return [(r, await _encode(r, body.output_format, body.output_compression)) for r in results]
+        return [(r, await _encode(r, body.output_format, body.output_compression, output)) for r in results]
 
     async def run(self, request: Request, reqs: list, too_large: str = "size") -> list:
         """The requests' results (images or text answers); every unfinished one is cancelled on any exit.
@@ -76,14 +79,14 @@ class Generator:
             w.add_done_callback(lambda f: f.cancelled() or f.exception())
         gathered = asyncio.gather(*waits)
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
-        watcher = asyncio.create_task(_disconnected(request))
+        watcher = asyncio.create_task(self._gone_or_closing(request))
         try:
             done, _ = await asyncio.wait({gathered, watcher}, timeout=self.timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if gathered in done:
                 return gathered.result()
             if watcher in done:
-                raise ClientGone()
+                raise shutting_down() if self.closing else ClientGone()
             raise APIError(504, f"request timed out after {self.timeout_s:g}s "
                                 "(serving.request_timeout_s) and was cancelled", type="server_error", code="timeout")
         finally:
@@ -91,31 +94,36 @@ class Generator:
             gathered.cancel()
 
 
+    async def _gone_or_closing(self, request: Request, poll_s: float = 0.2) -> None:
+        """Return once the client has gone away or the server is closing (polled: a signal handler sets it)."""
+        while not self.closing and not await request.is_disconnected():
+            await asyncio.sleep(poll_s)
+
+
 def failure(e: BaseException, tickets) -> APIError | ClientGone:
     """What a request's failure means to its client: it was cancelled (gone), the engine is down, or a 500."""
     if isinstance(e, RequestCancelled):
         return ClientGone()
     if isinstance(e, EngineUnavailable):
-        return APIError(503, str(e), type="server_error", code="engine_unavailable")
+        return APIError(503, str(e), type="server_error", code="engine_unavailable", headers={"Retry-After": "5"})
     rid = tickets[0].request_id.rsplit("-", 1)[0]
     log.error("request %s failed inside the pipeline: %s: %s (see the traceback of its engine request)",
               rid, type(e).__name__, e)
     return internal_error(rid)
 
 
-async def _encode(r: ImageResult, fmt: str, quality: int | None) -> bytes:
-    """Encoded off the event loop, so other requests keep being answered meanwhile."""
+async def _encode(r: ImageResult, fmt: str, quality: int | None, output: tuple[int, int] | None) -> bytes:
+    """Resized to ``output`` and encoded off the event loop, so other requests keep being answered meanwhile
+    (the ``encode`` stage counts both)."""
     t0 = time.perf_counter()
-    blob = await asyncio.to_thread(encode_image, r.image_HW3, fmt, quality)
+    blob = await asyncio.to_thread(_fit_and_encode, r.image_HW3, output, fmt, quality)
     r.times.encode = time.perf_counter() - t0
     return blob
 
 
+def _fit_and_encode(image_HW3, output: tuple[int, int] | None, fmt: str, quality: int | None) -> bytes:
+    return encode_image(image_HW3 if output is None else fit_image(image_HW3, *output), fmt, quality)
+
+
 def _succeeded(future) -> bool:
     return future.done() and not future.cancelled() and future.exception() is None
-
-
-async def _disconnected(request: Request, poll_s: float = 0.2) -> None:
-    """Return once the client has gone away."""
-    while not await request.is_disconnected():
-        await asyncio.sleep(poll_s)

@@ -38,6 +38,8 @@ class ServingOptions:
     request_timeout_s: float = 600.0
     max_prompt_chars: int = 8000
     max_queue: int | None = None  # n above this can never be queued: a 400, not a 429
+    max_side: int = 4096  # of a requested image; a deployment (or a fuzz run) may cap it lower
+    max_steps: int = 200  # num_inference_steps (schemas.MAX_STEPS); may be capped lower the same way
     helpers: ModelHelpers = field(default_factory=ModelHelpers.plain)
     # reference images (editing): see omni.serving.image_input for the rules
     max_image_pixels: int = 4096 * 4096  # recipe serving.max_image_pixels

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 MAX_N = 10  # OpenAI's limit for n
 MAX_STEPS = 200
 MAX_GUIDANCE = 30.0
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**63 - MAX_N  # image i of n draws with seed + i, which must still fit a signed 64-bit int
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 BOT_TASKS = ("image", "recaption", "think", "think_recaption")  # all but "image" write a CoT first (Instruct)
 COT_TASKS = BOT_TASKS[1:]
@@ -28,7 +28,8 @@ class GenerationParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="noise seed; image i of n uses seed + i")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="noise seed; image i of n uses seed + i (so that "
+                                                                  "seed + n - 1 always fits 64 bits)")
     num_inference_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="denoising steps")
     guidance_scale: float | None = Field(None, ge=0.0, le=MAX_GUIDANCE,
                                          description="classifier-free guidance; <= 1 disables CFG")
@@ -65,7 +66,9 @@ class _ImagesParams(GenerationParams):
 class ImageGenerationRequest(_ImagesParams):
     """``POST /v1/images/generations`` (OpenAI Images create, plus the diffusion extras)."""
 
-    size: str | None = Field(None, description="WIDTHxHEIGHT or auto; snapped to the model's nearest aspect row")
+    size: str | None = Field(None, description="WIDTHxHEIGHT: the image has exactly this size (generated at the "
+                                               "model's nearest native size, then centre-cropped to the aspect and "
+                                               "resampled); native or auto: the model's size, untouched")
     style: str | None = None  # accepted for OpenAI compatibility, no effect
 
 
@@ -75,7 +78,8 @@ class ImageEditRequest(_ImagesParams):
     Multipart fields arrive as strings: pydantic's lax mode turns "2", "1.5" and "true" into the declared types.
     """
 
-    size: str | None = Field(None, description="WIDTHxHEIGHT, or auto (default): the first image's size, snapped")
+    size: str | None = Field(None, description="WIDTHxHEIGHT: exactly this size; absent: the first image's size; "
+                                               "native or auto: the model's snap of the first image, untouched")
     input_fidelity: str | None = None  # accepted for OpenAI compatibility, no effect
     partial_images: int | None = Field(None, ge=0, le=0, description="partial images are not streamed: 0 or absent")
 
@@ -135,7 +139,8 @@ class ImagesResponse(BaseModel):
     created: int
     data: list[ImageData]
     output_format: str
-    size: str
+    size: str  # WxH of the images returned
+    native_size: str  # WxH the model generated at, before the fit to ``size``
     timings: dict[str, float] | None = None
 
 

@@ -26,8 +26,19 @@ class _Server(uvicorn.Server):
     """uvicorn, exiting with status 0 after a graceful shutdown on SIGINT / SIGTERM.
 
     Plain uvicorn re-raises the signal once it has drained, which turns an
-    orderly stop into exit status 130 (or death by SIGTERM).
+    orderly stop into exit status 130 (or death by SIGTERM). On the signal,
+    calls still waiting for images answer 503 with Retry-After at once
+    (``on_exit``), so the drain never has to cancel a handler mid-flight
+    (which gave the client a plain-text 500 and the log a traceback).
     """
+
+    def __init__(self, config: uvicorn.Config, on_exit=lambda: None):
+        super().__init__(config)
+        self.on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_exit()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -44,8 +55,9 @@ def serve_main(deployment, endpoint) -> int:
     try:
         options = ServingOptions.from_recipe(deployment.recipe, model_id=deployment.model_id,
                                              api_key=endpoint.api_key)
-        server = _Server(uvicorn.Config(create_app(engine, options), host=endpoint.host, port=endpoint.port,
-                                        log_level="info", timeout_graceful_shutdown=5))
+        app = create_app(engine, options)
+        server = _Server(uvicorn.Config(app, host=endpoint.host, port=endpoint.port, log_level="info",
+                                        timeout_graceful_shutdown=5), on_exit=app.state.api.begin_shutdown)
         engine.start()
 
         def stop_if_dead(*_):

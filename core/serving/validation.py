@@ -1,9 +1,14 @@
-"""From an HTTP body to checked ``ImageRequest``s: body limits, JSON parsing, deployment limits, sizes, chat prompts.
+"""From a parsed body to checked ``ImageRequest``s: body limits, deployment limits, sizes, chat prompts.
 
-Static limits live in schemas.py; the limits here depend on the deployment
-(the model, its sizes, the queue, prompt length, how many reference images it
-takes). Every violation is an ``APIError`` 400 (404 for an unknown model, 413
-for a body past its limit) naming the field.
+Reading and parsing a body (bytes, content type, depth, Unicode, strict
+types) is json_body.py. Static limits live in schemas.py; the limits here
+depend on the deployment (the model, its sizes, the queue, prompt length, how
+many reference images it takes). Every violation is an ``APIError`` 400 (404
+for an unknown model, 413 for a body past its limit) naming the field.
+
+Sizes follow the size contract (``SizePlan``): the model generates at its
+snap of the request (``native``), the client gets exactly what it asked for
+(``output``; None: the native size, for "native" / "auto").
 
 Body limits: a JSON body without images is at most ``MAX_BODY_BYTES``; a
 chat body may also carry ``max_images`` base64 data URIs of
@@ -12,23 +17,29 @@ chat body may also carry ``max_images`` base64 data URIs of
 """
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass, field
-
-from fastapi import Request
-from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
 
 from omni.request import ImageRequest
 
-from .errors import APIError, ClientGone
+from .errors import APIError
 from .image_input import ImageInputError, reference_size
 from .options import ModelHelpers, ServingOptions
 from .schemas import BOT_TASKS, COT_TASKS, GenerationParams
 
-MAX_BODY_BYTES = 1 << 20
-DRAIN_FACTOR = 4  # past its limit a body is still read (and dropped) up to this many limits, so the 413 arrives
-MIN_SIDE, MAX_SIDE, MAX_ASPECT = 256, 4096, 4.0
+from .json_body import MAX_BODY_BYTES, parse_body, read_body, validated  # noqa: F401 (re-exported)
+
+MIN_SIDE, MAX_SIDE, MAX_ASPECT = 64, 4096, 4.0  # of the image returned (the model generates at its own sizes)
+NATIVE_SIZES = ("auto", "native")  # the model's own size, untouched
+SIZE_TEXT = re.compile(r"[1-9][0-9]*[xX][1-9][0-9]*")  # what the OpenAPI size pattern allows (then the range)
+
+
+@dataclass(frozen=True)
+class SizePlan:
+    """The (h, w) the model generates at, and the (h, w) the client gets (None: the native size, untouched)."""
+
+    native: tuple[int, int]
+    output: tuple[int, int] | None = None
 
 
 def chat_body_limit(opt: ServingOptions) -> int:
@@ -41,76 +52,9 @@ def edit_body_limit(opt: ServingOptions) -> int:
     return MAX_BODY_BYTES + max(1, opt.helpers.max_images) * opt.max_image_bytes
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or a 413 once it passes ``limit`` bytes (declared or streamed).
-
-    Past the limit the rest is read and dropped (up to ``DRAIN_FACTOR`` limits)
-    instead of closing on a client still sending, which would lose the answer.
-    """
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > DRAIN_FACTOR * limit:
-        raise _too_large(int(declared), limit)
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size <= limit:
-                chunks.append(chunk)
-            elif size > DRAIN_FACTOR * limit:
-                break
-    except ClientDisconnect:
-        raise ClientGone() from None
-    if size > limit:
-        raise _too_large(size, limit)
-    return b"".join(chunks)
-
-
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(413, f"request body is {size} bytes; the limit is {limit}", code="payload_too_large")
-
-
 def image_error(e: ImageInputError) -> APIError:
     """The answer to a refused reference image: 400 (413 for its bytes) naming the part."""
     return APIError(e.status, str(e), param=e.part, code="image_too_large" if e.status == 413 else "invalid_image")
-
-
-async def parse_body(request: Request, model: type[BaseModel], limit: int = MAX_BODY_BYTES):
-    raw = await read_body(request, limit)
-    data = _json_object(raw)
-    nested = data.pop("extra_body", None)  # curl-style vLLM-Omni clients nest the extras
-    if isinstance(nested, dict):
-        for key, value in nested.items():
-            data.setdefault(key, value)
-    return validated(model, data)
-
-
-def _json_object(raw: bytes) -> dict:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}", code="invalid_json")
-    return data
-
-
-def validated(model: type[BaseModel], data: dict):
-    """``data`` as ``model``; the first bad field is the error's ``param``, every bad field is in its message."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        field = ".".join(str(p) for p in errors[0]["loc"])
-        detail = "; ".join(f"{'.'.join(str(p) for p in x['loc']) or 'body'}: {_reason(x)}" for x in errors)
-        raise APIError(400, detail, param=field, code="invalid_value") from None
-
-
-def _reason(error: dict) -> str:
-    if error["type"] == "extra_forbidden":
-        return "unknown field"
-    given = error.get("input")
-    shown = "" if error["type"] == "missing" or isinstance(given, (dict, list)) else f" (got {given!r})"
-    return error["msg"] + shown
 
 
 @dataclass
@@ -143,13 +87,20 @@ def _message_parts(i: int, m, images: list[tuple[str, str]]) -> list[str]:
     for j, part in enumerate(m.content if isinstance(m.content, list) else []):
         name, kind = f"messages[{i}].content[{j}]", part.get("type")
         if kind == "text":
-            texts.append(str(part.get("text", "")))
+            texts.append(_part_text(name, part))
         elif kind == "image_url":
             images.append((name, _image_url(name, m.role, part)))
         else:
             raise APIError(400, f"{name}: part type {kind!r} is not supported; only 'text' and 'image_url' parts",
                            param=name)
     return texts
+
+
+def _part_text(name: str, part: dict) -> str:
+    text = part.get("text", "")
+    if not isinstance(text, str):
+        raise APIError(400, f"{name}.text: expected a string, got {type(text).__name__}", param=f"{name}.text")
+    return text
 
 
 def _image_url(name: str, role: str, part: dict) -> str:
@@ -175,46 +126,60 @@ class RequestBuilder:
             raise APIError(404, f"model {model!r} is not served here; this server serves {self.opt.model_id!r}",
                            param="model", code="model_not_found")
 
-    def size(self, size: str | None, field: str) -> tuple[int, int]:
-        """(height, width) to generate for a "WxH" size (None or "auto": the recipe's default)."""
-        if size is None or size == "auto":
+    def size(self, size: str | None, field: str) -> SizePlan:
+        """What a "WxH" size asks for: the model's nearest native size, then exactly WxH.
+
+        None: the recipe's default size, exactly; "auto" / "native": the model's size for the default, untouched.
+        """
+        untouched = size in NATIVE_SIZES
+        if size is None or untouched:
             size = self.opt.defaults.size
+        if not SIZE_TEXT.fullmatch(size):
+            raise APIError(400, f"{field}: expected WIDTHxHEIGHT (e.g. 1024x768), auto or native; got {size[:32]!r}",
+                           param=field)
         try:
             h, w = self.helpers.parse_size(size)
         except ValueError as e:
             raise APIError(400, f"{field}: {e}", param=field) from None
-        return self.sides(h, w, field)
+        plan = self.sides(h, w, field)
+        return SizePlan(plan.native) if untouched else plan
 
-    def sides(self, h: int, w: int, field: str) -> tuple[int, int]:
-        _check_sides(h, w, field)
-        return self.helpers.snap(h, w)
+    def sides(self, h: int, w: int, field: str) -> SizePlan:
+        problem = size_problem(h, w, self.opt.max_side)
+        if problem:
+            raise APIError(400, f"{field}: {problem}", param=field)
+        return SizePlan(self.helpers.snap(h, w), (h, w))
 
-    def edit_size(self, size: str | None, field: str, images: tuple) -> tuple[int, int]:
-        """An explicit size as ``size`` does; none (or "auto") follows the first reference image.
+    def edit_size(self, size: str | None, field: str, images: tuple) -> SizePlan:
+        """An explicit size as ``size`` does; none follows the first reference image exactly ("auto" /
+        "native": the model's snap of it, untouched).
 
-        That size is the model's snap of image 0's (h, w), taken as the model gives it: the side range
-        here bounds what clients ask for, and a model's own rule may go below it (the 256-base tiny
-        Instruct table does).
+        That snap is taken as the model gives it: the side range here bounds what clients ask for, and a
+        model's own rule may go below it (the 256-base tiny Instruct table does).
         """
-        if (size is not None and size != "auto") or not images:
+        if (size is not None and size not in NATIVE_SIZES) or not images:
             return self.size(size, field)
-        return reference_size(self.helpers, images[0])
+        native = reference_size(self.helpers, images[0])
+        return SizePlan(native, None if size in NATIVE_SIZES else tuple(images[0].shape[:2]))
 
-    def requests(self, rid: str, p: GenerationParams, prompt: str, n: int, h: int, w: int,
+    def requests(self, rid: str, p: GenerationParams, prompt: str, n: int, plan: SizePlan,
                  system_prompt: str | None, images: tuple = (), auto_size: bool = False) -> list[ImageRequest]:
         """``n`` requests ``{rid}-{i}``; image i gets seed + i so that one call's images differ.
 
         ``images`` (decoded reference images, checked by image_input) are shared by all ``n``: each
         output is an edit of the same inputs. ``auto_size`` (size "auto" with a CoT bot_task): the
-        model picks the aspect ratio after its CoT, and ``h`` / ``w`` only bound the pages it is priced at.
+        model picks the aspect ratio after its CoT, and ``plan.native`` only bounds the pages it is priced at.
         """
-        d = self.opt.defaults
+        d, (h, w) = self.opt.defaults, plan.native
         self.check_text(prompt, "prompt", required=True)
         self.check_text(p.negative_prompt, "negative_prompt")
         bot_task = self._bot_task(p)
         self.check_n(n)
         system = self.system_prompt(system_prompt, bot_task)
         steps = p.num_inference_steps or d.steps
+        if steps > self.opt.max_steps:
+            raise APIError(400, f"num_inference_steps {steps} is above this server's limit of {self.opt.max_steps}",
+                           param="num_inference_steps")
         guidance = d.guidance if p.guidance_scale is None else p.guidance_scale
         cot = {"cot_max_tokens": p.cot_max_tokens} if p.cot_max_tokens is not None else {}
         return [ImageRequest(prompt=prompt, negative_prompt=p.negative_prompt, height=h, width=w, steps=steps,
@@ -265,10 +230,11 @@ class RequestBuilder:
                            param=field)
 
 
-def _check_sides(h: int, w: int, field: str) -> None:
-    if not (MIN_SIDE <= h <= MAX_SIDE and MIN_SIDE <= w <= MAX_SIDE):
-        raise APIError(400, f"{field}: {w}x{h} (WxH) is out of range: each side must be between "
-                            f"{MIN_SIDE} and {MAX_SIDE} pixels", param=field)
+def size_problem(h: int, w: int, max_side: int = MAX_SIDE) -> str | None:
+    """Why a requested (h, w) is refused (the API's and the CLI's rule), or None."""
+    if not (MIN_SIDE <= h <= max_side and MIN_SIDE <= w <= max_side):
+        return f"{w}x{h} (WxH) is out of range: each side must be between {MIN_SIDE} and {max_side} pixels"
     if max(h / w, w / h) > MAX_ASPECT:
-        raise APIError(400, f"{field}: {w}x{h} (WxH) has aspect ratio beyond {MAX_ASPECT:g}:1; the model "
-                            f"generates between 1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1", param=field)
+        return (f"{w}x{h} (WxH) has aspect ratio beyond {MAX_ASPECT:g}:1; the model generates between "
+                f"1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1")
+    return None

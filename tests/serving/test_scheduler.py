@@ -241,3 +241,33 @@ def test_a_decode_failure_on_the_decode_thread_fails_only_its_request():
     assert good.result(10).steps == 3
     engine.stop()
     assert engine.scheduler.stats["failed"] == 1 and pipe.pool.free_pages == pipe.pool.num_pages
+
+
+class CancelAtLastStep(FakePipeline):
+    """Cancels the ticket of every request during its last denoising step: its client left right then."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sched, self.decoded = None, []
+
+    def denoise_step(self, states) -> None:
+        super().denoise_step(states)
+        for t in [t for t in self.sched.running if t.state in states and t.state.done]:
+            self.sched.cancel(t)
+
+    def decode(self, state):
+        self.decoded.append(state.request.request_id)
+        return super().decode(state)
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_request_whose_client_left_before_its_decode_is_not_decoded(threaded):
+    pipe = CancelAtLastStep()
+    pipe.concurrent_decode = threaded
+    sched = pipe.sched = Scheduler(pipe, max_running=2, decode_thread=threaded)
+    gone = sched.submit(req("gone", steps=2))
+    drain(sched)
+    sched.close()
+    assert isinstance(gone.future.exception(), RequestCancelled) and pipe.decoded == []
+    assert sched.stats["cancelled"] == 1 and sched.stats["finished"] == 0
+    assert pipe.pool.free_pages == pipe.pool.num_pages

@@ -1,0 +1,216 @@
+"""/openapi.json that tells the truth about this deployment: request bodies, every status, /metrics as text.
+
+The handlers read their own bodies (limits, depth and Unicode come before a
+schema, see json_body.py), so FastAPI cannot infer the bodies: they are
+added here from the pydantic models, then tightened with what this
+deployment enforces (prompt length, the side range, n against the queue,
+the bot tasks the model has, fields it refuses). A client generator or a
+fuzzer reading it can reach generation, and what the schema allows is what
+the server accepts. One rule JSON Schema cannot say is in the ``size``
+description instead: the aspect ratio at most 4:1.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .options import ServingOptions
+from .schemas import (MAX_N, BOT_TASKS, ChatCompletionRequest, ErrorResponse, ImageEditRequest,
+                      ImageGenerationRequest, ImagesResponse)
+from .validation import MAX_ASPECT, MIN_SIDE
+
+ERRORS = {400: "bad input, naming the field (``param``)", 401: "missing or wrong API key",
+          404: "unknown model", 413: "body past its byte limit", 415: "body not JSON (multipart for edits)",
+          429: "queue full (Retry-After)", 499: "client closed the connection (nobody reads it)",
+          500: "failure inside the pipeline (request id in the log)", 503: "not ready or shutting down (Retry-After)",
+          504: "past serving.request_timeout_s"}
+POSTS = {"/v1/images/generations": (ImageGenerationRequest, "application/json", ImagesResponse),
+         "/v1/images/edits": (ImageEditRequest, "multipart/form-data", ImagesResponse),
+         "/v1/chat/completions": (ChatCompletionRequest, "application/json", None)}
+GETS = {"/health": (200, 503), "/metrics": (200, 401), "/v1/models": (200, 401),
+        "/v1/models/{model_id}": (200, 401, 404)}
+
+
+def install_openapi(app: FastAPI, options: ServingOptions) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app, options)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def build(app: FastAPI, opt: ServingOptions) -> dict:
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="OpenAI-style images API of omni-run (docs/api.md)")
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    for model in (ErrorResponse, ImagesResponse):
+        _add_model(components, model)
+    if opt.api_key is not None:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            _document(op, path, method, opt, components)
+    return doc
+
+
+def _document(op: dict, path: str, method: str, opt: ServingOptions, components: dict) -> None:
+    secured = opt.api_key is not None and path != "/health"
+    if secured:
+        op["security"] = [{"bearer": []}]
+    if method == "post" and path in POSTS:
+        statuses = _document_post(op, path, opt, components) + ([401] if secured else [])
+    else:
+        statuses = [s for s in GETS.get(path, (200,)) if s != 200 and (s != 401 or secured)]
+        if path == "/metrics":
+            op["responses"] = {"200": {"description": "Prometheus text exposition",
+                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}
+        op["responses"].pop("422", None)  # the path parameter is any string: nothing answers 422
+    for status in sorted(statuses):
+        op["responses"][str(status)] = _error(status)
+
+
+def _document_post(op: dict, path: str, opt: ServingOptions, components: dict) -> list[int]:
+    """The request body and the 200 of a generating endpoint; returns its error statuses."""
+    model, media, answer = POSTS[path]
+    op["requestBody"] = {"required": True, "content": {media: {"schema": _request_schema(model, opt, components)}}}
+    ok = {"$ref": f"#/components/schemas/{answer.__name__}"} if answer else {"type": "object"}
+    op["responses"] = {"200": _json("the answer", ok)}
+    return [400, 404, 413, 415, 429, 499, 500, 503, 504]
+
+
+def _json(description: str, schema: dict) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(status: int) -> dict:
+    answer = _json(ERRORS[status], {"$ref": "#/components/schemas/ErrorResponse"})
+    if status == 499:
+        return {"description": ERRORS[status]}
+    if status in (429, 503):
+        answer["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+    return answer
+
+
+def _add_model(components: dict, model) -> None:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(schema.pop("$defs", {}))
+    components[model.__name__] = schema
+
+
+def _request_schema(model, opt: ServingOptions, components: dict) -> dict:
+    """``model``'s JSON schema with this deployment's rules; its nested models go to ``components``."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(schema.pop("$defs", {}))
+    props = schema["properties"]
+    _text_rules(props, opt)
+    _size_rules(props, opt)
+    _count_rules(props, opt)
+    _model_rules(props, opt)
+    _refused(props, model, opt)
+    return schema
+
+
+def _text_rules(props: dict, opt: ServingOptions) -> None:
+    """Texts with at least one non-space character, up to serving's max_prompt_chars."""
+    text = {"type": "string", "minLength": 1, "maxLength": opt.max_prompt_chars, "pattern": r"\S"}
+    if "prompt" in props:
+        props["prompt"] = {**text, "description": "what to draw (at least one non-space character)"}
+    for name in ("negative_prompt", "system_prompt"):
+        props[name] = _nullable(text, props[name].get("description"))
+
+
+def _size_rules(props: dict, opt: ServingOptions) -> None:
+    rule = f"; each side {MIN_SIDE}..{opt.max_side}, aspect ratio at most {MAX_ASPECT:g}:1"
+    props["size"] = _nullable({"type": "string", "pattern": size_pattern(opt.max_side)},
+                              props["size"].get("description", "") + rule)
+    for name in ("height", "width"):
+        if name in props:
+            props[name] = _nullable({"type": "integer", "minimum": MIN_SIDE, "maximum": opt.max_side},
+                                    "one alone means a square" + rule)
+
+
+def _count_rules(props: dict, opt: ServingOptions) -> None:
+    """n (and the chat's num_outputs_per_prompt) against the queue; steps against the deployment's cap."""
+    queue = MAX_N if opt.max_queue is None else min(MAX_N, opt.max_queue)
+    props["n"] = {"type": "integer", "minimum": 1, "maximum": queue, "default": 1}
+    if "num_outputs_per_prompt" in props:
+        props["num_outputs_per_prompt"] = _nullable({"type": "integer", "minimum": 1, "maximum": queue}, "n")
+    props["num_inference_steps"] = _nullable({"type": "integer", "minimum": 1, "maximum": opt.max_steps},
+                                             "denoising steps")
+
+
+def _model_rules(props: dict, opt: ServingOptions) -> None:
+    """What the model itself allows: the bot tasks (and CoT fields) of a model that writes text."""
+    tasks = BOT_TASKS if opt.helpers.writes_text else ("image",)
+    props["bot_task"] = _nullable({"type": "string", "enum": list(tasks)}, props["bot_task"].get("description"))
+    if not opt.helpers.writes_text:
+        props["drop_think"] = _nullable({"type": "boolean", "enum": [False]}, "only with a think bot_task")
+        props["cot_max_tokens"] = {"type": "null", "description": "only with a bot_task that writes a CoT"}
+
+
+def _refused(props: dict, model, opt: ServingOptions) -> None:
+    """Values the server refuses by name (a 400), so that the schema does not offer them."""
+    if "response_format" in props:
+        props["response_format"] = _nullable({"type": "string", "enum": ["b64_json"]}, "b64_json only")
+        props["background"] = _nullable({"type": "string", "enum": ["auto", "opaque"]}, "no transparency")
+    props["stream"] = _nullable({"type": "boolean", "enum": [False]}, "images are not streamed")
+    if model is ChatCompletionRequest:
+        props["messages"] = _messages(opt)
+        props["modalities"] = _nullable({"type": "array", "maxItems": 1, "items": {"enum": ["image"]}},
+                                        "['image'] (or absent)")
+
+
+def _messages(opt: ServingOptions) -> dict:
+    """Chat messages: text parts (a model that edits also takes user image_url parts), and at least one user
+    message with text, which is the prompt."""
+    text = {"type": "string", "maxLength": opt.max_prompt_chars}
+    said = {**text, "pattern": r"\S"}
+    parts = [{"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}, "text": text}}]
+    if opt.helpers.max_images:
+        parts.append({"type": "object", "required": ["type", "image_url"],
+                      "properties": {"type": {"const": "image_url"}, "image_url": {"type": "object"}}})
+    content = {"anyOf": [text, {"type": "array", "items": {"anyOf": parts}}, {"type": "null"}]}
+    user_text = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"const": "user"},
+        "content": {"anyOf": [said, {"type": "array", "contains": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": said}}}]}}}
+    message = {"type": "object", "required": ["role"], "properties": {"role": {"type": "string"}, "content": content}}
+    return {"type": "array", "minItems": 1, "items": message, "contains": user_text,
+            "description": "the user messages' text (joined) is the prompt; system / developer text the system prompt"}
+
+
+def _nullable(schema: dict, description: str | None) -> dict:
+    out = {"anyOf": [schema, {"type": "null"}], "default": None}
+    return {**out, "description": description} if description else out
+
+
+def size_pattern(max_side: int) -> str:
+    """``auto``, ``native`` or ``WxH`` with each side an integer in MIN_SIDE..max_side (no leading zero)."""
+    side = "|".join(int_range_regex(MIN_SIDE, max_side))
+    return f"^(auto|native|({side})[xX]({side}))$"
+
+
+def int_range_regex(lo: int, hi: int) -> list[str]:
+    """Regex alternatives matching exactly the decimal integers lo..hi (no sign, no leading zero)."""
+    parts = []
+    for digits in range(len(str(lo)), len(str(hi)) + 1):
+        a, b = max(lo, 10 ** (digits - 1)), min(hi, 10 ** digits - 1)
+        if a <= b:
+            parts += _same_length(str(a), str(b))
+    return parts
+
+
+def _same_length(a: str, b: str) -> list[str]:
+    if a == b:
+        return [a]
+    if len(a) == 1:
+        return [f"[{a}-{b}]"]
+    if a[0] == b[0]:
+        return [a[0] + p for p in _same_length(a[1:], b[1:])]
+    rest = len(a) - 1
+    parts = [a[0] + p for p in _same_length(a[1:], "9" * rest)]
+    if int(a[0]) + 1 <= int(b[0]) - 1:
+        parts.append(f"[{int(a[0]) + 1}-{int(b[0]) - 1}]" + "[0-9]" * rest)
+    return parts + [b[0] + p for p in _same_length("0" * rest, b[1:])]

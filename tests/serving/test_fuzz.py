@@ -1,0 +1,74 @@
+"""schemathesis against the embedded default's /openapi.json: no server error, no conformance failure.
+
+Deselected by default (marker ``fuzz``, about 10 minutes on a 2-core box)::
+
+    pip install 'omni-run[fuzz]'
+    python -m pytest -m fuzz tests/serving/test_fuzz.py
+
+It starts ``fuzz_server.py`` (the tiny base model made cheap to say yes to; its
+caps are in the OpenAPI document it serves) and runs every check schemathesis
+has (``--checks all``: server errors, status codes, content types, response
+headers and schemas, positive data accepted, negative data rejected, ...) in
+all its phases (examples, coverage, fuzzing, stateful; positive and negative
+modes). ``OMNI_FUZZ_SECONDS`` (default 600) bounds the run,
+``OMNI_FUZZ_MIN_CASES`` (default 30000) is the number of cases it must reach.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(3600)]
+HERE = Path(__file__).parent
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fuzz_url():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(HERE / "fuzz_server.py"), str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the fuzz server did not become healthy"
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_schemathesis_finds_no_server_error_and_no_conformance_failure(fuzz_url, tmp_path):
+    cli = shutil.which("schemathesis") or pytest.skip("schemathesis is not installed: pip install 'omni-run[fuzz]'")
+    seconds = os.environ.get("OMNI_FUZZ_SECONDS", "600")
+    least = int(os.environ.get("OMNI_FUZZ_MIN_CASES", "30000"))
+    cmd = [cli, "run", fuzz_url + "/openapi.json", "--checks", "all", "--phases", "examples,coverage,fuzzing,stateful",
+           "--mode", "all", "-n", "3000", "--max-time", seconds, "--seed", "4", "--request-timeout", "60",
+           "--no-shrink"]
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    out = run.stdout + run.stderr
+    cases = re.search(r"(\d+) generated, (\d+) passed", out)  # "N generated, K found ..." when some failed
+    assert run.returncode == 0 and cases and cases[1] == cases[2], out[-8000:]
+    assert int(cases[1]) >= least, f"only {cases[1]} cases in {seconds}s (wanted {least})"
+    print(out.split("Test cases:")[-1].strip())  # the figures (python -m pytest -m fuzz -s shows them)
