@@ -105,6 +105,13 @@ class ServerThread:
         self.thread.join(10)
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for servers started in another process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def wait_until(predicate, timeout_s: float, message: str, poll_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

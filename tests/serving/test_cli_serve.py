@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,12 +13,7 @@ import httpx
 import pytest
 
 from omni.bench_client import bench_main, percentile
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serving_harness import free_port
 
 
 @pytest.fixture(scope="module")

@@ -25,17 +25,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from serving_harness import free_port
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(3600)]
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
