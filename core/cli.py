@@ -92,16 +92,24 @@ def cmd_recipes(args) -> int:
     return status
 
 
-def _usable_platform(name: str, trace: bool):
-    """``(Platform, "")``, or ``(None, reason)`` when the platform is installed but not present here."""
-    from .platform_manager import detect, discover, select
+def _detect_named(name: str, listed: str, more: str = ""):
+    """(detection, its reasons joined) of the installed platform ``name``; UsageError listing the installed ones
+    when there is none of that name."""
+    from .platform_manager import detect, discover
 
     installed = discover()
     if name not in installed:
-        raise UsageError(f"unknown platform {name!r}; installed: {', '.join(sorted(installed))}")
+        raise UsageError(f"unknown platform {name!r}; {listed}: {', '.join(sorted(installed))}{more}")
     found = detect(name, installed[name])
+    return found, "; ".join(found.reasons) or "no reason given"
+
+
+def _usable_platform(name: str, trace: bool):
+    """``(Platform, "")``, or ``(None, reason)`` when the platform is installed but not present here."""
+    from .platform_manager import select
+
+    found, reason = _detect_named(name, "installed")
     if found.info is None:
-        reason = "; ".join(found.reasons) or "no reason given"
         print(f"note: platform {name} is not present here ({reason}); its recipes are validated against "
               f"the schema only -- run this on a machine with {name} to check them against the platform")
         return None, reason
@@ -163,16 +171,10 @@ def _deployment(args, serving: bool):
 def _check_platform(name: str) -> None:
     """An unknown platform named with the list; one not usable here reported first (before weights or the
     recipe's other requirements), with the extra that installs its software."""
-    from .platform_manager import detect, discover
-
     if name == "auto":
         return
-    installed = discover()
-    if name not in installed:
-        raise UsageError(f"unknown platform {name!r}; known: {', '.join(sorted(installed))} (or auto)")
-    found = detect(name, installed[name])
+    found, reason = _detect_named(name, "known", " (or auto)")
     if found.info is None:
-        reason = "; ".join(found.reasons) or "no reason given"
         extra = (f"; its software installs with pip install 'omni-run[{name}]' (on a machine with its devices)"
                  if name in _extras() else "")
         raise UsageError(f"platform {name!r} is not usable here: {reason}{extra}")

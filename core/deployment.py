@@ -66,9 +66,8 @@ class Deployment:
                        random_layers: int = 0):
         """The model's pipeline for one worker (``platform``: the worker's own, default this process's);
         ``random_layers``: the released shapes with random values (benchmarks, ``ModelFlavor.build_pipeline``)."""
-        kw = {"random_layers": random_layers} if random_layers else {}  # flavours of other models may not take it
         return self.flavor().build_pipeline(self.recipe, platform or self.platform(), local_rank=local_rank,
-                                            parallel=parallel, progress=progress, **kw)
+                                            parallel=parallel, progress=progress, random_layers=random_layers)
 
     def open_engine(self, *, progress: bool = False):
         """The engine handle (not started): a local engine loop, or the router over launched replicas."""

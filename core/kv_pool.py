@@ -129,7 +129,9 @@ def _cumsum(lengths: list[int]) -> tuple[int, ...]:
 
 def _padded(slots_S: torch.Tensor, keys_to: int) -> torch.Tensor:
     """Gathered key slots padded with slot 0 up to ``keys_to`` (past the last sequence: never attended)."""
-    return torch.cat([slots_S, slots_S.new_zeros(max(0, keys_to - slots_S.numel()))])
+    if keys_to <= slots_S.numel():
+        return slots_S  # nothing to pad (every eager step): no copy
+    return torch.cat([slots_S, slots_S.new_zeros(keys_to - slots_S.numel())])
 
 
 def _meta(runs: list[Run], paged: bool, device, keys_to: int = 0, page_size: int = 1) -> VarlenMeta:

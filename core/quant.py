@@ -66,8 +66,12 @@ def quantized_linear(x_TI: torch.Tensor, w: PreparedWeight, scheme: str) -> torc
         xq, xs = quantize_int8(x_TI)
     else:
         xq, xs = quantize_fp8(x_TI, per_row=scheme == "fp8_row")
-    y = torch.nn.functional.linear(xq.float() * xs, dequantize(w))
-    return y.to(x_TI.dtype)
+    return rows_linear(xq, xs, w, x_TI.dtype)
+
+
+def rows_linear(xq_TI: torch.Tensor, xs: torch.Tensor, w: PreparedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The reference product of rows quantized already (``xq * xs``) with a prepared weight, fp32, as ``dtype``."""
+    return torch.nn.functional.linear(xq_TI.float() * xs, dequantize(w)).to(dtype)
 
 
 # ----------------------------------------------------------------- pre-quantized checkpoints

@@ -125,7 +125,7 @@ class ReferenceLinear:
 
     def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
         if isinstance(x_TI, RowQuantized):  # the same product, with the rows quantized already
-            y = F.linear(x_TI.q_TI.float() * x_TI.scale_T1, quant.dequantize(w)).to(self.spec.dtype)
+            y = quant.rows_linear(x_TI.q_TI, x_TI.scale_T1, w, self.spec.dtype)
         else:
             y = quant.quantized_linear(x_TI.to(self.spec.dtype), w, self.spec.quant)
         return y if bias_O is None else y + bias_O

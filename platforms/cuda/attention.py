@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from omni import quant
 from omni.platforms.common.attention import first_fit, lengths, softmax_scale
 from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
@@ -81,8 +82,6 @@ class Fa3Attention:
 
 def fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 ``x``, its fp32 scale ``[1, 1]``): absmax / 448 over the whole tensor, no host read."""
-    from omni import quant
-
     q, scale = quant.quantize_fp8(x, per_row=False)
     return q, scale.reshape(1, 1)
 

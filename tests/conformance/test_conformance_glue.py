@@ -166,7 +166,7 @@ def test_a_triton_demand_is_refused_by_the_reference_naming_the_field():
 
 
 def test_the_reference_glue_is_the_models_math():
-    """The golden-exact model code path: the reference glue equals the official ops, bit for bit (fp32)."""
+    """The golden-exact model code path: the reference glue equals the official RMSNorm formula (fp32, 1e-6)."""
     from omni.reference_glue import ReferenceGlue
 
     g = ReferenceGlue(GlueSpec(hidden=32, head_dim=8, eps=1e-6, dtype=torch.float32, topk=2))

@@ -112,6 +112,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, url: str, timeout_s: float, message: str, poll_s: float = 0.25) -> None:
+    """Poll ``url``/health until it answers 200; fail with the process's output if it exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, message
+        time.sleep(poll_s)
+
+
 def wait_until(predicate, timeout_s: float, message: str, poll_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from omni.bench_client import bench_main, percentile
-from serving_harness import free_port
+from serving_harness import free_port, wait_healthy
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +23,7 @@ def server_process():
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not become healthy"
-        time.sleep(0.25)
+    wait_healthy(proc, url, 120, "server did not become healthy")
     yield url, proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)

@@ -20,12 +20,10 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
-from serving_harness import free_port
+from serving_harness import free_port, wait_healthy
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(3600)]
 HERE = Path(__file__).parent
@@ -37,16 +35,7 @@ def fuzz_url():
     proc = subprocess.Popen([sys.executable, str(HERE / "fuzz_server.py"), str(port)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the fuzz server did not become healthy"
-        time.sleep(0.5)
+    wait_healthy(proc, url, 180, "the fuzz server did not become healthy", poll_s=0.5)
     yield url
     proc.terminate()
     proc.wait(30)
