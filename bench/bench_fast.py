@@ -412,6 +412,38 @@ def profile(s: Setup, out, label):
         print(f"    {m:7.3f} ms  x{c:<3d} {n[:100]}", flush=True)
 
 
+def profile_io(s: Setup, out, label):
+    """The step outside the backbone (patch embed + timestep token; final layer, CFG combine, Euler):
+    wall time against the sum of its kernels and their count, per part."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    m, t = s.model, torch.full((1,), 900.0, device=s.device)
+    h = torch.randn(s.rows * s.n_block, s.cfg.hidden_size, device=s.device, dtype=torch.bfloat16)
+
+    @torch.inference_mode()
+    def tail():
+        v = m.velocity(h.view(s.rows, s.n_block, -1)[:, 1:], t.repeat(s.rows), s.th, s.tw)
+        return euler_step(s.latents, cfg_combine(v[:1], v[1:], 5.0), 0.9, 0.88)
+
+    res = out[f"image_io_{label}"] = {}
+    for name, fn in (("block_input", lambda: s.block_input(t)), ("velocity_cfg_euler", tail)):
+        wall = timed(fn, 20)
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            fn()
+            sync()
+        evs = [(ev.key, getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0), ev.count)
+               for ev in p.key_averages()]
+        evs = [e for e in evs if e[1] > 0 and not e[0].startswith(("cudaLaunch", "cudaStream"))]
+        kern = sum(e[1] for e in evs) / 1e3
+        res[name] = {"wall_ms": wall * 1e3, "kernel_ms": kern, "launches": sum(e[2] for e in evs),
+                     "top": [{"kernel": k[:100], "ms": v / 1e3, "calls": c} for k, v, c in
+                             sorted(evs, key=lambda e: -e[1])[:10]]}
+        print(f"[image io {label}] {name}: wall {wall*1e3:.2f} ms, kernels {kern:.2f} ms in "
+              f"{res[name]['launches']} launches", flush=True)
+        for k, v, c in sorted(evs, key=lambda e: -e[1])[:8]:
+            print(f"    {v/1e3:7.3f} ms  x{c:<3d} {k[:100]}", flush=True)
+
+
 def quality(s16: Setup, s8: Setup, out):
     t = torch.full((1,), 900.0, device=s16.device)
     with torch.inference_mode():
@@ -471,6 +503,7 @@ def main():
     s8, _ = attempt("engine_fp8", lambda: engine(a, platform, a.quant, dev, out, "fp8")) or (None, None)
     if s8 is not None and not a.no_profile:
         attempt("profile_fp8", lambda: profile(s8, out, "fp8"))
+        attempt("profile_io_fp8", lambda: profile_io(s8, out, "fp8"))
     s16, _ = attempt("engine_bf16", lambda: engine(a, platform, "none", dev, out, "bf16")) or (None, None)
     if s16 is not None and not a.no_profile:
         attempt("profile_bf16", lambda: profile(s16, out, "bf16"))

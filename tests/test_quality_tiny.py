@@ -88,31 +88,15 @@ def test_cli_generate_draws_the_held_prompts(tmp_path):
 
 
 def test_http_server_draws_the_held_prompts():
-    openai = pytest.importorskip("openai")
-    from omni.engine_loop import EngineLoop
-    from omni.models.hunyuan_image3.build import build_pipeline
-    from omni.platform_manager import select
-    from omni.recipe import load_recipe
-    from omni.scheduler import Scheduler
-    from omni.serving.app import ServingOptions, create_app
+    pytest.importorskip("openai")
+    from serving.serving_harness import recipe_client
 
-    from serving.serving_harness import ServerThread
-
-    recipe = load_recipe("cpu_tiny")
-    engine = EngineLoop.around(Scheduler.from_recipe(build_pipeline(recipe, select("cpu"), progress=False),
-                                                     recipe)).start()
-    try:
-        assert engine.wait_ready(30)
-        app = create_app(engine, ServingOptions.from_recipe(recipe, model_id="hunyuan_image3_tiny"))
-        with ServerThread(app) as srv:
-            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            images = []
-            for i, held in enumerate(HELD_OUT):
-                r = client.images.generate(model="hunyuan_image3_tiny", prompt=held_prompt(*held), size=SIZE,
-                                           response_format="b64_json", extra_body={"seed": i})
-                images.append(np.asarray(Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json))).convert("RGB")))
-    finally:
-        engine.stop()
+    images = []
+    with recipe_client("cpu_tiny", "hunyuan_image3_tiny") as client:
+        for i, held in enumerate(HELD_OUT):
+            r = client.images.generate(model="hunyuan_image3_tiny", prompt=held_prompt(*held), size=SIZE,
+                                       response_format="b64_json", extra_body={"seed": i})
+            images.append(np.asarray(Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json))).convert("RGB")))
     share, misses = score(images)
     assert share >= GATE, f"{share:.0%} over HTTP (gate {GATE:.0%}):\n" + "\n".join(misses)
 

@@ -34,7 +34,8 @@ log = logging.getLogger("omni.hunyuan_image3")
 # Image understanding / editing inputs are not used by text-to-image, nor is the VAE encoder.
 T2I_UNUSED = ("vision_model.", "vision_aligner.", "vae.encoder.")
 EMBEDDED = {"hunyuan_image3_tiny": "trained", "hunyuan_image3_tiny_random": "base",
-            "hunyuan_image3_instruct_tiny": "instruct"}  # flavour -> tiny kind
+            "hunyuan_image3_instruct_tiny": "instruct_trained",
+            "hunyuan_image3_instruct_tiny_random": "instruct"}  # flavour -> tiny kind
 
 
 def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) -> Path:

@@ -6,7 +6,9 @@
     hunyuan_image3_tiny             the embedded tiny checkpoint of the base architecture, trained to draw
                                     coloured shapes at 128x128 (no download; assets/tiny_trained/README.md)
     hunyuan_image3_tiny_random      the same architecture with random weights, generated (code-path tests)
-    hunyuan_image3_instruct_tiny    the embedded tiny Instruct checkpoint (editing on the CPU, no download)
+    hunyuan_image3_instruct_tiny    the embedded tiny Instruct checkpoint, trained from the tiny default on
+                                    edit pairs at 256x256 (assets/tiny_instruct_trained/README.md)
+    hunyuan_image3_instruct_tiny_random  the tiny Instruct architecture with random weights (code-path tests)
 
 Which checkpoint is which is read from config.json: the Distil flags
 ``cfg_distilled`` and ``use_meanflow``; the Instruct release writes
@@ -111,5 +113,8 @@ tiny = HunyuanImage3Flavor("hunyuan_image3_tiny", "embedded tiny checkpoint of t
 tiny_random = HunyuanImage3Flavor("hunyuan_image3_tiny_random", "the tiny base architecture with random weights "
                                   "(generated; noise images, for code-path tests)", needs_weights=False)
 instruct_tiny = HunyuanImage3Flavor(
-    "hunyuan_image3_instruct_tiny", "embedded tiny Instruct checkpoint: editing on the CPU, no download "
-    "(random weights, image_base_size 256)", needs_weights=False, instruct=True, base_size=256)
+    "hunyuan_image3_instruct_tiny", "embedded tiny Instruct checkpoint trained to edit coloured shapes "
+    "(colour, background, position) at 256x256 (CPU, no download)", needs_weights=False, instruct=True, base_size=256)
+instruct_tiny_random = HunyuanImage3Flavor(
+    "hunyuan_image3_instruct_tiny_random", "the tiny Instruct architecture with random weights (generated; "
+    "image_base_size 256, for code-path tests)", needs_weights=False, instruct=True, base_size=256)

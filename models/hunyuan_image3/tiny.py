@@ -7,13 +7,17 @@ text-to-image path runs on a CPU in seconds.
 
 ``trained`` (flavour ``hunyuan_image3_tiny``, the default) ships in the
 package (``assets/tiny_trained/``, model card beside it): trained by
-``train_tiny`` to draw coloured shapes at named positions at 128x128. It is
-read in place by the same loader as any checkpoint.
+``train_tiny`` to draw coloured shapes at named positions at 128x128.
+``instruct_trained`` (``hunyuan_image3_instruct_tiny``,
+``assets/tiny_instruct_trained/``) is trained from it on edit pairs
+("make the circle green") at 256x256. Both are read in place by the same
+loader as any checkpoint.
 
-``base`` (``hunyuan_image3_tiny_random``) and ``instruct`` are generated
-here with random weights (seed 0): images look like coloured noise; they
-exist so that every code path runs with no download. The generator writes the
-directory once; later runs reuse it.
+``base`` (``hunyuan_image3_tiny_random``) and ``instruct``
+(``hunyuan_image3_instruct_tiny_random``) are generated here with random
+weights (seed 0): images look like coloured noise; they exist so that every
+code path runs with no download. The generator writes the directory once;
+later runs reuse it.
 
 The Instruct one adds what editing needs: a tiny SigLIP2 ViT and aligner
 (``vision_model.*``, ``vision_aligner.*``), the VAE encoder, the Instruct
@@ -63,12 +67,13 @@ KINDS = {"base": (TINY_CONFIG, "tiny_tokenizer.json", FORMAT_VERSION),
          "instruct": (TINY_INSTRUCT_CONFIG, "tiny_instruct_tokenizer.json", INSTRUCT_FORMAT_VERSION)}
 
 
-TRAINED_ASSET = "tiny_trained"
+TRAINED_ASSETS = {"trained": "tiny_trained", "instruct_trained": "tiny_instruct_trained"}  # kind -> asset dir
 
 
-def trained_checkpoint_dir() -> Path:
-    """The shipped trained checkpoint (a directory inside the installed package)."""
-    return Path(str(resources.files("omni.models.hunyuan_image3.assets").joinpath(TRAINED_ASSET)))
+def trained_checkpoint_dir(kind: str = "trained") -> Path:
+    """A shipped trained checkpoint (a directory inside the installed package): ``trained`` (base) or
+    ``instruct_trained`` (the editing model, ``train_tiny.instruct``)."""
+    return Path(str(resources.files("omni.models.hunyuan_image3.assets").joinpath(TRAINED_ASSETS[kind])))
 
 
 def default_cache_dir(kind: str = "base") -> Path:
@@ -169,10 +174,10 @@ def _write_shards(root: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def ensure_tiny_checkpoint(cache_dir: Path | None = None, kind: str = "base") -> Path:
-    """The tiny checkpoint directory of ``kind``: the shipped one for ``trained``; ``base`` | ``instruct``
-    generated on first use (into ``cache_dir`` or the user cache)."""
-    if kind == "trained":
-        return trained_checkpoint_dir()
+    """The tiny checkpoint directory of ``kind``: the shipped one for ``trained`` | ``instruct_trained``;
+    ``base`` | ``instruct`` (random weights) generated on first use (into ``cache_dir`` or the user cache)."""
+    if kind in TRAINED_ASSETS:
+        return trained_checkpoint_dir(kind)
     dest = Path(cache_dir) if cache_dir else default_cache_dir(kind)
     if not (dest / "model.safetensors.index.json").is_file():
         write_tiny_checkpoint(dest, kind)

@@ -17,6 +17,7 @@ the test thread does not reach a running engine.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import socket
 import threading
@@ -103,6 +104,30 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+@contextlib.contextmanager
+def recipe_client(recipe_name: str, model_id: str):
+    """The official ``openai`` client on a real server over the real engine of recipe ``recipe_name``
+    (built here on the CPU platform, stopped on exit), serving ``model_id``."""
+    import openai
+
+    from omni.engine_loop import EngineLoop
+    from omni.models.hunyuan_image3.build import build_pipeline
+    from omni.platform_manager import select
+    from omni.recipe import load_recipe
+    from omni.scheduler import Scheduler
+    from omni.serving.app import ServingOptions, create_app
+
+    recipe = load_recipe(recipe_name)
+    engine = EngineLoop.around(Scheduler.from_recipe(build_pipeline(recipe, select("cpu"), progress=False),
+                                                     recipe)).start()
+    try:
+        assert engine.wait_ready(30)
+        with ServerThread(create_app(engine, ServingOptions.from_recipe(recipe, model_id=model_id))) as srv:
+            yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:
+        engine.stop()
 
 
 def free_port() -> int:

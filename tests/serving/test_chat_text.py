@@ -1,7 +1,7 @@
 """Text answers and think / recaption over a real localhost server, driven by the official openai client.
 
-The tiny Instruct model (recipe ``cpu_tiny_instruct``, random weights: its
-answers are gibberish tokens) answers T2T and I2T chats, plain and streamed
+The tiny Instruct architecture (recipe ``cpu_tiny_instruct`` with flavour
+``hunyuan_image3_instruct_tiny_random``: its answers are gibberish tokens) answers T2T and I2T chats, plain and streamed
 (server-sent events), and draws after writing a CoT. The base tiny flavour's
 helpers (over a model-free engine) show a model that does not write text
 refusing both by name. Small settings throughout: 4-8 tokens, 2 steps, 256x256.

@@ -10,7 +10,7 @@ Three servers:
 - ``recorded``: the model-free ``FakePipeline`` recording the requests it is
   handed, to check the decoded images reach ``ImageRequest.images`` pixel-exact,
   in upload order, shared by n requests, and that "auto" follows image 0;
-- ``instruct``: recipe ``cpu_tiny_instruct`` (the embedded tiny Instruct model),
+- ``instruct``: recipe ``cpu_tiny_instruct`` with the random-weight tiny Instruct flavour,
   end to end with the openai client, 1 and 3 images (fake VAE decode, 2 steps).
 """
 from __future__ import annotations
@@ -148,15 +148,17 @@ def recorded():
 
 @pytest.fixture(scope="module")
 def instruct():
-    """The embedded tiny Instruct model behind a real server (2 steps, no CFG, fake VAE decode)."""
+    """The tiny Instruct architecture with random weights behind a real server (2 steps, no CFG, fake VAE
+    decode; served under the embedded model's name). The text tests read its greedy answers, which the
+    trained checkpoint (tests/test_quality_tiny_edit.py) does not share."""
     recipe = load_recipe(INSTRUCT_RECIPE).replace_paths({
-        "kv_cache.budget_bytes": 160 << 20, "serving.max_batch_tokens": 1 << 17, "serving.max_running": 8,
+        "model.flavor": "hunyuan_image3_instruct_tiny_random", "kv_cache.budget_bytes": 160 << 20, "serving.max_batch_tokens": 1 << 17, "serving.max_running": 8,
         "serving.max_queue": 32, "defaults.steps": 2, "defaults.guidance": 1.0})
     flavor = model_registry.get(recipe.model.flavor)
     pipeline = TestPipeline(flavor.build_pipeline(recipe, select("cpu"), progress=False))
     engine = EngineLoop.around(Scheduler.from_recipe(pipeline, recipe)).start()
     assert engine.wait_ready(60)
-    options = ServingOptions.from_recipe(recipe, model_id=recipe.model.flavor)
+    options = ServingOptions.from_recipe(recipe, model_id="hunyuan_image3_instruct_tiny")
     with ServerThread(create_app(engine, options)) as srv:
         yield srv.url, options, engine.scheduler
     engine.stop()

@@ -12,19 +12,18 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 W, H, PAD = 640, 260, 40
-COLOURS = {"vae": (40, 80, 220), "dit": (220, 40, 40)}
+COLOURS = {"vae": (40, 80, 220), "dit": (220, 40, 40), "edit": (40, 150, 60)}
 
 
 def _smooth(values: list[float], k: int = 20) -> list[float]:
     return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
 
 
-def _panel(draw: ImageDraw.ImageDraw, x0: int, log: list, name: str) -> None:
+def _panel(draw: ImageDraw.ImageDraw, x0: int, log: list, name: str, w: int) -> None:
     """One panel: log10(loss) against step, raw (light) and a 20-step running mean (dark)."""
     steps, losses = [s for s, *_ in log], [max(l, 1e-6) for _, l, *_ in log]
     lo, hi = math.log10(min(losses)), math.log10(max(losses))
     hi = hi if hi > lo else lo + 1
-    w = W // 2 - 2 * PAD
 
     def xy(s, l):
         return x0 + PAD + w * (s - steps[0]) / max(1, steps[-1] - steps[0]), \
@@ -42,11 +41,15 @@ def _panel(draw: ImageDraw.ImageDraw, x0: int, log: list, name: str) -> None:
 
 
 def plot_losses(run: Path, out: Path) -> Path:
+    """One panel per part the run trained (vae, dit for the base run; edit for the Instruct run)."""
+    parts = [p for p in COLOURS if (run / "state" / f"{p}.json").is_file()]
+    if not parts:
+        raise FileNotFoundError(f"{run / 'state'}: no loss log (vae.json, dit.json or edit.json)")
     img = Image.new("RGB", (W, H), (255, 255, 255))
     draw = ImageDraw.Draw(img)
-    for i, part in enumerate(("vae", "dit")):
+    for i, part in enumerate(parts):
         log = json.loads((run / "state" / f"{part}.json").read_text())["log"]
-        _panel(draw, i * W // 2, log, part)
+        _panel(draw, i * W // len(parts), log, part, W // len(parts) - 2 * PAD)
     img.save(out)
     return out
 

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from .. import tiny
 
 
-PARTS = {"vae": ("vae", "opt_vae", "vae_step"), "dit": ("model", "opt", "step")}  # module, optimizer, counter
+PARTS = {"vae": ("vae", "opt_vae", "vae_step"), "dit": ("model", "opt", "step"),  # module, optimizer, counter
+         "edit": ("trainable", "opt", "step")}  # the Instruct run: transformer and ViT together
 
 
 def save_state(tr, out: Path, part: str) -> None:
@@ -34,8 +35,9 @@ def save_state(tr, out: Path, part: str) -> None:
     moments = {}
     for name, param in module.named_parameters():
         for key, value in opt.state.get(param, {}).items():
-            moments[f"{name}::{key}"] = value.contiguous()
-    _atomic(root / f"{part}.safetensors", lambda p: save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(p)))
+            moments[f"{name}::{key}"] = value.detach().cpu().contiguous()
+    weights = {k: v.cpu().contiguous() for k, v in module.state_dict().items()}
+    _atomic(root / f"{part}.safetensors", lambda p: save_file(weights, str(p)))
     _atomic(root / f"{part}_optim.safetensors", lambda p: save_file(moments, str(p)))
     meta = {"step": getattr(tr, counter), "log": tr.log[part]}
     _atomic(root / f"{part}.json", lambda p: p.write_text(json.dumps(meta)))
@@ -48,9 +50,9 @@ def _atomic(path: Path, write) -> None:
 
 
 def load_state(tr, out: Path, parts=tuple(PARTS)) -> list[str]:
-    """Restore every saved part of ``parts`` into ``tr``; returns the parts found."""
+    """Restore every saved part of ``parts`` that ``tr`` has into it; returns the parts found."""
     found = []
-    for part in parts:
+    for part in (p for p in parts if hasattr(tr, PARTS[p][0])):
         root, (module_attr, opt_attr, counter) = out / "state", PARTS[part]
         if not (root / f"{part}.json").is_file():
             continue
@@ -58,7 +60,8 @@ def load_state(tr, out: Path, parts=tuple(PARTS)) -> list[str]:
         module.load_state_dict(load_file(str(root / f"{part}.safetensors")))
         moments = load_file(str(root / f"{part}_optim.safetensors"))
         for name, param in module.named_parameters():
-            state = {k.split("::")[1]: v for k, v in moments.items() if k.split("::")[0] == name}
+            state = {k.split("::")[1]: v.to(param.device) if v.dim() else v  # AdamW keeps its step on the CPU
+                     for k, v in moments.items() if k.split("::")[0] == name}
             if state:
                 opt.state[param] = state
         meta = json.loads((root / f"{part}.json").read_text())
@@ -76,7 +79,9 @@ def export(tr, dest: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tensors = tiny.official_tensors({"": tr.model, "vae.": tr.vae})
-    tiny._write_shards(tmp, {k: v.detach() for k, v in tensors.items()})
+    if getattr(tr, "vision", None) is not None:  # the ViT's own names are the official ones
+        tensors.update(tr.vision.state_dict())
+    tiny._write_shards(tmp, {k: v.detach().cpu() for k, v in tensors.items()})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tr.tok._backend.save(str(tmp / "tokenizer.json"), pretty=True)
     for keep in ("README.md", "loss.png", "first_image.png"):  # the model card and its figures stay

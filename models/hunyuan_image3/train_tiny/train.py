@@ -178,7 +178,7 @@ class Trainer:
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         for group in self.opt.param_groups:
-            group["lr"] = self.args.lr * min(1.0, (self.step + 1) / 100) * _cosine(self.step, self.args.steps)
+            group["lr"] = self.args.lr * min(1.0, (self.step + 1) / 100) * _cosine(self.step, self.args.schedule_steps)
         self.opt.step()
         self.step += 1
         return total
