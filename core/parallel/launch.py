@@ -167,6 +167,19 @@ def _watch_parent(conn) -> None:
     os._exit(70)
 
 
+def _thread_lock_for_progress_bars() -> None:
+    """Give tqdm a thread lock before it makes its default one.
+
+    tqdm's default write lock includes a multiprocessing RLock: in a spawned process a named semaphore,
+    registered with the launcher's resource tracker. A rank stopped while it loads (SIGTERM -> os._exit)
+    never unlinks it, and the tracker then warns about a leaked semaphore on the launcher's stderr. A
+    spawned rank's RLock excludes nothing across processes anyway (each rank makes its own).
+    """
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def _child(fn, info: RankInfo, degrees: Degrees, platform: str, args: tuple, dist_timeout_s: float,
            threads: int, report, lifeline) -> None:
     # Ctrl-C in a terminal signals the whole process group. A worker that died of it on its own would cut
@@ -177,6 +190,7 @@ def _child(fn, info: RankInfo, degrees: Degrees, platform: str, args: tuple, dis
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     threading.Thread(target=_watch_parent, args=(lifeline,), daemon=True, name="omni-lifeline").start()
+    _thread_lock_for_progress_bars()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
     try:
         result = run_worker(fn, info, degrees, platform=platform, args=args, dist_timeout_s=dist_timeout_s,
