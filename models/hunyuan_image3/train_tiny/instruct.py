@@ -123,6 +123,7 @@ class InstructTrainer:
         self.opt = torch.optim.AdamW(self.trainable.parameters(), lr=args.lr, weight_decay=0.01)
         self.scale = float(self.config["vae"]["scaling_factor"])
         self.table = instruct_table(edits.SIZE)
+        self.downsample = cfg.vae_downsample_factor[0] * cfg.patch_size  # pixels per latent token side
         self.step, self.log = 0, {"edit": []}
 
     def _init(self, base: Path) -> None:
@@ -144,13 +145,13 @@ class InstructTrainer:
         p, P = self.vision.cfg.patch_size, self.vision.cfg.max_num_patches
         th, tw = target_size(edits.SIZE, edits.SIZE, p, P)
         k = nearest(self.table, edits.SIZE, edits.SIZE)
-        return CondImage.from_sizes(self.table[k], k, (th // p, tw // p), P, downsample=16)
+        return CondImage.from_sizes(self.table[k], k, (th // p, tw // p), P, downsample=self.downsample)
 
     def rows(self, prompts: list[str], has_ref: list[bool], g: torch.Generator) -> list:
         drop = (torch.rand(len(prompts), generator=g) < DROP_P).tolist()
         cond = self.cond_image()
         return [build_edit_pair(self.tok, p, [cond] if r else [], height=edits.SIZE, width=edits.SIZE,
-                                downsample=16, base_size=edits.SIZE)[int(d)]
+                                downsample=self.downsample, base_size=edits.SIZE)[int(d)]
                 for p, r, d in zip(prompts, has_ref, drop)]
 
     def embed_row(self, row, img_LD, ts_D, ref) -> tuple[torch.Tensor, int]:
