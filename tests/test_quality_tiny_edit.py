@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from omni.models.hunyuan_image3.train_tiny.edits import EDIT_HELD, HELD_KEYS, Edit, edit_batch, held_edit, \
-    render_pair, sample_edit, to_uint8
+from omni.models.hunyuan_image3.train_tiny.edits import EDIT_HELD, HELD_KEYS, edit_batch, held_edit, render_pair, \
+    sample_edit, to_uint8
 from omni.models.hunyuan_image3.train_tiny.measure import read_image
 
 GATE = 0.9
@@ -96,8 +96,6 @@ def test_held_edits_are_never_training_pairs():
     assert not {e.key() for e in seen} & HELD_KEYS
     taught = {e.instruction() for e in seen}
     assert all(e.instruction() in taught for e in EDITS)
-    _, _, instructions = edit_batch(0, 0, 8)
-    assert len(instructions) == 8
 
 
 def test_held_edits_change_one_property():
@@ -107,11 +105,9 @@ def test_held_edits_change_one_property():
         before = (o.colour, o.position, bg)
         changed = [i for i in range(3) if before[i] != edit.expected()[i]]
         assert changed == [{"colour": 0, "move": 1, "background": 2}[edit.op]], edit
-        src, tgt = render_pair(edit, None)
-        assert (read_image(to_uint8(src)).colour, read_image(to_uint8(src)).position,
-                read_image(to_uint8(src)).background) == before
-        assert (read_image(to_uint8(tgt)).colour, read_image(to_uint8(tgt)).position,
-                read_image(to_uint8(tgt)).background) == edit.expected()
+        src, tgt = (read_image(to_uint8(x)) for x in render_pair(edit, None))
+        assert (src.colour, src.position, src.background) == before
+        assert (tgt.colour, tgt.position, tgt.background) == edit.expected()
 
 
 def test_cli_edit_follows_the_held_instructions(tmp_path, sources):
@@ -148,7 +144,6 @@ def test_random_weights_fail_the_edit_gate(tmp_path, sources):
 
 def test_edit_is_a_function_of_its_arguments():
     """Resumable training rests on this: the pairs of step s depend on (seed, s) only."""
-    a, b = edit_batch(3, 7, 4), edit_batch(3, 7, 4)
+    a, b, c = edit_batch(3, 7, 4), edit_batch(3, 7, 4), edit_batch(3, 8, 4)
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
-    assert a[2] != edit_batch(3, 8, 4)[2] or not np.array_equal(a[1], edit_batch(3, 8, 4)[1])
-    assert isinstance(sample_edit(np.random.default_rng(1)), Edit)
+    assert not np.array_equal(a[1], c[1])

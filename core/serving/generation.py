@@ -93,7 +93,6 @@ class Generator:
             watcher.cancel()
             gathered.cancel()
 
-
     async def _gone_or_closing(self, request: Request, poll_s: float = 0.2) -> None:
         """Return once the client has gone away or the server is closing (polled: a signal handler sets it)."""
         while not self.closing and not await request.is_disconnected():

@@ -49,10 +49,10 @@ def _atomic(path: Path, write) -> None:
     tmp.replace(path)
 
 
-def load_state(tr, out: Path, parts=tuple(PARTS)) -> list[str]:
-    """Restore every saved part of ``parts`` that ``tr`` has into it; returns the parts found."""
+def load_state(tr, out: Path) -> list[str]:
+    """Restore every saved part of the trainer's ``PARTS`` into it; returns the parts found."""
     found = []
-    for part in (p for p in parts if hasattr(tr, PARTS[p][0])):
+    for part in tr.PARTS:
         root, (module_attr, opt_attr, counter) = out / "state", PARTS[part]
         if not (root / f"{part}.json").is_file():
             continue

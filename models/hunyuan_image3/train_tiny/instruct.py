@@ -31,11 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
-
 from omni.attention_context import DenseContext, dense_meta
 from omni.build_options import BuildOptions
 from omni.platform_manager import select
+from omni.weights import LoadTarget, load_checkpoint
 
 from .. import tiny
 from ..assets.make_tiny_tokenizer import build as build_tokenizer
@@ -49,7 +48,7 @@ from ..vae import AutoencoderKLConv3D, VAEConfig
 from ..vision import HunyuanVisionEncoder, VisionConfig
 from ..vision_preprocess import target_size
 from . import data, edits
-from .train import DROP_P, LATENT_STD, SHIFT, _cosine, pinned_latent
+from .train import DROP_P, LATENT_STD, noised, optimizer_step, pinned_latent
 
 T2I_P = 0.25  # rows drawn from a caption with no reference image
 INSTRUCT_TOKENS = ("<img_size_256>", "<img_ratio_33>", "<img_ratio_34>", "<img_ratio_35>", "<img_ratio_36>",
@@ -82,31 +81,20 @@ def instruct_config(base: Path, vocab_size: int) -> dict:
     return {**config, **VISION, "vit_aligner": aligner, "vocab_size": vocab_size, "image_base_size": edits.SIZE}
 
 
-def _stacked(model: torch.nn.Module, official: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model``'s state dict filled from official names (the inverse of ``tiny.official_tensors``);
-    a tensor with more rows than the checkpoint's (the grown vocabulary) keeps its init past them."""
+def _grown(init: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``init`` with ``trained`` copied over it; a tensor with more rows than the trained one (the grown
+    vocabulary) keeps its init past them."""
     out = {}
-    for name, t in model.state_dict().items():
-        if ".mlp.experts." in name and t.dim() == 3:
-            head, leaf = name.split(".mlp.experts.")
-            src = torch.stack([official[f"{head}.mlp.experts.{e}.{leaf}"] for e in range(t.shape[0])])
-        else:
-            src = official[name]
-        new = t.clone()
-        new[: src.shape[0]] = src
-        out[name] = new
+    for name, t in init.items():
+        out[name] = t.clone()
+        out[name][: trained[name].shape[0]] = trained[name]
     return out
-
-
-def _load_official(root: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for shard in sorted(root.glob("*.safetensors")):
-        tensors.update(load_file(str(shard)))
-    return tensors
 
 
 class InstructTrainer:
     """The tiny Instruct transformer and ViT (trained), the base VAE (frozen), their optimizer and step."""
+
+    PARTS = ("edit",)  # what checkpoint.save_state / load_state keep of this run
 
     def __init__(self, args):
         self.args, self.device, base = args, torch.device(args.device), base_checkpoint()
@@ -133,10 +121,12 @@ class InstructTrainer:
             for module in (self.model, self.vision):
                 for name, p in module.named_parameters():
                     tiny._init_(name, p, g)
-        official = _load_official(base)
-        self.model.load_state_dict(_stacked(self.model, official))
+        trained = HunyuanImage3Transformer(HunyuanImage3Config.from_file(base / "config.json"), select("cpu"),
+                                           BuildOptions(dtype=torch.float32))
         self.vae = AutoencoderKLConv3D(VAEConfig.from_dict(self.config["vae"]))
-        self.vae.load_state_dict({k[4:]: v for k, v in official.items() if k.startswith("vae.")})
+        load_checkpoint(base, [LoadTarget("", trained, trained.param_name_for), LoadTarget("vae.", self.vae)],
+                        progress=False)  # the engine's loader: official names, per-expert tensors
+        self.model.load_state_dict(_grown(self.model.state_dict(), trained.state_dict()))
         self.vae.requires_grad_(False)
 
     # ------------------------------------------------------------ rows
@@ -217,25 +207,17 @@ class InstructTrainer:
         a = self.args
         g = torch.Generator().manual_seed(a.seed * 1_000_003 + 11 + self.step)
         src, tgt, prompts, has_ref = self.batch(g)
-        x0 = pinned_latent(torch.from_numpy(tgt)) * self.scale
-        noise = torch.randn(x0.shape, generator=g)
-        u = torch.rand(x0.shape[0], generator=g)
-        sigma = SHIFT * u / (1 + (SHIFT - 1) * u)
-        xt = ((1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * noise).to(self.device)
-        target = (noise - x0).to(self.device)
+        xt, sigma, target = (t.to(self.device) for t in noised(pinned_latent(torch.from_numpy(tgt)) * self.scale, g))
         rows = self.rows(prompts, has_ref, g)
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
         for s in range(0, len(rows), a.group):
             sl = slice(s, s + a.group)
             refs = self.references(src[sl], has_ref[sl], g)
-            v = self.velocity(rows[sl], xt[sl], sigma[sl].to(self.device), refs)
+            v = self.velocity(rows[sl], xt[sl], sigma[sl], refs)
             loss = F.mse_loss(v, target[sl]) * v.shape[0] / len(rows)
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.trainable.parameters(), 1.0)
-        for group in self.opt.param_groups:
-            group["lr"] = a.lr * min(1.0, (self.step + 1) / 100) * _cosine(self.step, a.schedule_steps)
-        self.opt.step()
+        optimizer_step(self.opt, self.trainable.parameters(), a, self.step)
         self.step += 1
         return total

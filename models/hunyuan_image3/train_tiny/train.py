@@ -77,6 +77,8 @@ def tokenizer_vocab() -> dict[str, int]:
 class Trainer:
     """The modules, their optimizers and the step counters of one run."""
 
+    PARTS = ("vae", "dit")  # what checkpoint.save_state / load_state keep of this run
+
     def __init__(self, args):
         self.args, self.vocab = args, tokenizer_vocab()
         self.config = trained_config(len(self.vocab))
@@ -164,24 +166,35 @@ class Trainer:
         x, captions = data.batch(self.args.seed, self.step, self.args.batch)
         g = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.step)
         x0 = self.latents(torch.from_numpy(x))
-        noise = torch.randn(x0.shape, generator=g)
-        u = torch.rand(x0.shape[0], generator=g)
-        sigma = SHIFT * u / (1 + (SHIFT - 1) * u)
-        xt = (1 - sigma[:, None, None, None]) * x0 + sigma[:, None, None, None] * noise
+        xt, sigma, target = noised(x0, g)
         rows = self.rows(captions, g)
         self.opt.zero_grad(set_to_none=True)
         total = 0.0
         for s in range(0, len(rows), GROUP):
             v = self.velocity(rows[s : s + GROUP], xt[s : s + GROUP], sigma[s : s + GROUP])
-            loss = F.mse_loss(v, (noise - x0)[s : s + GROUP]) * v.shape[0] / len(rows)
+            loss = F.mse_loss(v, target[s : s + GROUP]) * v.shape[0] / len(rows)
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        for group in self.opt.param_groups:
-            group["lr"] = self.args.lr * min(1.0, (self.step + 1) / 100) * _cosine(self.step, self.args.schedule_steps)
-        self.opt.step()
+        optimizer_step(self.opt, self.model.parameters(), self.args, self.step)
         self.step += 1
         return total
+
+
+def noised(x0_BChw: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_sigma, sigma_B, target velocity) of the official flow matching; noise, then sigma, drawn from ``g``."""
+    noise = torch.randn(x0_BChw.shape, generator=g)
+    u = torch.rand(x0_BChw.shape[0], generator=g)
+    sigma_B = SHIFT * u / (1 + (SHIFT - 1) * u)
+    s = sigma_B[:, None, None, None]
+    return (1 - s) * x0_BChw + s * noise, sigma_B, noise - x0_BChw
+
+
+def optimizer_step(opt, params, args, step: int) -> None:
+    """Clip at 1, set this step's learning rate (100-step warm-up, cosine over ``schedule_steps``), step."""
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    for group in opt.param_groups:
+        group["lr"] = args.lr * min(1.0, (step + 1) / 100) * _cosine(step, args.schedule_steps)
+    opt.step()
 
 
 def _cosine(step: int, total: int) -> float:
