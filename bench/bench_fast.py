@@ -65,6 +65,8 @@ def parse():
     p.add_argument("--quant", default="fp8_row")
     p.add_argument("--no-naive", action="store_true")
     p.add_argument("--attn-fp8", action="store_true", help="the fp8 engine also runs attention in e4m3 (attention.fp8)")
+    p.add_argument("--fast-accum", action="store_true",
+                   help="fp8 GEMMs accumulate without fp32 promotion (kernels.fp8_fast_accum), engine and floor")
     p.add_argument("--no-vae", action="store_true")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--json", type=Path)
@@ -120,7 +122,7 @@ class Setup:
         with torch.device(device):
             self.model = HunyuanImage3Transformer(cfg, platform, BuildOptions(
                 dtype=torch.bfloat16, quant=quant, capturable=platform.info.accelerator,
-                attn_fp8=a.attn_fp8 and quant != "none"))
+                attn_fp8=a.attn_fp8 and quant != "none", fast_accum=a.fast_accum and quant != "none"))
         random_init_(self.model, seed=0)  # same seed: the bf16 and fp8 models share their bf16 weights
         self.model.finalize()
         self.model.eval()
@@ -235,6 +237,12 @@ def engine(a, platform, quant, device, out, label):
 
 
 @torch.inference_mode()
+def fp32_weight(wg) -> torch.Tensor:
+    """The router's fp32 ``[E, D]`` weight, also from the cuda platform's prepared bf16 split ``[3E, D]``."""
+    w, E = wg.weight, wg.spec.out_features
+    return w.float() if w.shape[0] == E else w.float().view(3, E, -1).sum(0)
+
+
 def naive_step(s: Setup, x_BLD, cos_BLH, sin_BLH, mask_LL):
     """Full sequence every step, dense-masked SDPA, per-expert loop (bf16 weights of ``s.model``)."""
     B, L, D = x_BLD.shape
@@ -253,7 +261,7 @@ def naive_step(s: Setup, x_BLD, cos_BLH, sin_BLH, mask_LL):
         h = h + F.linear(o.transpose(1, 2).flatten(2), at.o_proj.weight)
         mlp = layer.mlp
         xn = layer.post_attention_layernorm(h).flatten(0, 1)
-        probs = torch.softmax(F.linear(xn.float(), mlp.gate.wg.weight.float()), -1)
+        probs = torch.softmax(F.linear(xn.float(), fp32_weight(mlp.gate.wg)), -1)
         wts, ids = probs.topk(mlp.gate.topk, -1)
         wts = wts / wts.sum(-1, keepdim=True)
         sh = mlp.shared_mlp
@@ -331,7 +339,7 @@ def floor(a, s: Setup, out):
                 xq, xs = Q.quantize_fp8(x, True)
                 wq, ws = Q.quantize_fp8(w, True)
                 times[name] = timed(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1),
-                                                             out_dtype=torch.bfloat16), 20)
+                                                             out_dtype=torch.bfloat16, use_fast_accum=a.fast_accum), 20)
         for name, (o, i) in {"experts_gate_up": (2 * inner, D), "experts_down": (D, inner)}.items():
             x = torch.randn(R, i, device=dev, generator=g, dtype=torch.bfloat16)
             w = torch.randn(E, o, i, device=dev, generator=g, dtype=torch.bfloat16)
@@ -342,7 +350,8 @@ def floor(a, s: Setup, out):
                 xq, xs = Q.quantize_fp8(x, True)
                 wq, ws = Q.quantize_fp8(w, True)
                 times[name] = timed(lambda: torch._scaled_grouped_mm(
-                    xq, wq.transpose(-2, -1), xs.view(-1), ws.view(E, o), offs=offs, out_dtype=torch.bfloat16), 20)
+                    xq, wq.transpose(-2, -1), xs.view(-1), ws.view(E, o), offs=offs, out_dtype=torch.bfloat16,
+                    use_fast_accum=a.fast_accum), 20)
             del x, w
         attn = s.model.model.layers[0].self_attn.attn["none"]
         meta = _meta(s.runs, False, dev)

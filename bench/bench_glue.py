@@ -4,10 +4,11 @@ One 1024x1024 CFG step packs T = 8194 tokens (2 rows x (1 + 4096)); hidden
 4096, 32 query / 8 KV heads of 128, shared-expert width 3072, 64 experts top 8.
 For each step of the glue (``omni_glue_impl``) it times, in the same run:
 
-    torch     the reference's ops (``omni.reference_glue``: what the model ran before fusion)
+    torch     the reference's ops (the router: the fp32 copy of the rows and an fp32 GEMM) (``omni.reference_glue``: what the model ran before fusion)
     liger     liger-kernel's Triton kernel for the same step where it has one (rms_norm,
               fused_add_rms_norm, rope, swiglu), plus our quant_rows where the step also quantizes
-    ours      ``omni.platforms.cuda.glue.TritonGlue`` (one pass, quantization fused)
+    ours      ``omni.platforms.cuda.glue.TritonGlue`` (one pass, quantization fused); the router:
+              ``omni.platforms.cuda.gemm.SplitFp32Linear`` (bf16 tensor cores, exact split weight)
 
 and the bytes floor (read + write once at the measured copy bandwidth). Times
 are CUDA-event medians over ``--iters`` after warm-up.
@@ -22,15 +23,19 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from omni.platform_manager import select
 from omni.reference_glue import ReferenceGlue
-from omni.specs import GlueSpec
+from omni.platforms.cuda.gemm import SplitFp32Linear
+from omni.specs import GemmSpec, GlueSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import cuda_event_median  # noqa: E402
 
 T, D, N, K, H, I, E, TOPK = 8194, 4096, 32, 8, 128, 3072, 64, 8
+ROUTER = "router logits, fp32 product (x.float() @ wg.T vs the 3 x bf16 split)"
+ACCURACY = {}  # step -> () -> {candidate: relative error against fp64}, filled by cases()
 
 
 def timed(fn, iters: int) -> float:
@@ -54,7 +59,18 @@ def cases(ours, ref, lig, quant_rows):
     qkv, h2 = r(T, (N + 2 * K) * H), r(T, 2 * I)
     cos, sin = torch.rand(T, H, device="cuda", generator=g), torch.rand(T, H, device="cuda", generator=g)
     logits = torch.randn(T, E, device="cuda", generator=g)
+    wg = torch.randn(E, D, device="cuda", generator=g) / D**0.5
+    router = SplitFp32Linear(GemmSpec(in_features=D, out_features=E, dtype=torch.float32))
+    wg3 = router.prepare_weight(wg)
+    route_fns = {"torch": lambda: F.linear(x.float(), wg), "ours": lambda: router(x, wg3)}
+
+    def route_err():
+        exact = F.linear(x.double(), wg.double())
+        return {k: float((f().double() - exact).norm() / exact.norm()) for k, f in route_fns.items()}
+
+    ACCURACY[ROUTER] = route_err
     c = {
+        ROUTER: (T * D * 2 + T * E * 4, route_fns),
         "rms_norm + fp8 rows (input_layernorm -> qkv)": (2 * T * D * 2 + T * D, {
             "torch": lambda: ref.rms_norm(x, w, True), "ours": lambda: ours.rms_norm(x, w, True)}),
         "add + rms_norm + fp8 rows (post_attention_layernorm)": (3 * T * D * 2 + T * D * 3, {
@@ -85,7 +101,7 @@ def cases(ours, ref, lig, quant_rows):
             x1, x2 = h2.chunk(2, -1)
             return quant_rows(lig["swiglu"](x2.contiguous(), x1.contiguous())[2])
 
-        for name, fn in zip(list(c)[:4], (lig_rms, lig_add_rms, lig_rope, lig_swiglu)):
+        for name, fn in zip(list(c)[1:5], (lig_rms, lig_add_rms, lig_rope, lig_swiglu)):
             c[name][1]["liger (+ our quant_rows)" if "fp8" in name else "liger (+ torch qk-norm)"] = fn
     return c
 
@@ -119,6 +135,8 @@ def main():
                 row[k] = timed(f, a.iters)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is reported, the others still run
                 row[k + " error"] = f"{type(e).__name__}: {e}"[:200]
+        if name in ACCURACY:
+            row.update({f"{k} rel err vs fp64": v for k, v in ACCURACY[name]().items()})
         rows.append(row)
         print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     out = {"T": T, "copy_bandwidth_TBps": bw / 1e12, "liger": "0.8.5" if lig else why, "ours": ours.name,

@@ -34,6 +34,7 @@ class BuildOptions:
     capturable: bool = False  # ``graph.mode == "capture"``: the denoising step is recorded into a device graph
     memory_bound: str = "auto"  # ``kernels.memory_bound``: auto | triton | torch (``omni.specs.MEMORY_BOUND``)
     attn_fp8: bool = False  # ``attention.fp8``: e4m3 Q/K/V in the attention products (docs/quality.md gates it)
+    fast_accum: bool = False  # ``kernels.fp8_fast_accum``: fp8 GEMMs may skip fp32 promotion (docs/quality.md)
 
     @classmethod
     def from_recipe(cls, recipe) -> BuildOptions:
@@ -41,7 +42,12 @@ class BuildOptions:
         return cls(dtype=DTYPES[recipe.model.dtype], quant=recipe.quant.scheme, experts_only=recipe.quant.experts_only,
                    paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0,
                    attn_backend=recipe.attention.backend, capturable=recipe.graph.mode == "capture",
-                   memory_bound=recipe.kernels.memory_bound, attn_fp8=recipe.attention.fp8)
+                   memory_bound=recipe.kernels.memory_bound, attn_fp8=recipe.attention.fp8,
+                   fast_accum=recipe.kernels.fp8_fast_accum)
+
+    def linear_kw(self, quant: str) -> dict:
+        """The kernel choices every ``Linear`` of the model is built with, for the scheme ``quant``."""
+        return dict(dtype=self.dtype, quant=quant, memory_bound=self.memory_bound, fast_accum=self.fast_accum)
 
     @property
     def dense_quant(self) -> str:

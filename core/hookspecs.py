@@ -255,11 +255,19 @@ def omni_linear_impl(spec: GemmSpec, reject: Reject) -> LinearImpl | None:
     plain torch ops; ``triton`` demands Triton, so a platform without it
     refuses with a reason naming the field.
 
+    Accumulation: ``spec.fast_accum`` (``kernels.fp8_fast_accum``) permits an
+    fp8 product to accumulate in the tensor cores without promoting partial
+    sums to fp32 (less exact, faster where the hardware has it); it is a
+    permission, not a demand: a platform without such a mode computes as
+    without it. Inputs of a lower-precision dtype than ``spec.dtype`` (the
+    bf16 rows an fp32 router takes) are taken as exactly that value in
+    ``spec.dtype``.
+
     Capture safety: ``__call__`` must be capturable (no host sync).
     Default implementation: ``F.linear``; fp8 schemes quantize to e4m3 and
-    compute the dequantized product in fp32 (reference semantics); refuses
-    ``memory_bound="triton"``.
-    Versions: 0.2 (``memory_bound``).
+    compute the dequantized product in fp32 (reference semantics, exact:
+    ignores ``fast_accum``); refuses ``memory_bound="triton"``.
+    Versions: 0.3 (``fast_accum``; 0.2 ``memory_bound``).
     """
 
 
@@ -279,10 +287,12 @@ def omni_grouped_gemm_impl(spec: GroupedGemmSpec, reject: Reject) -> GroupedGemm
     (activations get one scale per expert group), ``fp8_row`` ``[E, O, 1]``
     (activations per token).
 
+    Accumulation: ``spec.fast_accum`` as ``omni_linear_impl`` says.
+
     Capture safety: must not read ``offsets_E`` on the host when the MoE runs
     in a captured region (the reference does, so it is never captured).
-    Default implementation: a loop over experts with ``F.linear``.
-    Versions: 0.1.
+    Default implementation: a loop over experts with ``F.linear`` (exact).
+    Versions: 0.2 (``fast_accum``).
     """
 
 
@@ -313,6 +323,8 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     the memory-bound steps (gather and quantize, SwiGLU, combine) run, as
     ``omni_linear_impl`` says: ``auto``, ``torch``, or a ``triton`` demand
     that a platform without Triton refuses with a reason naming the field.
+    ``spec.fast_accum`` permits fast accumulation in both expert GEMMs, as
+    ``omni_linear_impl`` says.
 
     Capture safety: ``__call__`` must not read routing on the host (no
     ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends
@@ -326,7 +338,7 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     counts on the host, so it refuses ``capturable`` specs; refuses ``memory_bound="triton"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.3 (``memory_bound``).
+    Versions: 0.4 (``fast_accum``; 0.3 ``memory_bound``).
     """
 
 

@@ -53,10 +53,10 @@ class Linear(nn.Module):
     """``y = x W^T + b`` through the platform's linear kernel for ``quant``."""
 
     def __init__(self, in_features: int, out_features: int, *, platform, dtype: torch.dtype,
-                 bias: bool = False, quant: str = "none", memory_bound: str = "auto"):
+                 bias: bool = False, quant: str = "none", memory_bound: str = "auto", fast_accum: bool = False):
         super().__init__()
         self.spec = GemmSpec(in_features=in_features, out_features=out_features, dtype=dtype, quant=quant, bias=bias,
-                             memory_bound=memory_bound)
+                             memory_bound=memory_bound, fast_accum=fast_accum)
         self.kernel = platform.linear(self.spec)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -79,10 +79,10 @@ class GroupedLinear(nn.Module):
     """Per-expert weights ``[E, O, I]`` applied to expert-sorted rows via the grouped GEMM kernel."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, platform,
-                 dtype: torch.dtype, quant: str = "none"):
+                 dtype: torch.dtype, quant: str = "none", fast_accum: bool = False):
         super().__init__()
         self.spec = GroupedGemmSpec(num_experts=num_experts, in_features=in_features,
-                                    out_features=out_features, dtype=dtype, quant=quant)
+                                    out_features=out_features, dtype=dtype, quant=quant, fast_accum=fast_accum)
         self.kernel = platform.grouped_gemm(self.spec)
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype), requires_grad=False)
         self.register_buffer("weight_scale", None)

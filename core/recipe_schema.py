@@ -122,6 +122,9 @@ class Kernels(_Validated):
                                      "SwiGLU, combine): auto (Triton where the platform has it, else torch ops); "
                                      "triton (demand it: refused where absent); torch (plain torch ops)",
                              choices=MEMORY_BOUND)
+    fp8_fast_accum: bool = _opt(False, "fp8 GEMMs may accumulate in the tensor cores without promoting partial sums "
+                                       "to fp32 (Hopper fast accumulation): faster, less exact; platforms without "
+                                       "it compute exactly; gated in docs/quality.md")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

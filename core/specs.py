@@ -132,6 +132,7 @@ class GemmSpec:
     quant: str = "none"  # one of QUANT_SCHEMES
     bias: bool = False
     memory_bound: str = "auto"  # one of MEMORY_BOUND: the activation quantization of fp8 schemes
+    fast_accum: bool = False  # fp8 products may accumulate without promotion (``kernels.fp8_fast_accum``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
@@ -148,6 +149,7 @@ class GroupedGemmSpec:
     out_features: int
     dtype: torch.dtype
     quant: str = "none"
+    fast_accum: bool = False  # fp8 products may accumulate without promotion (``kernels.fp8_fast_accum``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
@@ -268,6 +270,7 @@ class MoESpec:
     renormalize: bool = True
     memory_bound: str = "auto"  # one of MEMORY_BOUND: gather (+ quantize), SwiGLU (+ quantize), combine
     capturable: bool = False  # the layer runs inside a captured denoising step (graph.mode: capture)
+    fast_accum: bool = False  # fp8 expert products may accumulate without promotion (``kernels.fp8_fast_accum``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:

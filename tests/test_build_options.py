@@ -33,10 +33,11 @@ def test_from_recipe_maps_every_field():
     recipe = load_recipe("cpu_tiny").replace_paths({
         "model.dtype": "bfloat16", "quant.scheme": "fp8_row", "quant.experts_only": True, "kv_cache.mode": "paged",
         "kv_cache.page_tokens": 32, "attention.backend": "sdpa", "graph.mode": "capture",
-        "kernels.memory_bound": "torch", "attention.fp8": True})
+        "kernels.memory_bound": "torch", "attention.fp8": True, "kernels.fp8_fast_accum": True})
     opts = BuildOptions.from_recipe(recipe)
     assert opts == BuildOptions(dtype=torch.bfloat16, quant="fp8_row", experts_only=True, paged_kv=True, page_size=32,
-                                attn_backend="sdpa", capturable=True, memory_bound="torch", attn_fp8=True)
+                                attn_backend="sdpa", capturable=True, memory_bound="torch", attn_fp8=True,
+                                fast_accum=True)
     defaults = BuildOptions(dtype=torch.float32)
     unchanged = [f.name for f in dataclasses.fields(BuildOptions) if getattr(opts, f.name) == getattr(defaults, f.name)]
     assert not unchanged, f"fields the test does not move off their defaults: {unchanged}"
@@ -62,6 +63,27 @@ def test_derived_helpers():
     assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.dtype) == (8, 2, 64, torch.bfloat16)
     assert (spec.mask, spec.paged, spec.page_size, spec.backend, spec.capturable) == ("none", True, 16, "sdpa", True)
     assert not opts.attention_spec(8, 2, 64, "causal").capturable  # only the denoising step is captured
+    kw = dataclasses.replace(opts, fast_accum=True).linear_kw("none")
+    assert kw == dict(dtype=torch.bfloat16, quant="none", memory_bound="auto", fast_accum=True)
+
+
+def test_fast_accum_reaches_every_fp8_kernel_spec():
+    """kernels.fp8_fast_accum lands in the spec of every linear, grouped GEMM and MoE the model builds."""
+    from omni.layers import GroupedLinear, Linear
+    from omni.models.hunyuan_image3.config import HunyuanImage3Config
+    from omni.models.hunyuan_image3.tiny import TINY_CONFIG
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.platform_manager import select
+
+    cfg = HunyuanImage3Config.from_json_dict(TINY_CONFIG)
+    opts = BuildOptions(dtype=torch.float32, quant="fp8_row", fast_accum=True)
+    with torch.device("meta"):
+        model = HunyuanImage3Transformer(cfg, select("cpu"), opts)
+    specs = [m.spec for m in model.modules() if isinstance(m, (Linear, GroupedLinear))]
+    fp8 = [s for s in specs if s.dtype != torch.float32 or s.quant != "none"]
+    assert fp8 and all(s.fast_accum for s in fp8)
+    moes = [m.moe_spec for m in model.modules() if hasattr(m, "moe_spec")]
+    assert moes and all(s.fast_accum for s in moes)
 
 
 # ----------------------------------------------------------------- the recipe field

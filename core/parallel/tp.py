@@ -284,9 +284,10 @@ def _shard_linear(model, name: str, style, full: tuple, experts: range | None, c
 def _rebuild(old, in_f: int, out_f: int, num_experts: int | None, platform):
     s = old.spec
     if isinstance(old, GroupedLinear):
-        return GroupedLinear(num_experts, in_f, out_f, platform=platform, dtype=s.dtype, quant=s.quant)
+        return GroupedLinear(num_experts, in_f, out_f, platform=platform, dtype=s.dtype, quant=s.quant,
+                             fast_accum=s.fast_accum)
     return Linear(in_f, out_f, platform=platform, dtype=s.dtype, bias=s.bias, quant=s.quant,
-                  memory_bound=s.memory_bound)
+                  memory_bound=s.memory_bound, fast_accum=s.fast_accum)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -86,7 +86,7 @@ class Attention(nn.Module):
         super().__init__()
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.layer_idx, self.shape_NKH = layer_idx, (N, K, H)
-        kw = dict(platform=platform, dtype=opts.dtype, quant=opts.dense_quant, memory_bound=opts.memory_bound)
+        kw = dict(platform=platform, **opts.linear_kw(opts.dense_quant))
         self.qkv_proj = Linear(D, (N + 2 * K) * H, **kw)
         self.o_proj = Linear(N * H, D, **kw)
         self.query_layernorm = RMSNorm(H, cfg.rms_norm_eps, opts.dtype)
@@ -110,11 +110,10 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """The shared expert: ``down(swiglu(gate_and_up(x)))``."""
 
-    def __init__(self, dim: int, inner: int, *, platform, dtype, quant, memory_bound, glue):
+    def __init__(self, dim: int, inner: int, *, platform, glue, **linear_kw):
         super().__init__()
-        kw = dict(platform=platform, dtype=dtype, quant=quant, memory_bound=memory_bound)
-        self.gate_and_up_proj = Linear(dim, 2 * inner, **kw)
-        self.down_proj = Linear(inner, dim, **kw)
+        self.gate_and_up_proj = Linear(dim, 2 * inner, platform=platform, **linear_kw)
+        self.down_proj = Linear(inner, dim, platform=platform, **linear_kw)
         self.glue = glue
 
     def forward(self, x_TD) -> torch.Tensor:
@@ -131,7 +130,7 @@ class Router(nn.Module):
         self.topk, self.glue = topk, glue  # glue.route: softmax, top-k, renormalise in one pass
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.glue.route(self.wg(x_TD.float()))
+        return self.glue.route(self.wg(x_TD))  # the linear computes in fp32 (its spec.dtype)
 
 
 def expert_offsets(expert_R: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -150,10 +149,11 @@ class RoutedExperts(KernelOwner):
     """
 
     def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, memory_bound,
-                 topk: int = 1, capturable: bool = False):
+                 fast_accum: bool = False, topk: int = 1, capturable: bool = False):
         super().__init__()
-        self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, platform=platform, dtype=dtype, quant=quant)
-        self.down_proj = GroupedLinear(num_experts, inner, dim, platform=platform, dtype=dtype, quant=quant)
+        kw = dict(platform=platform, dtype=dtype, quant=quant, fast_accum=fast_accum)
+        self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, **kw)
+        self.down_proj = GroupedLinear(num_experts, inner, dim, **kw)
         self.platform, self.topk, self.memory_bound, self.capturable = platform, topk, memory_bound, capturable
         self.moe = platform.moe(self._spec())
 
@@ -162,7 +162,7 @@ class RoutedExperts(KernelOwner):
         g13 = self.gate_and_up_proj.spec
         return MoESpec(num_experts=g13.num_experts, topk=min(self.topk, g13.num_experts), hidden=g13.in_features,
                        inner=self.down_proj.spec.in_features, dtype=g13.dtype, quant=g13.quant,
-                       memory_bound=self.memory_bound, capturable=self.capturable)
+                       memory_bound=self.memory_bound, capturable=self.capturable, fast_accum=g13.fast_accum)
 
     @property
     def num_experts(self) -> int:  # read off the weights: a plan may keep only some experts on a rank
@@ -192,12 +192,12 @@ class MoE(nn.Module):
     def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, opts: BuildOptions):
         super().__init__()
         D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[layer_idx], cfg.num_experts
-        kw = dict(platform=platform, dtype=opts.dtype, memory_bound=opts.memory_bound)
         glue = platform.glue(glue_spec(cfg, layer_idx, opts))
         self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform, glue=glue)
-        self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], quant=opts.dense_quant, glue=glue, **kw)
-        self.experts = RoutedExperts(E, D, inner, quant=opts.quant, topk=cfg.moe_topk[layer_idx],
-                                     capturable=opts.capturable, **kw)
+        self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, glue=glue,
+                                 **opts.linear_kw(opts.dense_quant))
+        self.experts = RoutedExperts(E, D, inner, platform=platform, topk=cfg.moe_topk[layer_idx],
+                                     capturable=opts.capturable, **opts.linear_kw(opts.quant))
 
     def forward(self, n_TD) -> torch.Tensor:
         """``n_TD``: the normed rows, or their ``RowQuantized`` form (the shared expert takes it as is)."""

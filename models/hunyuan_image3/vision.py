@@ -164,8 +164,7 @@ class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig, *, platform, opts: BuildOptions):
         super().__init__()
         D, N, H = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        kw = dict(platform=platform, dtype=opts.dtype, bias=True, quant=opts.dense_quant,
-                  memory_bound=opts.memory_bound)
+        kw = dict(platform=platform, bias=True, **opts.linear_kw(opts.dense_quant))
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (Linear(D, D, **kw) for _ in range(4))
         self.shape_NH = (N, H)
         self.attn = platform.attention(AttentionSpec(num_heads=N, num_kv_heads=N, head_dim=H, dtype=opts.dtype,
@@ -184,8 +183,7 @@ class VisionMLP(nn.Module):
 
     def __init__(self, cfg: VisionConfig, *, platform, opts: BuildOptions):
         super().__init__()
-        kw = dict(platform=platform, dtype=opts.dtype, bias=True, quant=opts.dense_quant,
-                  memory_bound=opts.memory_bound)
+        kw = dict(platform=platform, bias=True, **opts.linear_kw(opts.dense_quant))
         self.fc1 = Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.fc2 = Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
 
@@ -237,8 +235,7 @@ class VisionAligner(nn.Module):
 
     def __init__(self, cfg: VisionConfig, *, platform, opts: BuildOptions):
         super().__init__()
-        kw = dict(platform=platform, dtype=opts.dtype, bias=True, quant=opts.dense_quant,
-                  memory_bound=opts.memory_bound)
+        kw = dict(platform=platform, bias=True, **opts.linear_kw(opts.dense_quant))
         M = cfg.aligner_dim
         layers = [Linear(cfg.hidden_size, M, **kw)]
         for _ in range(cfg.aligner_depth - 1):

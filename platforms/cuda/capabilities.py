@@ -34,6 +34,7 @@ class Caps:
     has_scaled_mm: bool = False
     has_grouped_mm: bool = False
     has_scaled_grouped_mm: bool = False
+    has_mm_out_dtype: bool = False  # aten::mm.dtype: bf16 x bf16 -> fp32 output
 
     @property
     def sm_name(self) -> str:
@@ -97,6 +98,7 @@ def detect_caps(device_index: int = 0) -> Caps:
         has_scaled_mm=hasattr(torch, "_scaled_mm"),
         has_grouped_mm=hasattr(torch, "_grouped_mm"),
         has_scaled_grouped_mm=hasattr(torch, "_scaled_grouped_mm"),
+        has_mm_out_dtype="dtype" in torch.ops.aten.mm.overloads(),
     )
 
 

@@ -33,7 +33,7 @@ from omni.moe import sort_by_expert, swiglu as torch_swiglu
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight
 
 from .capabilities import Caps
-from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, group_tensor_scales
+from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later
 
 FP8 = ("fp8_row", "fp8_tensor")
 
@@ -81,12 +81,13 @@ class CudaMoE:
 
     def __init__(self, spec: MoESpec, kernels):
         self.spec, self.kernels = spec, kernels
-        kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant)
+        kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant, fast_accum=spec.fast_accum)
         g13 = GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw)
         g2 = GroupedGemmSpec(in_features=spec.inner, out_features=spec.hidden, **kw)
         grouped = ScaledGroupedMM if spec.quant in FP8 else GroupedMM
         self.gemm13, self.gemm2 = grouped(g13), grouped(g2)
-        self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}]"
+        fast = ",fast-accum" if spec.fast_accum and spec.quant in FP8 else ""
+        self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}{fast}]"
 
     def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
         return PreparedMoE(self.gemm13.prepare_weight(w13_EOI), self.gemm2.prepare_weight(w2_EOI))
@@ -102,12 +103,12 @@ class CudaMoE:
         x = x_TD.to(self.spec.dtype)
         if self.spec.quant == "fp8_row":
             xq, xs = self.kernels.quant_gather(x, routing.token_R)
-            h = self._scaled(xq, xs, prepared.w13, offs)
+            h = self.gemm13.scaled(xq, xs, prepared.w13, offs)
             aq, as_ = self.kernels.swiglu(h, quantize=True)
-            y = self._scaled(aq, as_, prepared.w2, offs)
+            y = self.gemm2.scaled(aq, as_, prepared.w2, offs)
         elif self.spec.quant == "fp8_tensor":
-            h = self._group_quantized(x[routing.token_R], prepared.w13, offs)
-            y = self._group_quantized(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
+            h = self.gemm13.group_quantized(x[routing.token_R], prepared.w13, offs)
+            y = self.gemm2.group_quantized(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
         else:
             h = self._bf16(x[routing.token_R], prepared.w13, offs)
             y = self._bf16(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
@@ -120,16 +121,6 @@ class CudaMoE:
     def _bf16(x_RI, w: PreparedWeight, offs):
         return torch._grouped_mm(x_RI.contiguous(), w.data.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
 
-    @staticmethod
-    def _scaled(xq_RI, xs_R1, w: PreparedWeight, offs):
-        e, o = w.data.shape[:2]
-        return torch._scaled_grouped_mm(xq_RI, w.data.transpose(-2, -1), xs_R1.reshape(-1), w.scale.view(e, o),
-                                        offs=offs, out_dtype=torch.bfloat16)
-
-    def _group_quantized(self, x_RI, w: PreparedWeight, offs):
-        scale = group_tensor_scales(x_RI, offs, w.data.shape[0])
-        xq = (x_RI.float() / scale).clamp(-quant.FP8_MAX, quant.FP8_MAX).to(torch.float8_e4m3fn)
-        return self._scaled(xq, scale, w, offs)
 
 
 def _row_scales(w: PreparedWeight) -> PreparedWeight:

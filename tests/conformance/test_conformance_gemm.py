@@ -83,3 +83,20 @@ def test_grouped_gemm_matches_oracle(platform_name, dtype, quant, shape, groups)
     y = impl(x, impl.prepare_weight(w), offsets)
     assert y.shape == (sum(sizes), o) and y.dtype == dt and y.device == x.device
     assert_matches(y, oracles(platform_name)[2](spec, x, w, offsets), dt, quant, platform_name)
+
+
+@pytest.mark.parametrize("rows", ["bf16", "fp16"])
+def test_fp32_linear_takes_lower_precision_rows_as_their_fp32_value(platform_name, rows):
+    """The router: an fp32 linear fed the model's bf16 rows computes the fp32 product of those exact values."""
+    from omni.specs import GemmSpec
+
+    dev = device_of(platform_name)
+    spec = GemmSpec(in_features=256, out_features=64, dtype=torch.float32)
+    impl = get_platform(platform_name).linear(spec)
+    RESOLVED[(platform_name, "linear", "fp32", f"{rows} rows", "256x64")].add(impl.name)
+    w = _rand(64, 256, dtype=torch.float32, device=dev, seed=6, scale=1 / 16)
+    x = _rand(3, 7, 256, dtype=DTYPES[rows], device=dev, seed=7)
+    y = impl(x, impl.prepare_weight(w), None)
+    assert y.shape == (3, 7, 64) and y.dtype == torch.float32
+    exact = (x.double() @ w.double().T).float()
+    torch.testing.assert_close(y.cpu(), exact.cpu(), atol=1e-5, rtol=1e-5)

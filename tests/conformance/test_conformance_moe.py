@@ -113,8 +113,12 @@ def test_moe_refusal_names_the_recipe_field():
 # ----------------------------------------------------------------- the CUDA impl's logic on CPU tensors
 
 
-def _emulated_scaled_grouped_mm(xq, w_IO, scale_a, scale_b, offs, out_dtype):
+FAST_ACCUM_SEEN: list[bool] = []  # use_fast_accum of every emulated call, in order
+
+
+def _emulated_scaled_grouped_mm(xq, w_IO, scale_a, scale_b, offs, out_dtype, use_fast_accum=False):
     """``torch._scaled_grouped_mm`` semantics (2-D x 3-D, row-wise scales) in fp32 on the CPU."""
+    FAST_ACCUM_SEEN.append(use_fast_accum)
     y = torch.zeros(xq.shape[0], w_IO.shape[-1], dtype=torch.float32)
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -134,6 +138,20 @@ def test_cuda_moe_torch_kernels_on_cpu(monkeypatch, quant, shape, routing):
     impl = CudaMoE(spec, kernels=TorchKernels())
     assert impl.name == f"cuda-fused-moe[{quant},torch]"
     check(impl, spec, make_case(spec, routing), "bf16", "cpu")
+
+
+@pytest.mark.parametrize("quant", ["fp8_row", "fp8_tensor"])
+def test_cuda_moe_passes_fast_accum_to_both_expert_gemms(monkeypatch, quant):
+    from omni.platforms.cuda.moe import CudaMoE, TorchKernels
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_scaled_grouped_mm, raising=False)
+    for fast in (False, True):
+        spec = MoESpec(num_experts=4, topk=2, hidden=64, inner=48, dtype=torch.bfloat16, quant=quant, fast_accum=fast)
+        impl = CudaMoE(spec, kernels=TorchKernels())
+        assert impl.name.endswith(",fast-accum]") == fast
+        FAST_ACCUM_SEEN.clear()
+        check(impl, spec, make_case(spec, "random"), "bf16", "cpu")
+        assert FAST_ACCUM_SEEN and set(FAST_ACCUM_SEEN) == {fast}
 
 
 def test_cuda_moe_resolution_reasons():

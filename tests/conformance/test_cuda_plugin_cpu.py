@@ -289,3 +289,33 @@ def test_cuda_declines_lse_attention_it_cannot_serve(backend, caps, reason):
     reasons: list[str] = []
     assert attention.resolve(spec, caps, reasons.append) is None
     assert reasons == [reason]
+
+def test_fp32_linear_resolves_to_the_bf16_split_where_mm_writes_fp32():
+    from omni.platforms.cuda import gemm
+    from omni.specs import GemmSpec
+
+    spec = GemmSpec(in_features=256, out_features=64, dtype=torch.float32)
+    assert isinstance(gemm.resolve_linear(spec, dataclasses.replace(H100, has_mm_out_dtype=True), pytest.fail),
+                      gemm.SplitFp32Linear)
+    assert type(gemm.resolve_linear(spec, dataclasses.replace(H100, has_mm_out_dtype=False), pytest.fail)) \
+        is gemm.CudaLinear
+    bf16 = dataclasses.replace(spec, dtype=torch.bfloat16)
+    assert type(gemm.resolve_linear(bf16, dataclasses.replace(H100, has_mm_out_dtype=True), pytest.fail)) \
+        is gemm.CudaLinear
+
+
+def test_bf16_split_of_an_fp32_weight_is_exact_to_fp32():
+    from omni.platforms.cuda.gemm import SplitFp32Linear
+    from omni.specs import GemmSpec
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * torch.logspace(-6, 3, 256)  # magnitudes across nine decades
+    lin = SplitFp32Linear(GemmSpec(in_features=256, out_features=64, dtype=torch.float32))
+    p = lin.prepare_weight(w)
+    assert p.data.dtype == torch.bfloat16 and p.data.shape == (192, 256) and p.scale is None
+    hi, mid, lo = p.data.double().view(3, 64, 256)
+    err = ((hi + mid + lo) - w.double()).abs() / w.double().abs()
+    assert float(err.max()) <= 2.0 ** -26  # below half an fp32 ulp (2^-24) with margin
+    assert float(((hi - w.double()).abs() / w.double().abs()).max()) > 2.0 ** -12  # hi alone is not enough
+    x = torch.randn(5, 256, generator=g)  # fp32 rows (no bf16 tensor cores on them): the recombined weight
+    torch.testing.assert_close(lin(x, p), x @ w.T, atol=1e-4, rtol=1e-5)

@@ -62,3 +62,55 @@ def test_fp8_linear_accuracy(platform, scheme, max_exact_rel, dtype, capsys):
               f"(rel {ex_max:.2e}, fro {ex_fro:.2e}); {dtype} linear vs exact fro {_rel(plain, exact)[1]:.2e}")
     assert sem_max < 1e-2 and sem_fro < 5e-3
     assert ex_fro < max_exact_rel
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_fast_accum_stays_near_the_dequantized_product(platform, fast, capsys):
+    """kernels.fp8_fast_accum: the dense and the grouped fp8 GEMM against the fp64 product of their e4m3 operands."""
+    from omni.specs import GroupedGemmSpec
+
+    g = torch.Generator().manual_seed(1)
+    E, R, K, N = 4, 256, 4096, 1024  # K as long as the released hidden size: where accumulation error grows
+    x = torch.randn(E * R, K, generator=g).bfloat16().cuda()
+    w = (torch.randn(E, N, K, generator=g) / K ** 0.5).bfloat16().cuda()
+    offs = torch.arange(1, E + 1, dtype=torch.int32, device="cuda") * R
+    dense = platform.linear(GemmSpec(in_features=K, out_features=N, dtype=torch.bfloat16, quant="fp8_row",
+                                     fast_accum=fast))
+    grouped = platform.grouped_gemm(GroupedGemmSpec(num_experts=E, in_features=K, out_features=N,
+                                                    dtype=torch.bfloat16, quant="fp8_row", fast_accum=fast))
+    assert ("fast-accum" in dense.name, "fast-accum" in grouped.name) == (fast, fast)
+    xq, xs = quant.quantize_fp8(x, per_row=True)
+    pw = grouped.prepare_weight(w)
+    wd = pw.data.double() * pw.scale.double()
+    sem_g = torch.cat([(xq[e * R:(e + 1) * R].double() * xs[e * R:(e + 1) * R].double()) @ wd[e].T for e in range(E)])
+    y_g = grouped(x, pw, offs).double()
+    y_d = dense(x, dense.prepare_weight(w[0]), None).double()
+    sem_d = (xq.double() * xs.double()) @ wd[0].T
+    errs = _rel(y_g, sem_g)[1], _rel(y_d, sem_d)[1]
+    with capsys.disabled():
+        print(f"\n[fp8 accumulate] fast={fast}: grouped fro {errs[0]:.2e} ({grouped.name}), "
+              f"dense fro {errs[1]:.2e} ({dense.name})")
+    assert max(errs) < (1e-2 if fast else 5e-3)  # bf16 output rounding alone is ~2e-3
+
+
+def test_fp32_router_as_a_bf16_split_is_as_exact_as_fp32(platform, capsys):
+    """The router's fp32 linear fed bf16 rows: the 3 x bf16 split against fp64 and against torch's fp32 GEMM."""
+    g = torch.Generator().manual_seed(2)
+    T, D, E = 8194, 4096, 64
+    x = torch.randn(T, D, generator=g).bfloat16().cuda()
+    w = (torch.randn(E, D, generator=g) / D ** 0.5).cuda()
+    lin = platform.linear(GemmSpec(in_features=D, out_features=E, dtype=torch.float32))
+    assert lin.name.startswith("cuda-linear[fp32 as 3 x bf16]")
+    y = lin(x, lin.prepare_weight(w), None)
+    exact = x.double() @ w.double().T
+    fp32 = torch.nn.functional.linear(x.float(), w)
+    assert y.dtype == torch.float32 and y.shape == (T, E)
+    ours, torch_fp32 = _rel(y.double(), exact)[1], _rel(fp32.double(), exact)[1]
+    with capsys.disabled():
+        print(f"\n[router] split fro {ours:.2e} vs fp32 GEMM fro {torch_fp32:.2e} (against fp64)")
+    assert ours < 1e-6 and ours < 4 * torch_fp32 + 1e-7
+    # the same top-8 experts as the fp32 GEMM, but for rows whose 8th and 9th logits are closer than fp32 noise
+    top_ours, top_ref = y.topk(9, -1), exact.topk(9, -1)
+    clear = (top_ref.values[:, 7] - top_ref.values[:, 8]) > 1e-5
+    same = (top_ours.indices[:, :8].sort(-1).values == top_ref.indices[:, :8].sort(-1).values).all(-1)
+    assert bool(same[clear].all()) and clear.float().mean() > 0.99
