@@ -50,21 +50,24 @@ def one_intraop_thread():
     torch.set_num_threads(before)
 
 
-def score(images: list[np.ndarray]) -> tuple[float, list[str]]:
+RANDOM_MAX = 0.4  # the random-weights control, on a subset of the held prompts (measured: none right)
+
+
+def score(images: list[np.ndarray], cases=HELD_OUT) -> tuple[float, list[str]]:
     """(share of images matching their held tuple on all three readings, one line per miss)."""
     misses = []
-    for (colour, shape, position, background), img in zip(HELD_OUT, images, strict=True):
+    for (colour, shape, position, background), img in zip(cases, images, strict=True):
         r = read_image(img)
         if not r.matches(colour, position, background):
             misses.append(f"{held_prompt(colour, shape, position, background)!r}: read {r}")
-    return 1 - len(misses) / len(HELD_OUT), misses
+    return 1 - len(misses) / len(cases), misses
 
 
-def _cli_images(tmp_path, *extra: str) -> list[np.ndarray]:
+def _cli_images(tmp_path, *extra: str, cases=HELD_OUT) -> list[np.ndarray]:
     from omni.cli import main
 
     images = []
-    for i, held in enumerate(HELD_OUT):
+    for i, held in enumerate(cases):
         out = tmp_path / f"{i}.png"
         assert main(["generate", "--prompt", held_prompt(*held), "--seed", str(i), "-o", str(out), *extra]) == 0
         images.append(np.asarray(Image.open(out).convert("RGB")))
@@ -106,5 +109,6 @@ def test_random_weights_fail_the_gate(tmp_path):
     from omni.models.hunyuan_image3.tiny import trained_checkpoint_dir, write_random_like
 
     random_ckpt = write_random_like(tmp_path / "random", trained_checkpoint_dir())
-    share, _ = score(_cli_images(tmp_path, "--model", str(random_ckpt)))
-    assert share < GATE, f"random weights scored {share:.0%}: the gate cannot tell a trained model from noise"
+    cases = HELD_OUT[::3]  # a third of the prompts: the control needs to show noise, not to measure it closely
+    share, _ = score(_cli_images(tmp_path, "--model", str(random_ckpt), cases=cases), cases)
+    assert share <= RANDOM_MAX, f"random weights scored {share:.0%} of {len(cases)}: the gate cannot tell noise"

@@ -38,6 +38,7 @@ from omni.models.hunyuan_image3.train_tiny.edits import EDIT_HELD, HELD_KEYS, ed
 from omni.models.hunyuan_image3.train_tiny.measure import read_image
 
 GATE = 0.9
+RANDOM_MAX = 0.4  # the random-weights control, on every third held edit (measured: none right)
 RECIPE = "cpu_tiny_instruct"
 EDITS = [held_edit(*h) for h in EDIT_HELD]
 
@@ -65,21 +66,21 @@ def sources(tmp_path_factory) -> list:
     return paths
 
 
-def score(images: list[np.ndarray]) -> tuple[float, list[str]]:
+def score(images: list[np.ndarray], edits=EDITS) -> tuple[float, list[str]]:
     """(share of edits whose output reads as expected, one line per miss)."""
     misses = []
-    for edit, img in zip(EDITS, images, strict=True):
+    for edit, img in zip(edits, images, strict=True):
         r = read_image(img)
         if (r.colour, r.position, r.background) != edit.expected():
             misses.append(f"{edit.instruction()!r} on {edit.source}: expected {edit.expected()}, read {r}")
-    return 1 - len(misses) / len(EDITS), misses
+    return 1 - len(misses) / len(edits), misses
 
 
-def _cli_edits(tmp_path, sources, *extra: str) -> list[np.ndarray]:
+def _cli_edits(tmp_path, sources, *extra: str, every: int = 1) -> list[np.ndarray]:
     from omni.cli import main
 
     images = []
-    for i, (edit, src) in enumerate(zip(EDITS, sources)):
+    for i, (edit, src) in list(enumerate(zip(EDITS, sources)))[::every]:
         out = tmp_path / f"{i}.png"
         assert main(["edit", "--recipe", RECIPE, "--image", str(src), "--prompt", edit.instruction(),
                      "--seed", str(i), "-o", str(out), *extra]) == 0
@@ -137,9 +138,10 @@ def test_random_weights_fail_the_edit_gate(tmp_path, sources):
     from omni.models.hunyuan_image3.tiny import trained_checkpoint_dir, write_random_like
 
     random_ckpt = write_random_like(tmp_path / "random", trained_checkpoint_dir("instruct_trained"))
-    share, _ = score(_cli_edits(tmp_path, sources, "--model", str(random_ckpt)))
-    print(f"edit gate, random weights: {share:.0%}")
-    assert share < GATE, f"random weights scored {share:.0%}: the gate cannot tell a trained model from noise"
+    # every third held edit (two recolours, two backgrounds, one move): the control shows noise, it need not measure it
+    share, _ = score(_cli_edits(tmp_path, sources, "--model", str(random_ckpt), every=3), EDITS[::3])
+    print(f"edit gate, random weights: {share:.0%} of {len(EDITS[::3])}")
+    assert share <= RANDOM_MAX, f"random weights scored {share:.0%}: the gate cannot tell a trained model from noise"
 
 
 def test_edit_is_a_function_of_its_arguments():
