@@ -11,7 +11,7 @@
   GN, SiLU, conv3 hidden -> C: the velocity.
 
 Module names follow the official code so ``state_dict()`` keys match the
-checkpoint. Convolutions and GroupNorm are plain torch (they are not in the
+checkpoint. Convolutions and GroupNorm (``omni.group_norm``) are plain torch (they are not in the
 platform contract); the Linear layers resolve the platform's kernel.
 
 Shape suffixes: B batch, C channels, h/w latent rows/cols, D model width,
@@ -23,8 +23,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from omni.group_norm import group_norm
 from omni.layers import Linear
 
 FREQUENCY_DIM = 256
@@ -60,7 +60,7 @@ class GroupNorm32(nn.GroupNorm):
         super().__init__(GN_GROUPS, channels, eps=GN_EPS, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.group_norm(x.float(), self.num_groups, self.weight.float(), self.bias.float(), self.eps)
+        y = group_norm(x.float(), self.num_groups, self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
 
 

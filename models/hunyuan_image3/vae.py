@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni.group_norm import GroupNorm
+
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 _IGNORED_KEYS = ("_class_name", "_diffusers_version", "sample_size", "sample_tsize")
 _MUST_BE_TRUE = ("downsample_match_channel", "upsample_match_channel")
@@ -87,7 +89,7 @@ def _log2(n: int) -> int:
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
+    return GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
 
 
 class Conv3x3x3(nn.Conv3d):
