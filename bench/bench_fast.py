@@ -40,6 +40,7 @@ from random_fullsize import random_init_, released_layers  # noqa: E402
 
 from omni import quant as Q  # noqa: E402
 from omni.build_options import BuildOptions  # noqa: E402
+from omni.specs import PreparedWeight  # noqa: E402
 from omni.kv_pool import KVPool, PoolContext, Run, _meta  # noqa: E402
 from omni.moe import swiglu  # noqa: E402
 from omni.reference_glue import rms_norm, split_qkv  # noqa: E402
@@ -238,9 +239,9 @@ def engine(a, platform, quant, device, out, label):
 
 @torch.inference_mode()
 def fp32_weight(wg) -> torch.Tensor:
-    """The router's fp32 ``[E, D]`` weight, also from the cuda platform's prepared bf16 split ``[3E, D]``."""
-    w, E = wg.weight, wg.spec.out_features
-    return w.float() if w.shape[0] == E else w.float().view(3, E, -1).sum(0)
+    """The router's fp32 ``[E, D]`` weight, also from a kernel's prepared form (the cuda split: ``fp32_weight``)."""
+    recombine = getattr(wg.kernel, "fp32_weight", None)
+    return wg.weight.float() if recombine is None else recombine(PreparedWeight(wg.weight))
 
 
 def naive_step(s: Setup, x_BLD, cos_BLH, sin_BLH, mask_LL):

@@ -35,7 +35,6 @@ from bench_common import cuda_event_median  # noqa: E402
 
 T, D, N, K, H, I, E, TOPK = 8194, 4096, 32, 8, 128, 3072, 64, 8
 ROUTER = "router logits, fp32 product (x.float() @ wg.T vs the 3 x bf16 split)"
-ACCURACY = {}  # step -> () -> {candidate: relative error against fp64}, filled by cases()
 
 
 def timed(fn, iters: int) -> float:
@@ -53,6 +52,7 @@ def liger():
 
 
 def cases(ours, ref, lig, quant_rows):
+    """(step -> (bytes moved, {candidate: fn}), step -> () -> {candidate: relative error against fp64})."""
     g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
     x, d, w, hq = r(T, D), r(T, D), r(D), r(H)
@@ -68,9 +68,7 @@ def cases(ours, ref, lig, quant_rows):
         exact = F.linear(x.double(), wg.double())
         return {k: float((f().double() - exact).norm() / exact.norm()) for k, f in route_fns.items()}
 
-    ACCURACY[ROUTER] = route_err
     c = {
-        ROUTER: (T * D * 2 + T * E * 4, route_fns),
         "rms_norm + fp8 rows (input_layernorm -> qkv)": (2 * T * D * 2 + T * D, {
             "torch": lambda: ref.rms_norm(x, w, True), "ours": lambda: ours.rms_norm(x, w, True)}),
         "add + rms_norm + fp8 rows (post_attention_layernorm)": (3 * T * D * 2 + T * D * 3, {
@@ -82,6 +80,7 @@ def cases(ours, ref, lig, quant_rows):
             "torch": lambda: ref.swiglu(h2, True), "ours": lambda: ours.swiglu(h2, True)}),
         "router softmax + top-8 + renormalise": (T * E * 4 + T * TOPK * 12, {
             "torch": lambda: ref.route(logits), "ours": lambda: ours.route(logits)}),
+        ROUTER: (T * D * 2 + T * E * 4, route_fns),
     }
     if lig is not None:
         def lig_rms():
@@ -101,9 +100,9 @@ def cases(ours, ref, lig, quant_rows):
             x1, x2 = h2.chunk(2, -1)
             return quant_rows(lig["swiglu"](x2.contiguous(), x1.contiguous())[2])
 
-        for name, fn in zip(list(c)[1:5], (lig_rms, lig_add_rms, lig_rope, lig_swiglu)):
+        for name, fn in zip(list(c)[:4], (lig_rms, lig_add_rms, lig_rope, lig_swiglu)):
             c[name][1]["liger (+ our quant_rows)" if "fp8" in name else "liger (+ torch qk-norm)"] = fn
-    return c
+    return c, {ROUTER: route_err}
 
 
 def ref_split(qkv):
@@ -128,15 +127,16 @@ def main():
     dst = torch.empty_like(src)
     bw = 2 * src.numel() / (timed(lambda: dst.copy_(src), 20) * 1e-6)  # bytes/s, read + write
     rows = []
-    for name, (nbytes, fns) in cases(ours, ref, lig, TritonKernels().quant_rows).items():
+    steps, accuracy = cases(ours, ref, lig, TritonKernels().quant_rows)
+    for name, (nbytes, fns) in steps.items():
         row = {"step": name, "floor_us": nbytes / bw * 1e6}
         for k, f in fns.items():
             try:
                 row[k] = timed(f, a.iters)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is reported, the others still run
                 row[k + " error"] = f"{type(e).__name__}: {e}"[:200]
-        if name in ACCURACY:
-            row.update({f"{k} rel err vs fp64": v for k, v in ACCURACY[name]().items()})
+        if name in accuracy:
+            row.update({f"{k} rel err vs fp64": v for k, v in accuracy[name]().items()})
         rows.append(row)
         print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     out = {"T": T, "copy_bandwidth_TBps": bw / 1e12, "liger": "0.8.5" if lig else why, "ours": ours.name,

@@ -34,8 +34,7 @@ from omni.platform_manager import select  # noqa: E402
 def torch_group_norm():
     """Every ``omni.group_norm`` call answered by ``F.group_norm`` (the kernel this replaces)."""
     saved = gn.group_norm, image_io.group_norm
-    ref = lambda x, g, w, b, eps: F.group_norm(x, g, w, b, eps)  # noqa: E731
-    gn.group_norm = image_io.group_norm = ref
+    gn.group_norm = image_io.group_norm = F.group_norm
     try:
         yield
     finally:

@@ -49,6 +49,11 @@ def _dims(spec) -> str:
     return f"{spec.in_features}x{spec.out_features}"
 
 
+def fast_accum_tag(spec) -> str:
+    """The kernel-name suffix that says ``spec.fast_accum`` is on."""
+    return ",fast-accum" if spec.fast_accum else ""
+
+
 def _unwrap(y):
     return y[0] if isinstance(y, tuple) else y  # torch < 2.4 returned (out, amax)
 
@@ -93,18 +98,24 @@ class SplitFp32Linear:
         self.spec = spec
 
     def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
-        hi = w_OI.float().to(torch.bfloat16)
-        mid = (w_OI.float() - hi.float()).to(torch.bfloat16)
-        lo = (w_OI.float() - hi.float() - mid.float()).to(torch.bfloat16)
-        return PreparedWeight(torch.cat([hi, mid, lo]))
+        rest = w_OI.float()
+        parts = []
+        for _ in range(3):  # hi, mid, lo
+            parts.append(rest.to(torch.bfloat16))
+            rest = rest - parts[-1].float()
+        return PreparedWeight(torch.cat(parts))
+
+    def fp32_weight(self, w: PreparedWeight) -> torch.Tensor:
+        """The ``[O, I]`` fp32 weight, prepared (``hi + mid + lo``) or not."""
+        if w.data.dtype != torch.bfloat16:
+            return w.data.float()
+        return w.data.float().view(3, self.spec.out_features, -1).sum(0)
 
     def __call__(self, x_TI, w: PreparedWeight, bias_O=None) -> torch.Tensor:
         O = self.spec.out_features
-        if w.data.dtype != torch.bfloat16:  # not prepared (yet): the plain fp32 product
-            return F.linear(x_TI.float(), w.data.float(), bias_O)
         lead, x = x_TI.shape[:-1], x_TI.reshape(-1, self.spec.in_features)
-        if x.dtype != torch.bfloat16:
-            y = F.linear(x.float(), w.data.float().view(3, O, -1).sum(0))
+        if x.dtype != torch.bfloat16 or w.data.dtype != torch.bfloat16:  # other rows, or not prepared yet
+            y = F.linear(x.float(), self.fp32_weight(w))
         else:
             y = torch.mm(x, w.data.t(), out_dtype=torch.float32).view(-1, 3, O).sum(1)
         y = y.view(*lead, O)
@@ -116,7 +127,7 @@ class Fp8Linear:
 
     def __init__(self, spec: GemmSpec, caps: Caps, kernels):
         self.spec, self.per_row, self.kernels = spec, spec.quant == "fp8_row", kernels
-        fast = ",fast-accum" if spec.fast_accum else ""
+        fast = fast_accum_tag(spec)
         self.name = f"cuda-scaled-mm[{spec.quant},{kernels.name}{fast}]" if self.per_row else \
             f"cuda-scaled-mm[{spec.quant}{fast}]"
         # row-wise on other than sm90 + cuBLAS >= 12.9 runs a CUTLASS kernel that writes bf16 only
@@ -206,14 +217,15 @@ class ScaledGroupedMM:
 
     def __init__(self, spec: GroupedGemmSpec):
         self.spec, self.per_row = spec, spec.quant == "fp8_row"
-        self.name = f"cuda-scaled-grouped-mm[{spec.quant}{',fast-accum' if spec.fast_accum else ''}]"
+        self.name = f"cuda-scaled-grouped-mm[{spec.quant}{fast_accum_tag(spec)}]"
 
     def prepare_weight(self, w_EOI: torch.Tensor) -> PreparedWeight:
         p = quant.prepare_weight(w_EOI.contiguous(), self.spec.quant)
         e, o, _ = w_EOI.shape
         return PreparedWeight(p.data, p.scale.expand(e, o, 1).contiguous())
 
-    def prepare_quantized(self, w: PreparedWeight) -> PreparedWeight:
+    @staticmethod
+    def prepare_quantized(w: PreparedWeight) -> PreparedWeight:
         """A checkpoint's e4m3 experts with ``[E, 1, 1]`` or ``[E, O, 1]`` scales -> row scales ``[E, O, 1]``."""
         e, o, _ = w.data.shape
         return PreparedWeight(w.data.contiguous(), w.scale.float().reshape(e, -1, 1).expand(e, o, 1).contiguous())

@@ -33,7 +33,7 @@ from omni.moe import sort_by_expert, swiglu as torch_swiglu
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight
 
 from .capabilities import Caps
-from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later
+from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag
 
 FP8 = ("fp8_row", "fp8_tensor")
 
@@ -86,7 +86,7 @@ class CudaMoE:
         g2 = GroupedGemmSpec(in_features=spec.inner, out_features=spec.hidden, **kw)
         grouped = ScaledGroupedMM if spec.quant in FP8 else GroupedMM
         self.gemm13, self.gemm2 = grouped(g13), grouped(g2)
-        fast = ",fast-accum" if spec.fast_accum and spec.quant in FP8 else ""
+        fast = fast_accum_tag(spec) if spec.quant in FP8 else ""
         self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}{fast}]"
 
     def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
@@ -94,7 +94,7 @@ class CudaMoE:
 
     def prepare_quantized_weights(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
         """Pre-quantized e4m3 experts (reference scale layouts) -> this kernel's row-scale layout."""
-        return PreparedMoE(_row_scales(w13), _row_scales(w2))
+        return PreparedMoE(ScaledGroupedMM.prepare_quantized(w13), ScaledGroupedMM.prepare_quantized(w2))
 
     def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE) -> torch.Tensor:
         E = prepared.w13.data.shape[0]
@@ -109,23 +109,12 @@ class CudaMoE:
         elif self.spec.quant == "fp8_tensor":
             h = self.gemm13.group_quantized(x[routing.token_R], prepared.w13, offs)
             y = self.gemm2.group_quantized(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
-        else:
-            h = self._bf16(x[routing.token_R], prepared.w13, offs)
-            y = self._bf16(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
+        else:  # GroupedMM
+            h = self.gemm13(x[routing.token_R], prepared.w13, offs)
+            y = self.gemm2(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
         inverse_R = torch.empty_like(routing.order_R)
         inverse_R[routing.order_R] = torch.arange(routing.order_R.numel(), device=x.device)
         return self.kernels.combine(y, inverse_R, topk_weights_Tk, x_TD.dtype)
-
-    # -- the two GEMMs
-    @staticmethod
-    def _bf16(x_RI, w: PreparedWeight, offs):
-        return torch._grouped_mm(x_RI.contiguous(), w.data.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
-
-
-
-def _row_scales(w: PreparedWeight) -> PreparedWeight:
-    e, o = w.data.shape[:2]
-    return PreparedWeight(w.data.contiguous(), w.scale.float().reshape(e, -1, 1).expand(e, o, 1).contiguous())
 
 
 def resolve_moe(spec: MoESpec, caps: Caps, reject):
