@@ -40,7 +40,7 @@ from random_fullsize import random_init_, released_layers  # noqa: E402
 
 from omni import quant as Q  # noqa: E402
 from omni.build_options import BuildOptions  # noqa: E402
-from omni.specs import PreparedWeight  # noqa: E402
+from omni.specs import GroupedGemmSpec, PreparedWeight  # noqa: E402
 from omni.kv_pool import KVPool, PoolContext, Run, _meta  # noqa: E402
 from omni.moe import swiglu  # noqa: E402
 from omni.reference_glue import rms_norm, split_qkv  # noqa: E402
@@ -68,6 +68,8 @@ def parse():
     p.add_argument("--attn-fp8", action="store_true", help="the fp8 engine also runs attention in e4m3 (attention.fp8)")
     p.add_argument("--fast-accum", action="store_true",
                    help="fp8 GEMMs accumulate without fp32 promotion (kernels.fp8_fast_accum), engine and floor")
+    p.add_argument("--grouped-fp8", choices=["auto", "torch", "cutlass"], default="auto",
+                   help="kernel of the fp8 expert GEMMs (kernels.grouped_fp8), engine and floor")
     p.add_argument("--no-vae", action="store_true")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--json", type=Path)
@@ -123,7 +125,8 @@ class Setup:
         with torch.device(device):
             self.model = HunyuanImage3Transformer(cfg, platform, BuildOptions(
                 dtype=torch.bfloat16, quant=quant, capturable=platform.info.accelerator,
-                attn_fp8=a.attn_fp8 and quant != "none", fast_accum=a.fast_accum and quant != "none"))
+                attn_fp8=a.attn_fp8 and quant != "none", fast_accum=a.fast_accum and quant != "none",
+                grouped_fp8=a.grouped_fp8))
         random_init_(self.model, seed=0)  # same seed: the bf16 and fp8 models share their bf16 weights
         self.model.finalize()
         self.model.eval()
@@ -317,7 +320,7 @@ def step_flops(cfg, T: int, keys_per_query: list[int]) -> dict:
     return {"dense": dense, "routed": routed, "attention": attn, "total": dense + routed + attn}
 
 
-def floor(a, s: Setup, out):
+def floor(a, s: Setup, out, platform):
     cfg, dev = s.cfg, s.device
     T = s.rows * s.n_block
     D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -347,12 +350,16 @@ def floor(a, s: Setup, out):
             if prec == "bf16":
                 times[name] = timed(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs,
                                                               out_dtype=torch.bfloat16), 20)
-            else:
+            else:  # the engine's own grouped kernel (kernels.grouped_fp8 resolves it), on the same operands
+                kernel = platform.grouped_gemm(GroupedGemmSpec(
+                    num_experts=E, in_features=i, out_features=o, dtype=torch.bfloat16, quant="fp8_row",
+                    fast_accum=a.fast_accum, grouped_fp8=a.grouped_fp8))
                 xq, xs = Q.quantize_fp8(x, True)
-                wq, ws = Q.quantize_fp8(w, True)
-                times[name] = timed(lambda: torch._scaled_grouped_mm(
-                    xq, wq.transpose(-2, -1), xs.view(-1), ws.view(E, o), offs=offs, out_dtype=torch.bfloat16,
-                    use_fast_accum=a.fast_accum), 20)
+                pw = kernel.prepare_weight(w)
+                pre_quantized = getattr(kernel, "scaled", None)  # the cuda kernels take e4m3 rows (the reference: x)
+                times[name] = timed((lambda: pre_quantized(xq, xs, pw, offs)) if pre_quantized else
+                                    (lambda: kernel(x, pw, offs)), 20)
+                res.setdefault("grouped_kernel", kernel.name)
             del x, w
         attn = s.model.model.layers[0].self_attn.attn["none"]
         meta = _meta(s.runs, False, dev)
@@ -521,7 +528,7 @@ def main():
         attempt("quality", lambda: quality(s16, s8, out))
     if s8 is not None:
         s8.graphs = None
-        attempt("floor", lambda: floor(a, s8, out))
+        attempt("floor", lambda: floor(a, s8, out, platform))
     del s8
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -289,10 +289,18 @@ def omni_grouped_gemm_impl(spec: GroupedGemmSpec, reject: Reject) -> GroupedGemm
 
     Accumulation: ``spec.fast_accum`` as ``omni_linear_impl`` says.
 
+    Kernel choice: ``spec.grouped_fp8`` (``kernels.grouped_fp8``) names the
+    kernel of quantized schemes: ``auto`` the platform's fastest one it can
+    get, ``torch`` its stock kernel, ``cutlass`` a CUTLASS build demanded (a
+    platform without one refuses with a reason naming the field; the cuda
+    platform compiles it once per machine with nvcc). Every choice computes
+    the same function; schemes without quantization ignore the field.
+
     Capture safety: must not read ``offsets_E`` on the host when the MoE runs
     in a captured region (the reference does, so it is never captured).
-    Default implementation: a loop over experts with ``F.linear`` (exact).
-    Versions: 0.2 (``fast_accum``).
+    Default implementation: a loop over experts with ``F.linear`` (exact);
+    refuses ``grouped_fp8="cutlass"`` for quantized schemes.
+    Versions: 0.3 (``grouped_fp8``; 0.2 ``fast_accum``).
     """
 
 
@@ -324,7 +332,8 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     ``omni_linear_impl`` says: ``auto``, ``torch``, or a ``triton`` demand
     that a platform without Triton refuses with a reason naming the field.
     ``spec.fast_accum`` permits fast accumulation in both expert GEMMs, as
-    ``omni_linear_impl`` says.
+    ``omni_linear_impl`` says; ``spec.grouped_fp8`` picks their kernel, as
+    ``omni_grouped_gemm_impl`` says.
 
     Capture safety: ``__call__`` must not read routing on the host (no
     ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends
@@ -335,10 +344,11 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     Refusing: ``reject("reason")`` and None (unsupported dtype or scheme).
     Default implementation: sort routed rows by expert, loop over experts with
     ``omni.quant``'s reference products, combine in fp32 (the oracle; reads
-    counts on the host, so it refuses ``capturable`` specs; refuses ``memory_bound="triton"``).
+    counts on the host, so it refuses ``capturable`` specs; refuses ``memory_bound="triton"``
+    and, for quantized schemes, ``grouped_fp8="cutlass"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.4 (``fast_accum``; 0.3 ``memory_bound``).
+    Versions: 0.5 (``grouped_fp8``; 0.4 ``fast_accum``; 0.3 ``memory_bound``).
     """
 
 

@@ -79,10 +79,10 @@ class GroupedLinear(nn.Module):
     """Per-expert weights ``[E, O, I]`` applied to expert-sorted rows via the grouped GEMM kernel."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, platform,
-                 dtype: torch.dtype, quant: str = "none", fast_accum: bool = False):
+                 dtype: torch.dtype, quant: str = "none", fast_accum: bool = False, grouped_fp8: str = "auto"):
         super().__init__()
-        self.spec = GroupedGemmSpec(num_experts=num_experts, in_features=in_features,
-                                    out_features=out_features, dtype=dtype, quant=quant, fast_accum=fast_accum)
+        self.spec = GroupedGemmSpec(num_experts=num_experts, in_features=in_features, out_features=out_features,
+                                    dtype=dtype, quant=quant, fast_accum=fast_accum, grouped_fp8=grouped_fp8)
         self.kernel = platform.grouped_gemm(self.spec)
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype), requires_grad=False)
         self.register_buffer("weight_scale", None)

@@ -38,6 +38,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_row", "mxfp8", "nvfp4", "w8a8")  # == omni.specs.QUANT_SCHEMES (tested)
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "fa3", "flex", "fia", "aiter")
 MEMORY_BOUND = ("auto", "triton", "torch")  # == omni.specs.MEMORY_BOUND (tested)
+GROUPED_FP8 = ("auto", "torch", "cutlass")  # == omni.specs.GROUPED_FP8 (tested)
 GiB = 1 << 30
 
 
@@ -125,6 +126,11 @@ class Kernels(_Validated):
     fp8_fast_accum: bool = _opt(False, "fp8 GEMMs may accumulate in the tensor cores without promoting partial sums "
                                        "to fp32 (Hopper fast accumulation): faster, less exact; platforms without "
                                        "it compute exactly; gated in docs/quality.md")
+    grouped_fp8: str = _opt("auto", "kernel of the fp8 expert (grouped) GEMMs: auto (CUDA sm90: our CUTLASS build "
+                                    "where nvcc and the nvidia-cutlass headers are found, compiled once into "
+                                    "~/.cache/omni-run/kernels; else the stock kernel); torch (torch's "
+                                    "_scaled_grouped_mm); cutlass (demand the CUTLASS build: refused where absent)",
+                            choices=GROUPED_FP8)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -22,6 +22,7 @@ from .specs import (AttentionSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec,
 
 REFERENCE_QUANT = ("none", "fp8_tensor", "fp8_row", "w8a8")
 NO_TRITON = "reference: kernels.memory_bound=triton cannot be met: the reference runs plain torch ops (no Triton)"
+NO_CUTLASS = "reference: kernels.grouped_fp8=cutlass cannot be met: the reference's expert products are torch ops"
 
 
 def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
@@ -216,6 +217,8 @@ class ReferencePlatform:
 
     @hookimpl(trylast=True)
     def omni_grouped_gemm_impl(self, spec: GroupedGemmSpec, reject):
+        if spec.grouped_fp8 == "cutlass" and spec.quant != "none":
+            return reject(NO_CUTLASS)
         if spec.quant not in REFERENCE_QUANT:
             return reject(f"reference: quant {spec.quant!r} has no reference semantics yet")
         return ReferenceGroupedGemm(spec)
@@ -224,6 +227,8 @@ class ReferencePlatform:
     def omni_moe_impl(self, spec: MoESpec, reject):
         if spec.memory_bound == "triton":
             return reject(NO_TRITON)
+        if spec.grouped_fp8 == "cutlass" and spec.quant != "none":
+            return reject(NO_CUTLASS)
         if spec.capturable:
             return reject("reference: not capturable (reads expert counts on the host)")
         if spec.quant not in REFERENCE_QUANT:

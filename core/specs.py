@@ -22,6 +22,10 @@ QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_row", "mxfp8", "nvfp4", "w8a8")
 # How the memory-bound steps around the GEMMs run (``kernels.memory_bound``): auto = Triton where the platform
 # has it, else torch ops; triton = demanded (a platform without it refuses); torch = plain torch ops.
 MEMORY_BOUND = ("auto", "triton", "torch")
+# Which kernel runs the fp8 grouped (expert) GEMMs (``kernels.grouped_fp8``): auto = the platform's fastest one it
+# can get (on CUDA sm90 our CUTLASS build where nvcc and the CUTLASS headers are found, else torch's); torch =
+# the stock torch kernel; cutlass = the CUTLASS build demanded (a platform without it refuses).
+GROUPED_FP8 = ("auto", "torch", "cutlass")
 
 
 # ----------------------------------------------------------------- detection
@@ -114,6 +118,11 @@ class AttentionImpl(Protocol):
     def __call__(self, q_TNH: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta) -> torch.Tensor: ...
 
 
+def _check_grouped_fp8(spec: str, value: str) -> None:
+    if value not in GROUPED_FP8:
+        raise ValueError(f"{spec}.grouped_fp8 (kernels.grouped_fp8) must be one of {GROUPED_FP8}, got {value!r}")
+
+
 def _check_memory_bound(spec: str, value: str) -> None:
     if value not in MEMORY_BOUND:
         raise ValueError(f"{spec}.memory_bound (kernels.memory_bound) must be one of {MEMORY_BOUND}, got {value!r}")
@@ -150,10 +159,12 @@ class GroupedGemmSpec:
     dtype: torch.dtype
     quant: str = "none"
     fast_accum: bool = False  # fp8 products may accumulate without promotion (``kernels.fp8_fast_accum``)
+    grouped_fp8: str = "auto"  # one of GROUPED_FP8: which kernel runs fp8 schemes (``kernels.grouped_fp8``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"GroupedGemmSpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
+        _check_grouped_fp8("GroupedGemmSpec", self.grouped_fp8)
 
 
 @dataclass(slots=True)
@@ -271,11 +282,13 @@ class MoESpec:
     memory_bound: str = "auto"  # one of MEMORY_BOUND: gather (+ quantize), SwiGLU (+ quantize), combine
     capturable: bool = False  # the layer runs inside a captured denoising step (graph.mode: capture)
     fast_accum: bool = False  # fp8 expert products may accumulate without promotion (``kernels.fp8_fast_accum``)
+    grouped_fp8: str = "auto"  # one of GROUPED_FP8: the kernel of both fp8 expert GEMMs (``kernels.grouped_fp8``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"MoESpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
         _check_memory_bound("MoESpec", self.memory_bound)
+        _check_grouped_fp8("MoESpec", self.grouped_fp8)
         if not 0 < self.topk <= self.num_experts:
             raise ValueError(f"MoESpec.topk must be in 1..{self.num_experts}, got {self.topk}")
 

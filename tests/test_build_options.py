@@ -19,7 +19,7 @@ from omni.platform_manager import PlatformError, select
 from omni.platforms.cuda import gemm, moe
 from omni.platforms.cuda.capabilities import Caps
 from omni.recipe import RecipeError, load_recipe, parse_recipe
-from omni.specs import GemmSpec, MoESpec
+from omni.specs import GemmSpec, GroupedGemmSpec, MoESpec
 
 H100 = Caps(sm=(9, 0), cuda_version=(13, 0), has_scaled_mm=True, has_grouped_mm=True, has_scaled_grouped_mm=True)
 MOE = MoESpec(num_experts=8, topk=2, hidden=64, inner=32, dtype=torch.bfloat16, quant="fp8_row")
@@ -33,11 +33,12 @@ def test_from_recipe_maps_every_field():
     recipe = load_recipe("cpu_tiny").replace_paths({
         "model.dtype": "bfloat16", "quant.scheme": "fp8_row", "quant.experts_only": True, "kv_cache.mode": "paged",
         "kv_cache.page_tokens": 32, "attention.backend": "sdpa", "graph.mode": "capture",
-        "kernels.memory_bound": "torch", "attention.fp8": True, "kernels.fp8_fast_accum": True})
+        "kernels.memory_bound": "torch", "attention.fp8": True, "kernels.fp8_fast_accum": True,
+        "kernels.grouped_fp8": "torch"})
     opts = BuildOptions.from_recipe(recipe)
     assert opts == BuildOptions(dtype=torch.bfloat16, quant="fp8_row", experts_only=True, paged_kv=True, page_size=32,
                                 attn_backend="sdpa", capturable=True, memory_bound="torch", attn_fp8=True,
-                                fast_accum=True)
+                                fast_accum=True, grouped_fp8="torch")
     defaults = BuildOptions(dtype=torch.float32)
     unchanged = [f.name for f in dataclasses.fields(BuildOptions) if getattr(opts, f.name) == getattr(defaults, f.name)]
     assert not unchanged, f"fields the test does not move off their defaults: {unchanged}"
@@ -86,6 +87,30 @@ def test_fast_accum_reaches_every_fp8_kernel_spec():
     assert moes and all(s.fast_accum for s in moes)
 
 
+def test_grouped_fp8_choice_reaches_every_expert_spec():
+    """kernels.grouped_fp8 lands in every grouped GEMM and MoE spec the model builds (and in a TP rebuild)."""
+    from omni.layers import GroupedLinear
+    from omni.models.hunyuan_image3.config import HunyuanImage3Config
+    from omni.models.hunyuan_image3.tiny import TINY_CONFIG
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.parallel.tp import _rebuild
+    from omni.platform_manager import select
+
+    cfg = HunyuanImage3Config.from_json_dict(TINY_CONFIG)
+    opts = BuildOptions(dtype=torch.float32, quant="fp8_row", grouped_fp8="torch")
+    platform = select("cpu")
+    with torch.device("meta"):
+        model = HunyuanImage3Transformer(cfg, platform, opts)
+    grouped = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    assert len(grouped) == 2 * cfg.num_hidden_layers and all(g.spec.grouped_fp8 == "torch" for g in grouped)
+    moes = [m.moe_spec for m in model.modules() if hasattr(m, "moe_spec")]
+    assert len(moes) == cfg.num_hidden_layers and all(s.grouped_fp8 == "torch" for s in moes)
+    with torch.device("meta"):
+        half = _rebuild(grouped[0], grouped[0].spec.in_features, grouped[0].spec.out_features // 2,
+                        grouped[0].spec.num_experts, platform)
+    assert half.spec.grouped_fp8 == "torch"
+
+
 # ----------------------------------------------------------------- the recipe field
 
 
@@ -96,12 +121,18 @@ def test_kernels_section_is_validated():
         parse_recipe("name: x\nkernels: {memory_bound: cuda}")
     with pytest.raises(RecipeError, match=r"kernels\.memory: unknown key 'memory'; allowed: memory_bound"):
         parse_recipe("name: x\nkernels: {memory: torch}")
+    assert parse_recipe("name: x\nkernels: {grouped_fp8: cutlass}").kernels.grouped_fp8 == "cutlass"
+    assert parse_recipe("name: x").kernels.grouped_fp8 == "auto"
+    with pytest.raises(RecipeError, match=r"kernels\.grouped_fp8: 'deepgemm' is not allowed; allowed values: auto, "
+                                          r"torch, cutlass"):
+        parse_recipe("name: x\nkernels: {grouped_fp8: deepgemm}")
 
 
 def test_memory_bound_choices_match_the_platform_contract():
     from omni import recipe, specs
 
     assert recipe.MEMORY_BOUND == specs.MEMORY_BOUND
+    assert recipe.GROUPED_FP8 == specs.GROUPED_FP8
 
 
 @pytest.mark.parametrize("make", [lambda: dataclasses.replace(MOE, memory_bound="fast"),
@@ -109,6 +140,25 @@ def test_memory_bound_choices_match_the_platform_contract():
 def test_specs_refuse_an_unknown_choice_naming_the_field(make):
     with pytest.raises(ValueError, match=r"memory_bound \(kernels\.memory_bound\) must be one of"):
         make()
+
+
+@pytest.mark.parametrize("make", [lambda: dataclasses.replace(MOE, grouped_fp8="deepgemm"),
+                                  lambda: GroupedGemmSpec(num_experts=4, in_features=64, out_features=64,
+                                                          dtype=torch.bfloat16, grouped_fp8="deepgemm")],
+                         ids=["moe", "grouped"])
+def test_specs_refuse_an_unknown_grouped_kernel_naming_the_field(make):
+    with pytest.raises(ValueError, match=r"grouped_fp8 \(kernels\.grouped_fp8\) must be one of"):
+        make()
+
+
+def test_reference_refuses_a_cutlass_demand_for_quantized_experts_only():
+    cpu = select("cpu")
+    grouped = GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=torch.float32,
+                              grouped_fp8="cutlass")
+    assert cpu.grouped_gemm(grouped).name  # unquantized: the field does not apply
+    for spec in (dataclasses.replace(grouped, quant="fp8_row"), dataclasses.replace(MOE, grouped_fp8="cutlass")):
+        with pytest.raises(PlatformError, match="kernels.grouped_fp8=cutlass cannot be met"):
+            cpu.grouped_gemm(spec) if isinstance(spec, GroupedGemmSpec) else cpu.moe(spec)
 
 
 # ----------------------------------------------------------------- the reference

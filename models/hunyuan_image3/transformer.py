@@ -149,9 +149,9 @@ class RoutedExperts(KernelOwner):
     """
 
     def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, memory_bound,
-                 fast_accum: bool = False, topk: int = 1, capturable: bool = False):
+                 fast_accum: bool = False, grouped_fp8: str = "auto", topk: int = 1, capturable: bool = False):
         super().__init__()
-        kw = dict(platform=platform, dtype=dtype, quant=quant, fast_accum=fast_accum)
+        kw = dict(platform=platform, dtype=dtype, quant=quant, fast_accum=fast_accum, grouped_fp8=grouped_fp8)
         self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, **kw)
         self.down_proj = GroupedLinear(num_experts, inner, dim, **kw)
         self.platform, self.topk, self.memory_bound, self.capturable = platform, topk, memory_bound, capturable
@@ -162,7 +162,8 @@ class RoutedExperts(KernelOwner):
         g13 = self.gate_and_up_proj.spec
         return MoESpec(num_experts=g13.num_experts, topk=min(self.topk, g13.num_experts), hidden=g13.in_features,
                        inner=self.down_proj.spec.in_features, dtype=g13.dtype, quant=g13.quant,
-                       memory_bound=self.memory_bound, capturable=self.capturable, fast_accum=g13.fast_accum)
+                       memory_bound=self.memory_bound, capturable=self.capturable, fast_accum=g13.fast_accum,
+                       grouped_fp8=g13.grouped_fp8)
 
     @property
     def num_experts(self) -> int:  # read off the weights: a plan may keep only some experts on a rank
@@ -197,7 +198,8 @@ class MoE(nn.Module):
         self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, glue=glue,
                                  **opts.linear_kw(opts.dense_quant))
         self.experts = RoutedExperts(E, D, inner, platform=platform, topk=cfg.moe_topk[layer_idx],
-                                     capturable=opts.capturable, **opts.linear_kw(opts.quant))
+                                     capturable=opts.capturable, grouped_fp8=opts.grouped_fp8,
+                                     **opts.linear_kw(opts.quant))
 
     def forward(self, n_TD) -> torch.Tensor:
         """``n_TD``: the normed rows, or their ``RowQuantized`` form (the shared expert takes it as is)."""

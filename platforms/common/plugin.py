@@ -45,6 +45,7 @@ class DevicePlatform:
     moe: MoEModule | None = None
     glue: GlueModule | None = None
     triton_kernels: bool = False  # its gemm/moe modules honour kernels.memory_bound=triton themselves
+    grouped_fp8_kernels: tuple[str, ...] = ()  # kernels.grouped_fp8 demands (beyond auto, torch) its gemm/moe meet
 
     def __init__(self, caps=None):
         self._caps = caps  # read lazily from the current device; tests may pass a made-up one
@@ -92,6 +93,13 @@ class DevicePlatform:
             return None
         return f"{self.name}: kernels.memory_bound=triton, but this platform has no Triton kernels (use auto or torch)"
 
+    def grouped_refusal(self, spec: GroupedGemmSpec | MoESpec) -> str | None:
+        """A ``kernels.grouped_fp8`` demand for quantized experts this platform cannot meet (None: none, or met)."""
+        if spec.quant == "none" or spec.grouped_fp8 in ("auto", "torch", *self.grouped_fp8_kernels):
+            return None
+        return (f"{self.name}: kernels.grouped_fp8={spec.grouped_fp8}, but this platform has no such kernel "
+                f"(use auto or torch)")
+
     @hookimpl
     def omni_linear_impl(self, spec: GemmSpec, reject):
         refusal = self.triton_refusal(spec)
@@ -101,11 +109,14 @@ class DevicePlatform:
 
     @hookimpl
     def omni_grouped_gemm_impl(self, spec: GroupedGemmSpec, reject):
+        refusal = self.grouped_refusal(spec)
+        if refusal is not None:
+            return reject(refusal)
         return self.gemm.resolve_grouped(spec, self.device_caps(), reject)
 
     @hookimpl
     def omni_moe_impl(self, spec: MoESpec, reject):
-        refusal = self.triton_refusal(spec)
+        refusal = self.triton_refusal(spec) or self.grouped_refusal(spec)
         if refusal is not None:
             return reject(refusal)
         if self.moe is not None:

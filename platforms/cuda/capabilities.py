@@ -18,6 +18,8 @@ import torch
 
 from omni.specs import PlatformInfo
 
+from .cutlass_grouped import find_cutlass_include, find_nvcc
+
 FA3_MODULES = ("fa3_fwd_interface", "flash_attn_interface")  # probe order, as vllm-omni
 _FA3_CONFIGS = {"fa3_fwd_interface": "fa3_fwd_config", "flash_attn_interface": "flash_attn_config"}
 
@@ -35,6 +37,8 @@ class Caps:
     has_grouped_mm: bool = False
     has_scaled_grouped_mm: bool = False
     has_mm_out_dtype: bool = False  # aten::mm.dtype: bf16 x bf16 -> fp32 output
+    nvcc: str | None = None  # the CUDA compiler that builds our CUTLASS kernels (found, not run)
+    cutlass_include: str | None = None  # CUTLASS's headers (the nvidia-cutlass package of the ``cuda`` extra)
 
     @property
     def sm_name(self) -> str:
@@ -43,6 +47,18 @@ class Caps:
     @property
     def fp8(self) -> bool:
         return self.sm >= (8, 9) and self.has_scaled_mm
+
+    @property
+    def cutlass_grouped_refusal(self) -> str | None:
+        """Why our CUTLASS grouped fp8 kernel cannot be built here (None: it can: sm90, nvcc, headers)."""
+        if self.sm != (9, 0):
+            return f"the CUTLASS grouped fp8 kernel is built for sm90a (Hopper), this device is {self.sm_name}"
+        if self.nvcc is None:
+            return "the CUTLASS grouped fp8 kernel needs nvcc (set CUDA_HOME or put nvcc on PATH)"
+        if self.cutlass_include is None:
+            return ("the CUTLASS grouped fp8 kernel needs CUTLASS's headers: pip install 'omni-run[cuda]' "
+                    "(nvidia-cutlass), or set OMNI_CUTLASS_INCLUDE")
+        return None
 
     @property
     def varlen(self) -> bool:
@@ -99,6 +115,8 @@ def detect_caps(device_index: int = 0) -> Caps:
         has_grouped_mm=hasattr(torch, "_grouped_mm"),
         has_scaled_grouped_mm=hasattr(torch, "_scaled_grouped_mm"),
         has_mm_out_dtype="dtype" in torch.ops.aten.mm.overloads(),
+        nvcc=find_nvcc(),
+        cutlass_include=find_cutlass_include(),
     )
 
 

@@ -14,6 +14,10 @@ Every ``__call__`` is capturable: no host reads of ``offsets_E``.
 """
 from __future__ import annotations
 
+import functools
+import logging
+import subprocess
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +25,8 @@ from omni import quant
 from omni.specs import GemmSpec, GroupedGemmSpec, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
+
+log = logging.getLogger("omni.platforms")
 
 FP8_SCHEMES = ("fp8_tensor", "fp8_row")
 LATER = {
@@ -208,16 +214,20 @@ def group_tensor_scales(x_TI: torch.Tensor, offsets_E: torch.Tensor, num_experts
 
 
 class ScaledGroupedMM:
-    """``torch._scaled_grouped_mm``: e4m3 rows x e4m3 experts, row-wise scales, bf16 out.
+    """e4m3 rows x e4m3 experts, row-wise scales, bf16 out: our CUTLASS build or ``torch._scaled_grouped_mm``.
 
-    ``spec.fast_accum`` passes ``use_fast_accum``: torch then runs its CUTLASS
-    kernel with 256x128 tiles that accumulate in the tensor cores, instead of
-    128x128 tiles that promote partial sums to fp32 every K block.
+    ``kernel`` is our CUTLASS build (``cutlass_grouped``, ``kernels.grouped_fp8``)
+    or None for torch's kernel; both take the same operands and give the same
+    bits at these shapes. ``spec.fast_accum`` selects fast accumulation: in
+    torch's kernel ``use_fast_accum`` (256x128 tiles that accumulate in the
+    tensor cores, instead of 128x128 tiles that promote partial sums to fp32
+    every K block), in ours its fast configuration.
     """
 
-    def __init__(self, spec: GroupedGemmSpec):
-        self.spec, self.per_row = spec, spec.quant == "fp8_row"
-        self.name = f"cuda-scaled-grouped-mm[{spec.quant}{fast_accum_tag(spec)}]"
+    def __init__(self, spec: GroupedGemmSpec, kernel=None):
+        self.spec, self.per_row, self.kernel = spec, spec.quant == "fp8_row", kernel
+        impl = f",{kernel.cfg.name}" if kernel is not None else ""
+        self.name = f"cuda-scaled-grouped-mm[{spec.quant}{fast_accum_tag(spec)}{impl}]"
 
     def prepare_weight(self, w_EOI: torch.Tensor) -> PreparedWeight:
         p = quant.prepare_weight(w_EOI.contiguous(), self.spec.quant)
@@ -239,6 +249,9 @@ class ScaledGroupedMM:
     def scaled(self, xq_RI, xs_R1, w: PreparedWeight, offs_E) -> torch.Tensor:
         """e4m3 rows with their ``[R, 1]`` scales times the prepared experts, bf16 ``[R, O]``."""
         e, o = w.data.shape[:2]
+        if self.kernel is not None:
+            return self.kernel(xq_RI.contiguous(), xs_R1.reshape(-1).float().contiguous(), w.data,
+                               w.scale.view(e, o), offs_E.to(torch.int32).contiguous())
         return torch._scaled_grouped_mm(xq_RI, w.data.transpose(-2, -1), xs_R1.reshape(-1), w.scale.view(e, o),
                                         offs=offs_E, out_dtype=torch.bfloat16, use_fast_accum=self.spec.fast_accum)
 
@@ -268,10 +281,53 @@ def _grouped_bf16(spec: GroupedGemmSpec, caps: Caps, reject):
 
 
 def _grouped_fp8(spec: GroupedGemmSpec, caps: Caps, reject):
+    if spec.in_features % 16 or spec.out_features % 16:
+        return reject(f"cuda: fp8 grouped GEMMs need features divisible by 16, got {_dims(spec)}")
+    kernel = grouped_fp8_kernel(spec, caps)
+    if isinstance(kernel, str) and spec.grouped_fp8 == "cutlass":
+        return reject(f"cuda: kernels.grouped_fp8=cutlass: {kernel}")
+    if not isinstance(kernel, str):
+        return ScaledGroupedMM(spec, kernel)
     if not caps.has_scaled_grouped_mm:
         return reject("cuda: torch._scaled_grouped_mm is not in this torch")
     if caps.sm not in ((9, 0), (10, 0)):
         return reject(f"cuda: torch._scaled_grouped_mm runs on sm90/sm100 only, not {caps.sm_name}")
-    if spec.in_features % 16 or spec.out_features % 16:
-        return reject(f"cuda: torch._scaled_grouped_mm needs features divisible by 16, got {_dims(spec)}")
     return ScaledGroupedMM(spec)
+
+
+def grouped_fp8_kernel(spec, caps: Caps, load=None):
+    """Our CUTLASS grouped kernel for ``spec`` (a ``GroupedGemmSpec`` or ``MoESpec``), or why not (a string).
+
+    ``kernels.grouped_fp8``: ``torch`` asks for none; ``auto`` and ``cutlass``
+    build it where ``caps`` allow (sm90, nvcc, CUTLASS's headers). ``auto``
+    falls back to torch's kernel, logging the reason; the caller refuses a
+    ``cutlass`` demand with it. ``load`` is ``cutlass_grouped.load`` (tests
+    hand in a double).
+    """
+    if spec.grouped_fp8 == "torch":
+        return "kernels.grouped_fp8=torch"
+    reason = caps.cutlass_grouped_refusal
+    if reason is None:
+        kernel = (load or _load_cutlass)(spec.fast_accum, caps.nvcc, caps.cutlass_include)
+        if not isinstance(kernel, str):
+            return kernel
+        reason = kernel
+    if spec.grouped_fp8 == "auto":
+        _log_once(f"cuda: fp8 grouped GEMMs run torch._scaled_grouped_mm: {reason}")
+    return reason
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cutlass(fast_accum: bool, nvcc: str, include: str):
+    """One build and one ctypes load per process and configuration; a failure is kept as its reason (no retry)."""
+    from .cutlass_grouped import load
+
+    try:
+        return load(fast_accum, nvcc, include)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
+        return f"building or loading it failed: {type(err).__name__}: {err}"
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    log.info(message)

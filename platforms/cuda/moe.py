@@ -6,7 +6,8 @@ the host, so the whole layer is capturable.
 
     sort        stable sort of the T*k expert ids; group ends by searchsorted (no bincount, no sync)
     gather      bf16: x[token_R];  fp8: gather + per-row e4m3 quantization in one pass (Triton)
-    GEMM 1      torch._grouped_mm / torch._scaled_grouped_mm over the expert groups -> h [R, 2I] bf16
+    GEMM 1      torch._grouped_mm / our CUTLASS grouped fp8 kernel (kernels.grouped_fp8) or
+                torch._scaled_grouped_mm over the expert groups -> h [R, 2I] bf16
     SwiGLU      x1 * silu(x2) (SiLU on the SECOND half), fused with the per-row e4m3 quantization (Triton)
     GEMM 2      as GEMM 1 -> y [R, D] bf16
     combine     out[t] = sum_j w[t, j] * y[row of (t, j)], fp32 accumulate, one pass (Triton)
@@ -33,7 +34,7 @@ from omni.moe import sort_by_expert, swiglu as torch_swiglu
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight
 
 from .capabilities import Caps
-from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag
+from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, grouped_fp8_kernel
 
 FP8 = ("fp8_row", "fp8_tensor")
 
@@ -79,15 +80,19 @@ def memory_kernels(choice: str, reject):
 class CudaMoE:
     """Routed experts over ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` (see the module docstring)."""
 
-    def __init__(self, spec: MoESpec, kernels):
+    def __init__(self, spec: MoESpec, kernels, grouped_kernel=None):
         self.spec, self.kernels = spec, kernels
-        kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant, fast_accum=spec.fast_accum)
+        kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant, fast_accum=spec.fast_accum,
+                  grouped_fp8=spec.grouped_fp8)
         g13 = GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw)
         g2 = GroupedGemmSpec(in_features=spec.inner, out_features=spec.hidden, **kw)
-        grouped = ScaledGroupedMM if spec.quant in FP8 else GroupedMM
-        self.gemm13, self.gemm2 = grouped(g13), grouped(g2)
+        if spec.quant in FP8:  # both expert GEMMs on one kernel: ours (grouped_kernel) or torch's (None)
+            self.gemm13, self.gemm2 = ScaledGroupedMM(g13, grouped_kernel), ScaledGroupedMM(g2, grouped_kernel)
+        else:
+            self.gemm13, self.gemm2 = GroupedMM(g13), GroupedMM(g2)
         fast = fast_accum_tag(spec) if spec.quant in FP8 else ""
-        self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}{fast}]"
+        impl = f",{grouped_kernel.cfg.name}" if grouped_kernel is not None else ""
+        self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}{fast}{impl}]"
 
     def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
         return PreparedMoE(self.gemm13.prepare_weight(w13_EOI), self.gemm2.prepare_weight(w2_EOI))
@@ -123,18 +128,24 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
         return reject(_later(spec.quant, caps))
     if spec.dtype != torch.bfloat16:
         return reject(f"cuda-moe: the grouped GEMM kernels write bf16 only, spec.dtype is {spec.dtype}")
+    grouped_kernel = None
     if spec.quant in FP8:
-        if not caps.has_scaled_grouped_mm:
-            return reject("cuda-moe: torch._scaled_grouped_mm is not in this torch")
-        if caps.sm not in ((9, 0), (10, 0)):
-            return reject(f"cuda-moe: torch._scaled_grouped_mm runs on sm90/sm100 only, not {caps.sm_name}")
         if spec.hidden % 16 or spec.inner % 16:
             return reject(f"cuda-moe: fp8 grouped GEMMs need hidden and inner divisible by 16, "
                           f"got {spec.hidden}/{spec.inner}")
+        grouped_kernel = grouped_fp8_kernel(spec, caps)
+        if isinstance(grouped_kernel, str):
+            if spec.grouped_fp8 == "cutlass":
+                return reject(f"cuda-moe: kernels.grouped_fp8=cutlass: {grouped_kernel}")
+            grouped_kernel = None
+        if grouped_kernel is None and not caps.has_scaled_grouped_mm:
+            return reject("cuda-moe: torch._scaled_grouped_mm is not in this torch")
+        if grouped_kernel is None and caps.sm not in ((9, 0), (10, 0)):
+            return reject(f"cuda-moe: torch._scaled_grouped_mm runs on sm90/sm100 only, not {caps.sm_name}")
     else:
         if not caps.has_grouped_mm or caps.sm < (8, 0):
             return reject(f"cuda-moe: torch._grouped_mm needs a torch that has it and sm80+ ({caps.sm_name})")
         if spec.hidden % 8 or spec.inner % 8:
             return reject(f"cuda-moe: torch._grouped_mm needs 16-byte aligned rows, got {spec.hidden}/{spec.inner}")
     kernels = memory_kernels(spec.memory_bound, reject)
-    return None if kernels is None else CudaMoE(spec, kernels)
+    return None if kernels is None else CudaMoE(spec, kernels, grouped_kernel)

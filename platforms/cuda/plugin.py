@@ -23,6 +23,7 @@ class CudaPlatform(DevicePlatform):
     graphs = GraphApi(device_type="cuda", graph_class="CUDAGraph", label="cuda-graph")
     capabilities, attention, gemm, moe, glue = capabilities, attention, gemm, moe, glue  # what the shared hooks call
     triton_kernels = True  # gemm and moe pick Triton or torch ops from kernels.memory_bound themselves
+    grouped_fp8_kernels = ("cutlass",)  # gemm and moe build our CUTLASS grouped fp8 kernel (cutlass_grouped.py)
 
 
 plugin = CudaPlatform()

@@ -1,0 +1,189 @@
+"""Our CUTLASS build of the grouped e4m3 expert GEMM (``kernels.grouped_fp8``), compiled once per machine.
+
+Why: torch._scaled_grouped_mm compiles one tile per shape class. At the
+released MoE shapes with fast accumulation it runs 256x128 tiles in 2x2
+clusters, and a routed split (expert groups of uneven length, not multiples
+of 256) wastes part of every group's last tile row. CUTLASS's own
+ptr-array kernel built with 128x128 ping-pong tiles in 1x2 clusters measured
+1251 / 1246 TFLOP/s against torch's 975 / 980 on the routed split (gate_up /
+down, H200, same run; bench/bench_cutlass_grouped.py, BENCHMARKS.md), with
+bit-identical outputs.
+
+How: ``csrc/grouped_fp8.cu`` holds the kernel behind a C ABI (raw pointers and
+the stream; no torch headers, so no torch-version coupling). ``build``
+writes a one-configuration translation unit, compiles it with nvcc against the
+headers of the ``nvidia-cutlass`` package (the ``cuda`` extra) and keeps the
+shared object in ``OMNI_KERNEL_CACHE`` (default ``~/.cache/omni-run/kernels``)
+under a key of the source, the configuration, the compiler and the headers;
+ranks building at once wait on a file lock and load the same object. The
+library is loaded with ctypes and called with the current stream, so a
+call is capturable; its scratch (per-group pointers, CUTLASS's workspace)
+comes from torch's allocator per call, as torch's own kernel does.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("omni.platforms")
+
+SOURCE = Path(__file__).parent / "csrc" / "grouped_fp8.cu"
+ARCH = "sm_90a"  # wgmma and TMA: the kernel is Hopper-only
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One instantiation of the kernel: tile (M, N, K), cluster (M, N), schedule and accumulation."""
+
+    tile: tuple[int, int, int]
+    cluster: tuple[int, int]
+    pingpong: bool
+    fast_accum: bool
+    raster_along_n: bool = False  # runtime scheduling: tile order (CUTLASS's default for groups: along M)
+    swizzle: int = 1  # runtime scheduling: 1, 2, 4 or 8
+
+    @property
+    def name(self) -> str:
+        m, n, _ = self.tile
+        sched = "pong" if self.pingpong else "coop"
+        return f"{sched}_{m}x{n}_c{self.cluster[0]}x{self.cluster[1]}_{'fast' if self.fast_accum else 'exact'}"
+
+    def export_line(self) -> str:
+        args = (*self.tile, *self.cluster, str(self.pingpong).lower(), str(self.fast_accum).lower())
+        return f"OMNI_GG_EXPORT({self.name}, {', '.join(map(str, args))})"
+
+
+# The configurations chosen by bench/bench_cutlass_grouped.py on the H200 (routed split, same run):
+#   fast:  ping-pong 128x128, cluster 1x2   1251 / 1246 TFLOP/s (torch 975 / 980)
+#   exact: cooperative 128x128, cluster 1x2  918 / 876 TFLOP/s (torch 866 / 833)
+CONFIGS = {True: TileConfig((128, 128, 128), (1, 2), pingpong=True, fast_accum=True),
+           False: TileConfig((128, 128, 128), (1, 2), pingpong=False, fast_accum=False)}
+
+
+def find_nvcc() -> str | None:
+    """The nvcc that builds the kernel: ``$CUDA_HOME/bin``, then PATH, then /usr/local/cuda (None: absent)."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    for candidate in ([str(Path(home) / "bin" / "nvcc")] if home else []) + [shutil.which("nvcc") or "",
+                                                                           "/usr/local/cuda/bin/nvcc"]:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def find_cutlass_include() -> str | None:
+    """CUTLASS's include folder: ``$OMNI_CUTLASS_INCLUDE``, else the nvidia-cutlass package's (found, not imported)."""
+    env = os.environ.get("OMNI_CUTLASS_INCLUDE")
+    if env:
+        return env if (Path(env) / "cutlass" / "cutlass.h").is_file() else None
+    spec = importlib.util.find_spec("cutlass_library")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        include = Path(root) / "source" / "include"
+        if (include / "cutlass" / "cutlass.h").is_file():
+            return str(include)
+    return None
+
+
+def translation_unit(cfg: TileConfig) -> str:
+    return f'#define OMNI_GG_CONFIGS {cfg.export_line()}\n#include "{SOURCE}"\n'
+
+
+def compile_command(nvcc: str, include: str, src: Path, out: Path) -> list[str]:
+    util = Path(include).parent / "tools" / "util" / "include"  # packed_stride.hpp
+    return [nvcc, "-std=c++17", "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr",
+            "-DNDEBUG", f"-I{include}", f"-I{util}", str(src), "-o", str(out)]
+
+
+def cache_key(cfg: TileConfig, nvcc_version: str, include: str) -> str:
+    """Changes with the kernel source, the configuration, the compiler and the CUTLASS headers."""
+    version_h = Path(include) / "cutlass" / "version.h"
+    h = hashlib.sha256()
+    for part in (SOURCE.read_text(), cfg.export_line(), nvcc_version, ARCH,
+                 version_h.read_text() if version_h.is_file() else include):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OMNI_KERNEL_CACHE") or Path.home() / ".cache" / "omni-run" / "kernels")
+
+
+def build(cfg: TileConfig, nvcc: str, include: str, where: Path | None = None) -> Path:
+    """The shared object of ``cfg``: from the cache, or compiled into it (about a minute, once per machine)."""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    where = where or cache_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    out = where / f"grouped_fp8_{cfg.name}_{cache_key(cfg, version, include)}.so"
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank compiling the same key: wait, then load its object
+        if not out.exists():
+            _compile(cfg, nvcc, include, out)
+    return out
+
+
+def _compile(cfg: TileConfig, nvcc: str, include: str, out: Path) -> None:
+    src, tmp = out.with_suffix(".cu"), out.with_suffix(f".{os.getpid()}.tmp")
+    src.write_text(translation_unit(cfg))
+    log.info("cuda: compiling the CUTLASS grouped fp8 kernel %s with %s (once per machine, about a minute) -> %s",
+             cfg.name, nvcc, out)
+    t0 = time.monotonic()
+    done = subprocess.run(compile_command(nvcc, include, src, tmp), capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"nvcc failed ({done.returncode}) building {cfg.name}:\n{tail}")
+    tmp.replace(out)  # atomic: a reader never sees half an object
+    log.info("cuda: built %s in %.0f s", out.name, time.monotonic() - t0)
+
+
+class CutlassGroupedFp8:
+    """``D[R, N] = (A[R, K] @ B[e]^T) * sa[r] * sb[e, n]`` per expert group, bf16 out (see the module docstring)."""
+
+    def __init__(self, library: Path, cfg: TileConfig):
+        lib = ctypes.CDLL(str(library))
+        self.cfg, self.name = cfg, f"cutlass-grouped-fp8[{cfg.name}]"
+        self._run = getattr(lib, f"omni_gg_{cfg.name}_run")
+        self._run.restype = ctypes.c_int
+        self._run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
+        self._scratch = getattr(lib, f"omni_gg_{cfg.name}_scratch")
+        self._scratch.restype, self._scratch.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int]
+        self._sms: dict[int, int] = {}
+
+    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E) -> torch.Tensor:
+        """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ ``[E, N]``) -> bf16 ``[R, N]``."""
+        E, N, K = wq_ENK.shape
+        out = torch.empty(xq_RK.shape[0], N, dtype=torch.bfloat16, device=xq_RK.device)
+        if out.numel() == 0:
+            return out
+        sms = self._sm_count(xq_RK.device)
+        scratch = torch.empty(self._scratch(E, sms), dtype=torch.uint8, device=xq_RK.device)
+        status = self._run(xq_RK.data_ptr(), wq_ENK.data_ptr(), out.data_ptr(), xs_R.data_ptr(), ws_EN.data_ptr(),
+                           offs_E.data_ptr(), E, N, K, sms, int(self.cfg.raster_along_n), self.cfg.swizzle,
+                           scratch.data_ptr(),
+                           torch.cuda.current_stream(xq_RK.device).cuda_stream)
+        if status:
+            raise RuntimeError(f"{self.name}: CUTLASS refused the call (status {status}: 1 cannot implement, "
+                               f"2 initialize, 3 run, 4 launch error) for E={E} N={N} K={K} R={xq_RK.shape[0]}")
+        return out
+
+    def _sm_count(self, device) -> int:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._sms:
+            self._sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        return self._sms[index]
+
+
+def load(fast_accum: bool, nvcc: str, include: str) -> CutlassGroupedFp8:
+    """The kernel for ``fast_accum``, built (or found in the cache) and loaded; raises with the reason."""
+    cfg = CONFIGS[fast_accum]
+    return CutlassGroupedFp8(build(cfg, nvcc, include), cfg)

@@ -1,0 +1,212 @@
+"""The cuda platform's CUTLASS grouped fp8 kernel (``kernels.grouped_fp8``), its logic checked on a CPU box.
+
+- where the kernel is chosen, and every refusal's reason, against made-up machines (``Caps``);
+- the build: cache key, compile command, lock + atomic rename, cache hits, a failing
+  compiler, with a recording stand-in for nvcc (a real executable script);
+- the operands ``ScaledGroupedMM`` hands the kernel, through a double that
+  computes the product in fp32 on CPU tensors, against the naive oracle.
+The kernel itself runs on the device: tests/gpu/test_gpu_cutlass_grouped.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from conformance_cases import naive_grouped
+from omni.platforms.cuda import cutlass_grouped as cg
+from omni.platforms.cuda import gemm, moe
+from omni.platforms.cuda.capabilities import Caps
+from omni.specs import GroupedGemmSpec, MoESpec
+
+H200 = Caps(sm=(9, 0), cuda_version=(13, 0), has_scaled_mm=True, has_grouped_mm=True, has_scaled_grouped_mm=True,
+            nvcc="/opt/cuda/bin/nvcc", cutlass_include="/opt/cutlass/include")
+GROUPED = GroupedGemmSpec(num_experts=4, in_features=64, out_features=48, dtype=torch.bfloat16, quant="fp8_row",
+                          fast_accum=True)
+MOE = MoESpec(num_experts=4, topk=2, hidden=64, inner=32, dtype=torch.bfloat16, quant="fp8_row", memory_bound="torch")
+
+
+class Fp32GroupedDouble:
+    """Stands in for the loaded kernel: records each call and computes its documented product in fp32."""
+
+    def __init__(self, fast_accum: bool):
+        self.cfg, self.calls = cg.CONFIGS[fast_accum], []
+        self.name = f"double[{self.cfg.name}]"
+
+    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E):
+        self.calls.append(dict(x=(xq_RK.dtype, tuple(xq_RK.shape), xq_RK.is_contiguous()), xs=tuple(xs_R.shape),
+                               w=tuple(wq_ENK.shape), ws=tuple(ws_EN.shape), offs=offs_E.dtype))
+        out, start = torch.zeros(xq_RK.shape[0], wq_ENK.shape[1]), 0
+        for e, end in enumerate(offs_E.tolist()):
+            a = xq_RK[start:end].float() * xs_R[start:end, None]
+            out[start:end] = a @ (wq_ENK[e].float() * ws_EN[e][:, None]).T
+            start = end
+        return out.bfloat16()
+
+
+@pytest.fixture
+def loaded(monkeypatch):
+    """The build-and-load step answered by a double (what gemm resolves with), keyed by fast_accum."""
+    doubles: dict[bool, Fp32GroupedDouble] = {}
+
+    def load(fast_accum, nvcc, include):
+        assert (nvcc, include) == (H200.nvcc, H200.cutlass_include)
+        return doubles.setdefault(fast_accum, Fp32GroupedDouble(fast_accum))
+    monkeypatch.setattr(gemm, "_load_cutlass", load)
+    return doubles
+
+
+# ----------------------------------------------------------------- choice and refusals
+
+
+@pytest.mark.parametrize("choice", ["auto", "cutlass"])
+def test_auto_and_a_demand_take_our_kernel_where_it_builds(loaded, choice):
+    impl = gemm.resolve_grouped(dataclasses.replace(GROUPED, grouped_fp8=choice), H200, pytest.fail)
+    fused = moe.resolve_moe(dataclasses.replace(MOE, grouped_fp8=choice), H200, pytest.fail)
+    assert impl.name == "cuda-scaled-grouped-mm[fp8_row,fast-accum,pong_128x128_c1x2_fast]"
+    assert fused.name == "cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact]"  # MOE leaves fast_accum off
+    assert fused.gemm13.kernel is fused.gemm2.kernel is loaded[False]
+
+
+def test_torch_choice_never_builds(loaded):
+    impl = gemm.resolve_grouped(dataclasses.replace(GROUPED, grouped_fp8="torch"), H200, pytest.fail)
+    fused = moe.resolve_moe(dataclasses.replace(MOE, grouped_fp8="torch"), H200, pytest.fail)
+    assert impl.kernel is None and fused.gemm13.kernel is None and not loaded
+
+
+@pytest.mark.parametrize("caps,reason", [
+    (dataclasses.replace(H200, sm=(8, 9)), "built for sm90a (Hopper), this device is sm89"),
+    (dataclasses.replace(H200, nvcc=None), "needs nvcc (set CUDA_HOME or put nvcc on PATH)"),
+    (dataclasses.replace(H200, cutlass_include=None), "pip install 'omni-run[cuda]'"),
+])
+def test_a_machine_that_cannot_build_it(loaded, caps, reason):
+    """auto falls back to torch's kernel (where torch's runs); a cutlass demand is refused with the reason."""
+    reasons: list[str] = []
+    demand = gemm.resolve_grouped(dataclasses.replace(GROUPED, grouped_fp8="cutlass"), caps, reasons.append)
+    assert demand is None and reasons[0].startswith("cuda: kernels.grouped_fp8=cutlass: ") and reason in reasons[0]
+    assert moe.resolve_moe(dataclasses.replace(MOE, grouped_fp8="cutlass"), caps, reasons.append) is None
+    assert reasons[1].startswith("cuda-moe: kernels.grouped_fp8=cutlass: ") and reason in reasons[1]
+    if caps.sm == (9, 0):
+        assert gemm.resolve_grouped(GROUPED, caps, pytest.fail).kernel is None
+    assert not loaded
+
+
+def test_a_failed_build_falls_back_under_auto_and_refuses_a_demand(monkeypatch):
+    monkeypatch.setattr(gemm, "_load_cutlass", lambda *a: "building or loading it failed: RuntimeError: nvcc failed")
+    assert gemm.resolve_grouped(GROUPED, H200, pytest.fail).kernel is None
+    reasons: list[str] = []
+    assert gemm.resolve_grouped(dataclasses.replace(GROUPED, grouped_fp8="cutlass"), H200, reasons.append) is None
+    assert reasons == ["cuda: kernels.grouped_fp8=cutlass: building or loading it failed: RuntimeError: nvcc failed"]
+
+
+@pytest.mark.parametrize("name", ["rocm", "npu", "xpu", "musa"])
+def test_vendors_without_the_kernel_refuse_a_cutlass_demand(name):
+    plugin = importlib.import_module(f"omni.platforms.{name}.plugin").plugin
+    for spec in (GROUPED, MOE):
+        reason = plugin.grouped_refusal(dataclasses.replace(spec, grouped_fp8="cutlass"))
+        assert reason == f"{name}: kernels.grouped_fp8=cutlass, but this platform has no such kernel (use auto or torch)"
+        assert plugin.grouped_refusal(dataclasses.replace(spec, grouped_fp8="torch")) is None
+        assert plugin.grouped_refusal(dataclasses.replace(spec, grouped_fp8="cutlass", quant="none")) is None
+    cuda = importlib.import_module("omni.platforms.cuda.plugin").plugin
+    assert cuda.grouped_refusal(dataclasses.replace(MOE, grouped_fp8="cutlass")) is None  # cuda decides itself
+
+
+# ----------------------------------------------------------------- operands
+
+
+def test_scaled_grouped_mm_hands_the_kernel_the_documented_operands(loaded):
+    impl = gemm.resolve_grouped(GROUPED, H200, pytest.fail)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 48, 64, generator=g).bfloat16(), torch.randn(25, 64, generator=g).bfloat16()
+    offsets = torch.tensor([5, 5, 20, 25], dtype=torch.int64)  # an empty group; int64 as a sort may give
+    y = impl(x, impl.prepare_weight(w), offsets)
+    ref = naive_grouped(GROUPED, x, w, offsets)
+    assert float((y.double() - ref).norm() / ref.norm()) < 0.01  # bf16 output of the same e4m3 product
+    call = loaded[True].calls[0]
+    assert call == dict(x=(torch.float8_e4m3fn, (25, 64), True), xs=(25,), w=(4, 48, 64), ws=(4, 48),
+                        offs=torch.int32)
+
+
+# ----------------------------------------------------------------- the build
+
+
+@pytest.fixture
+def fake_nvcc(tmp_path):
+    """An executable that answers --version and 'compiles' by writing the -o file; it logs each compile."""
+    script = tmp_path / "nvcc"
+    log = tmp_path / "compiles.log"
+    script.write_text(f"""#!/bin/sh
+if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0; fi
+if [ -n "$FAIL_NVCC" ]; then echo "grouped_fp8.cu(1): error: something is wrong" >&2; exit 2; fi
+out=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+echo "$@" >> {log}
+echo "ELF" > "$out"
+""")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    include = tmp_path / "cutlass" / "include"
+    (include / "cutlass").mkdir(parents=True)
+    (include / "cutlass" / "cutlass.h").write_text("// header\n")
+    (include / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 4\n")
+    return script, include, log
+
+
+def test_build_compiles_once_into_the_cache(fake_nvcc, tmp_path):
+    nvcc, include, log = fake_nvcc
+    cfg = cg.CONFIGS[True]
+    first = cg.build(cfg, str(nvcc), str(include), tmp_path / "cache")
+    again = cg.build(cfg, str(nvcc), str(include), tmp_path / "cache")
+    assert first == again and first.read_text() == "ELF\n" and first.name.startswith(f"grouped_fp8_{cfg.name}_")
+    compiles = log.read_text().splitlines()
+    assert len(compiles) == 1, compiles  # the second build was a cache hit
+    argv = compiles[0].split()
+    assert "-arch=sm_90a" in argv and f"-I{include}" in argv and "-shared" in argv
+    unit = first.with_suffix(".cu").read_text()
+    assert cfg.export_line() in unit and str(cg.SOURCE) in unit
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_a_failing_compiler_raises_with_its_message_and_leaves_nothing(fake_nvcc, tmp_path, monkeypatch):
+    nvcc, include, _ = fake_nvcc
+    monkeypatch.setenv("FAIL_NVCC", "1")
+    with pytest.raises(RuntimeError, match=r"nvcc failed \(2\) building pong_128x128_c1x2_fast:\n.*error: "
+                                           r"something is wrong"):
+        cg.build(cg.CONFIGS[True], str(nvcc), str(include), tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*.so")) and not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_cache_key_follows_source_config_compiler_and_headers(fake_nvcc):
+    _, include, _ = fake_nvcc
+    fast, exact = cg.CONFIGS[True], cg.CONFIGS[False]
+    key = cg.cache_key(fast, "release 13.0", str(include))
+    assert key == cg.cache_key(fast, "release 13.0", str(include))
+    assert key != cg.cache_key(exact, "release 13.0", str(include))
+    assert key != cg.cache_key(fast, "release 13.1", str(include))
+    (include / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 5\n")
+    assert key != cg.cache_key(fast, "release 13.0", str(include))
+
+
+def test_configs_name_their_template_arguments():
+    assert cg.CONFIGS[True].export_line() == "OMNI_GG_EXPORT(pong_128x128_c1x2_fast, 128, 128, 128, 1, 2, true, true)"
+    assert cg.CONFIGS[False].name == "coop_128x128_c1x2_exact"
+    assert "OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST)" in cg.SOURCE.read_text()
+
+
+def test_finding_the_compiler_and_the_headers(fake_nvcc, monkeypatch, tmp_path):
+    nvcc, include, _ = fake_nvcc
+    cuda_home = tmp_path / "cuda"
+    (cuda_home / "bin").mkdir(parents=True)
+    os.symlink(nvcc, cuda_home / "bin" / "nvcc")
+    monkeypatch.setenv("CUDA_HOME", str(cuda_home))
+    assert cg.find_nvcc() == str(cuda_home / "bin" / "nvcc")
+    monkeypatch.setenv("OMNI_CUTLASS_INCLUDE", str(include))
+    assert cg.find_cutlass_include() == str(include)
+    monkeypatch.setenv("OMNI_CUTLASS_INCLUDE", str(tmp_path))  # no cutlass/cutlass.h there
+    assert cg.find_cutlass_include() is None
+    monkeypatch.setenv("OMNI_KERNEL_CACHE", str(tmp_path / "k"))
+    assert cg.cache_dir() == Path(tmp_path / "k")

@@ -1,0 +1,96 @@
+"""Our CUTLASS grouped fp8 kernel on the device: built by the platform, against torch's kernel and fp64.
+
+Needs sm90, nvcc and the nvidia-cutlass headers (the ``cuda`` extra); skipped
+where the platform says it cannot build the kernel (the reason is the skip's).
+The first run compiles it into OMNI_KERNEL_CACHE (about a minute).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from omni import quant
+from omni.specs import GroupedGemmSpec, MoESpec
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.version.hip is not None, reason="cuda: this torch is a ROCm build"),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")]
+
+E, K, N = 8, 512, 384
+COUNTS = [300, 0, 129, 1, 640, 0, 77, 256]  # empty groups, a one-row group, partial tiles
+
+
+@pytest.fixture(scope="module")
+def platform():
+    from omni import platform_manager
+    from omni.platforms.cuda.capabilities import detect_caps
+
+    p = platform_manager.select("cuda")
+    p.device_services(0)
+    reason = detect_caps(0).cutlass_grouped_refusal
+    if reason:
+        pytest.skip(f"cuda: {reason}")
+    return p
+
+
+def _operands(seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(sum(COUNTS), K, device="cuda", generator=g).bfloat16()
+    w = torch.randn(E, N, K, device="cuda", generator=g).bfloat16()
+    offs = torch.tensor(COUNTS, device="cuda").cumsum(0).to(torch.int32)
+    return x, w, offs
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "exact"])
+def test_matches_torch_kernel_and_fp64(platform, fast):
+    spec = GroupedGemmSpec(num_experts=E, in_features=K, out_features=N, dtype=torch.bfloat16, quant="fp8_row",
+                           fast_accum=fast)
+    ours = platform.grouped_gemm(dataclasses.replace(spec, grouped_fp8="cutlass"))
+    stock = platform.grouped_gemm(dataclasses.replace(spec, grouped_fp8="torch"))
+    assert ours.kernel is not None and stock.kernel is None, (ours.name, stock.name)
+    x, w, offs = _operands()
+    pw = ours.prepare_weight(w)
+    y, y_torch = ours(x, pw, offs), stock(x, pw, offs)
+    xq, xs = quant.quantize_fp8(x, per_row=True)
+    exact = torch.cat([(xq[a:b].double() * xs[a:b].double()) @ (pw.data[e].double() * pw.scale[e].double()).T
+                       for e, (a, b) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
+    rel = float((y.double() - exact).norm() / exact.norm())
+    rel_torch = float((y_torch.double() - exact).norm() / exact.norm())
+    assert rel < 4e-3, rel  # bf16 output rounding and the tensor cores' accumulation
+    assert rel <= rel_torch * 1.05 + 1e-6, (rel, rel_torch)  # no worse than torch's own kernel
+    assert torch.isfinite(y).all() and y[offs[-1]:].numel() == 0
+
+
+def test_replays_from_a_captured_graph_with_new_routing(platform):
+    spec = GroupedGemmSpec(num_experts=E, in_features=K, out_features=N, dtype=torch.bfloat16, quant="fp8_row",
+                           fast_accum=True, grouped_fp8="cutlass")
+    gemm = platform.grouped_gemm(spec)
+    x, w, offs = _operands(1)
+    pw = gemm.prepare_weight(w)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        gemm(x, pw, offs)  # warm-up outside the graph, as the engine does
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemm(x, pw, offs)
+    x.copy_(torch.randn_like(x.float()).bfloat16())
+    offs.copy_(torch.tensor([100, 100, 500, 900, 1000, 1200, 1300, 1403], device="cuda", dtype=torch.int32))
+    graph.replay()
+    torch.testing.assert_close(y, gemm(x, pw, offs), rtol=0, atol=0)
+
+
+def test_fused_moe_on_our_kernel_equals_torch_kernel(platform):
+    kw = dict(num_experts=E, topk=2, hidden=K, inner=N // 2, dtype=torch.bfloat16, quant="fp8_row", fast_accum=True)
+    ours, stock = platform.moe(MoESpec(grouped_fp8="cutlass", **kw)), platform.moe(MoESpec(grouped_fp8="torch", **kw))
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w13 = torch.randn(E, N, K, device="cuda", generator=g).bfloat16()
+    w2 = torch.randn(E, K, N // 2, device="cuda", generator=g).bfloat16()
+    x = torch.randn(333, K, device="cuda", generator=g).bfloat16()
+    weights, ids = torch.rand(333, E, device="cuda", generator=g).softmax(-1).topk(2, -1)
+    prepared = ours.prepare_weights(w13, w2)
+    y, y_torch = ours(x, weights, ids, prepared), stock(x, weights, ids, prepared)
+    assert "pong_128x128_c1x2_fast" in ours.name and float((y - y_torch).float().norm() / y_torch.float().norm()) < 1e-3
