@@ -88,9 +88,12 @@ struct GroupArgs {
   typename K::StrideD* stride_d;
   Problem::UnderlyingProblemShape* shape;
 
+  // Rounded up to 256 bytes: CUTLASS's workspace follows, and the TMA descriptors in it must be 64-byte aligned
+  // (an unaligned one faults with "misaligned address"); torch's allocator hands out 512-byte aligned blocks.
   static size_t bytes(int groups) {
-    return groups * (5 * sizeof(void*) + sizeof(typename K::StrideA) + sizeof(typename K::StrideB) +
-                     sizeof(typename K::StrideD) + sizeof(Problem::UnderlyingProblemShape)) + 256;
+    size_t raw = groups * (5 * sizeof(void*) + sizeof(typename K::StrideA) + sizeof(typename K::StrideB) +
+                           sizeof(typename K::StrideD) + sizeof(Problem::UnderlyingProblemShape)) + 256;
+    return (raw + 255) / 256 * 256;
   }
   GroupArgs(void* buf, int groups) {
     char* p = static_cast<char*>(buf);
