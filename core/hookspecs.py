@@ -333,7 +333,13 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     that a platform without Triton refuses with a reason naming the field.
     ``spec.fast_accum`` permits fast accumulation in both expert GEMMs, as
     ``omni_linear_impl`` says; ``spec.grouped_fp8`` picks their kernel, as
-    ``omni_grouped_gemm_impl`` says.
+    ``omni_grouped_gemm_impl`` says. An ``fp8_row`` implementation may set
+    ``accepts_row_quantized = True``: ``__call__`` then also takes an
+    ``omni.specs.RowQuantized`` for ``x_TD`` (the normed rows the fused glue
+    quantized for the shared expert) and gathers its e4m3 rows and scales as
+    they are instead of quantizing the gathered rows again (the same
+    numbers: per-token scales commute with the gather); without the
+    attribute the model passes plain rows.
 
     Capture safety: ``__call__`` must not read routing on the host (no
     ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends
@@ -348,7 +354,7 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     and, for quantized schemes, ``grouped_fp8="cutlass"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.5 (``grouped_fp8``; 0.4 ``fast_accum``; 0.3 ``memory_bound``).
+    Versions: 0.5 (``grouped_fp8``, ``accepts_row_quantized``; 0.4 ``fast_accum``; 0.3 ``memory_bound``).
     """
 
 

@@ -181,6 +181,15 @@ class RoutedExperts(KernelOwner):
     def moe_spec(self) -> MoESpec:
         return self.moe.spec
 
+    @property
+    def takes_rows(self) -> bool:
+        """Whether the MoE kernel takes rows the glue quantized (``RowQuantized``) and gathers them as they are.
+
+        Not under expert parallelism: its hooks (``omni.parallel.ep``) index and send the rows themselves.
+        """
+        return (self.moe_spec.quant == "fp8_row" and getattr(self.moe, "accepts_row_quantized", False)
+                and not self._forward_pre_hooks)
+
     def forward(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor) -> torch.Tensor:
         g13, g2 = self.gate_and_up_proj, self.down_proj
         prepared = PreparedMoE(g13.prepared or PreparedWeight(g13.weight), g2.prepared or PreparedWeight(g2.weight))
@@ -202,10 +211,12 @@ class MoE(nn.Module):
                                      **opts.linear_kw(opts.quant))
 
     def forward(self, n_TD) -> torch.Tensor:
-        """``n_TD``: the normed rows, or their ``RowQuantized`` form (the shared expert takes it as is)."""
+        """``n_TD``: the normed rows, or their ``RowQuantized`` form (the shared expert, and the routed experts
+        where their kernel says so, take it as is)."""
         x_TD = n_TD.x_TI if isinstance(n_TD, RowQuantized) else n_TD
         weights_Tk, experts_Tk = self.gate(x_TD)
-        return self.shared_mlp(n_TD) + self.experts(x_TD, weights_Tk, experts_Tk)
+        routed_in = n_TD if isinstance(n_TD, RowQuantized) and self.experts.takes_rows else x_TD
+        return self.shared_mlp(n_TD) + self.experts(routed_in, weights_Tk, experts_Tk)
 
 
 # ---------------------------------------------------------------- decoder

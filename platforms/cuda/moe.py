@@ -5,7 +5,8 @@ run on CPU tensors, which the CPU tests use). Nothing here reads routing on
 the host, so the whole layer is capturable.
 
     sort        stable sort of the T*k expert ids; group ends by searchsorted (no bincount, no sync)
-    gather      bf16: x[token_R];  fp8: gather + per-row e4m3 quantization in one pass (Triton)
+    gather      bf16: x[token_R];  fp8: gather + per-row e4m3 quantization in one pass (Triton), or, for
+                rows a glue kernel quantized already (``RowQuantized``), a gather of the e4m3 rows and scales
     GEMM 1      torch._grouped_mm / our CUTLASS grouped fp8 kernel (kernels.grouped_fp8) or
                 torch._scaled_grouped_mm over the expert groups -> h [R, 2I] bf16
     SwiGLU      x1 * silu(x2) (SiLU on the SECOND half), fused with the per-row e4m3 quantization (Triton)
@@ -31,7 +32,7 @@ import torch
 
 from omni import quant
 from omni.moe import sort_by_expert, swiglu as torch_swiglu
-from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight
+from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
 from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, grouped_fp8_kernel
@@ -50,6 +51,9 @@ class TorchKernels:
 
     def quant_rows(self, x_TD):
         return quant.quantize_fp8(x_TD, per_row=True)
+
+    def gather_rows(self, q_TD, s_T1, token_R):
+        return q_TD[token_R], s_T1.reshape(-1, 1).float()[token_R]
 
     def swiglu(self, h_R2I, quantize: bool):
         a = torch_swiglu(h_R2I)
@@ -82,6 +86,7 @@ class CudaMoE:
 
     def __init__(self, spec: MoESpec, kernels, grouped_kernel=None):
         self.spec, self.kernels = spec, kernels
+        self.accepts_row_quantized = spec.quant == "fp8_row"  # rows the glue quantized: gathered, not requantized
         kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant, fast_accum=spec.fast_accum,
                   grouped_fp8=spec.grouped_fp8)
         g13 = GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw)
@@ -102,12 +107,18 @@ class CudaMoE:
         return PreparedMoE(ScaledGroupedMM.prepare_quantized(w13), ScaledGroupedMM.prepare_quantized(w2))
 
     def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE) -> torch.Tensor:
+        """``x_TD``: rows, or (``fp8_row``) their ``RowQuantized`` form, whose e4m3 rows are gathered as they are."""
         E = prepared.w13.data.shape[0]
         routing = sort_by_expert(topk_ids_Tk, E)
         offs = routing.offsets_E
-        x = x_TD.to(self.spec.dtype)
+        rows = x_TD if isinstance(x_TD, RowQuantized) and self.accepts_row_quantized else None
+        if rows is None and isinstance(x_TD, RowQuantized):
+            x_TD = x_TD.x_TI
+        out_dtype = self.spec.dtype if rows is not None else x_TD.dtype
+        x = None if rows is not None else x_TD.to(self.spec.dtype)
         if self.spec.quant == "fp8_row":
-            xq, xs = self.kernels.quant_gather(x, routing.token_R)
+            xq, xs = (self.kernels.gather_rows(rows.q_TI, rows.scale_T1, routing.token_R) if rows is not None
+                      else self.kernels.quant_gather(x, routing.token_R))
             h = self.gemm13.scaled(xq, xs, prepared.w13, offs)
             aq, as_ = self.kernels.swiglu(h, quantize=True)
             y = self.gemm2.scaled(aq, as_, prepared.w2, offs)
@@ -118,8 +129,8 @@ class CudaMoE:
             h = self.gemm13(x[routing.token_R], prepared.w13, offs)
             y = self.gemm2(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
         inverse_R = torch.empty_like(routing.order_R)
-        inverse_R[routing.order_R] = torch.arange(routing.order_R.numel(), device=x.device)
-        return self.kernels.combine(y, inverse_R, topk_weights_Tk, x_TD.dtype)
+        inverse_R[routing.order_R] = torch.arange(routing.order_R.numel(), device=y.device)
+        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype)
 
 
 def resolve_moe(spec: MoESpec, caps: Caps, reject):

@@ -5,6 +5,7 @@ every tensor is a contiguous CUDA tensor. One program per row; no host reads.
 
     quant_gather   x[token_R[r]] -> e4m3 row r and its per-row fp32 scale (gather + dynamic quantization);
                    ``quant_rows`` is the same without the gather (the dense fp8_row linears' activations)
+    gather_rows    q[token_R[r]], s[token_R[r]]: rows a glue kernel quantized already (1 byte per element moved)
     swiglu         h[r] = [x1 | x2] -> x1 * silu(x2), as bf16 or as e4m3 + per-row scale
     combine        out[t] = sum_j w[t, j] * y[inverse[t*k + j]] (fp32 accumulate)
 
@@ -35,6 +36,17 @@ def _quant_gather_kernel(x_ptr, token_ptr, q_ptr, s_ptr, D, BLOCK: tl.constexpr,
     q = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
     tl.store(q_ptr + r * D + cols, q.to(tl.float8e4nv), mask=m)
     tl.store(s_ptr + r, s)
+
+
+@triton.jit
+def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, D, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    t = tl.load(token_ptr + r).to(tl.int64)
+    for start in tl.range(0, D, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        m = cols < D
+        tl.store(out_ptr + r * D + cols, tl.load(q_ptr + t * D + cols, mask=m), mask=m)
+    tl.store(out_s_ptr + r, tl.load(s_ptr + t))
 
 
 @triton.jit
@@ -84,6 +96,17 @@ class TritonKernels:
             _quant_gather_kernel[(R,)](x, token_R, q, s, D, BLOCK=block, QMAX=FP8_MAX, GATHER=True,
                                        num_warps=_warps(block))
         return q, s[:, None]
+
+    def gather_rows(self, q_TD: torch.Tensor, s_T1: torch.Tensor, token_R: torch.Tensor):
+        """Rows quantized already, gathered: ``(q[token_R] [R, D] e4m3, s[token_R] [R, 1] fp32)``."""
+        q, s = q_TD.contiguous(), s_T1.reshape(-1).float().contiguous()
+        R, D = token_R.numel(), q.shape[1]
+        out = torch.empty(R, D, dtype=q.dtype, device=q.device)
+        out_s = torch.empty(R, dtype=torch.float32, device=q.device)
+        if R:
+            _gather_rows_kernel[(R,)](q, s, token_R, out, out_s, D, BLOCK=min(4096, triton.next_power_of_2(D)),
+                                      num_warps=4)
+        return out, out_s[:, None]
 
     def quant_rows(self, x_TD: torch.Tensor):
         """Per-row e4m3 quantization of a 2-D tensor in one pass: ``(q [T, D], scale [T, 1] fp32)``."""

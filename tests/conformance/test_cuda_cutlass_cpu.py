@@ -132,6 +132,29 @@ def test_scaled_grouped_mm_hands_the_kernel_the_documented_operands(loaded):
                         offs=torch.int32)
 
 
+def test_fused_moe_gathers_rows_the_glue_quantized_as_they_are(loaded):
+    """fp8_row: ``RowQuantized`` rows are gathered, not quantized again: the same numbers as plain rows, and the
+    e4m3 rows handed in are the ones the experts multiply (a zeroed copy gives zeros)."""
+    from omni import quant
+    from omni.specs import RowQuantized
+
+    fused = moe.resolve_moe(MOE, H200, pytest.fail)
+    assert fused.accepts_row_quantized
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 64, generator=g).bfloat16()
+    w, ids = torch.rand(37, 4, generator=g).softmax(-1).topk(2, -1)
+    prepared = fused.prepare_weights(torch.randn(4, 64, 64, generator=g).bfloat16(),
+                                     torch.randn(4, 64, 32, generator=g).bfloat16())
+    q, s = quant.quantize_fp8(x, per_row=True)
+    plain = fused(x, w, ids, prepared)
+    assert torch.equal(fused(RowQuantized(q, s, x), w, ids, prepared), plain)
+    assert torch.equal(fused(RowQuantized(q, s, None), w, ids, prepared), plain)  # rows not kept: fine
+    zeros = fused(RowQuantized(torch.zeros_like(q), s, x), w, ids, prepared)
+    assert plain.abs().max() > 0 and zeros.abs().max() == 0
+    bf16 = moe.resolve_moe(dataclasses.replace(MOE, quant="none"), H200, pytest.fail)
+    assert not bf16.accepts_row_quantized
+
+
 # ----------------------------------------------------------------- the build
 
 

@@ -6,7 +6,10 @@ in the vendor's FP8 dtype (``float8_e4m3fnuz`` on MI300-class, OCP
 ``float8_e4m3fn`` elsewhere); K and N divisible by 16; fp32 scales, either
 both tensor-wise (numel 1) or row-wise (``scale_a`` (M, 1), ``scale_b`` (1, N));
 row-wise output on ROCm is bf16 only; bias bf16/fp16 only. The product is
-the real CPU ``torch._scaled_mm`` (exact on FP8 inputs).
+the real CPU ``torch._scaled_mm`` (exact on FP8 inputs), except for
+``float8_e4m3fnuz`` operands on CPUs where torch takes its oneDNN fp8 path
+(AMX / avx512-fp16 machines): that path refuses fnuz ("itensor_view_from_dense
+expects ... fp8"), so those products are the same exact math in fp32.
 """
 from __future__ import annotations
 
@@ -39,7 +42,16 @@ class ScaledMmDouble:
                     f"_scaled_mm row-wise: scale_a (M,1) and scale_b (1,N), got {tuple(scale_a.shape)} {tuple(scale_b.shape)}")
             require(out_dtype in self.rowwise_out, f"_scaled_mm row-wise writes {self.rowwise_out} here, asked {out_dtype}")
         require(bias is None or bias.dtype in (torch.bfloat16, torch.float16), "_scaled_mm: bias must be bf16/fp16")
+        if mat1.dtype == torch.float8_e4m3fnuz:
+            return _fp32_scaled_mm(mat1, mat2, scale_a, scale_b, bias, out_dtype)
         return self.real(mat1, mat2, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+
+
+def _fp32_scaled_mm(mat1, mat2, scale_a, scale_b, bias, out_dtype):
+    """``(mat1 * scale_a) @ (mat2 * scale_b) (+ bias)`` in fp32: e4m3 products and their sums are exact there."""
+    y = (mat1.float() * scale_a) @ (mat2.float() * scale_b.reshape(1, -1) if scale_b.numel() != 1 else
+                                    mat2.float() * scale_b)
+    return (y if bias is None else y + bias.float()).to(out_dtype or torch.bfloat16)
 
 
 def install_scaled_mm(monkeypatch, fp8_dtype: torch.dtype, rowwise_out=(torch.bfloat16, torch.float16, torch.float32)):

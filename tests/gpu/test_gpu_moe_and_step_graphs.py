@@ -78,6 +78,32 @@ def test_fused_moe_triton_torch_reference_agree(platform, quant, capsys):
     assert _rel(y_static, fused(static_x, w, ids, prepared)) < 1e-3
 
 
+def test_fused_moe_takes_rows_the_glue_quantized(platform):
+    """The fp8_row MoE gathers ``RowQuantized`` rows as they are (Triton copy == torch indexing, bit for bit),
+    and the layer's output matches the plain-rows path (its own Triton quantization of the same rows)."""
+    from omni import quant
+    from omni.platforms.cuda.moe import TorchKernels, memory_kernels
+    from omni.specs import RowQuantized
+
+    E, k, D, inner, T = 16, 4, 512, 256, 777
+    spec = MoESpec(num_experts=E, topk=k, hidden=D, inner=inner, dtype=torch.bfloat16, quant="fp8_row")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w, ids = torch.rand(T, E, device="cuda", generator=g).softmax(-1).topk(k, -1)
+    q, s = quant.quantize_fp8(x, per_row=True)
+    token = torch.randint(0, T, (T * k,), device="cuda", generator=g)
+    triton_kernels = memory_kernels("triton", pytest.fail)
+    for a, b in zip(triton_kernels.gather_rows(q, s, token), TorchKernels().gather_rows(q, s, token)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    fused = platform.moe(spec)
+    assert fused.accepts_row_quantized
+    prepared = fused.prepare_weights((torch.randn(E, 2 * inner, D, device="cuda") / D ** 0.5).bfloat16(),
+                                     (torch.randn(E, D, inner, device="cuda") / inner ** 0.5).bfloat16())
+    y_rows, y_plain = fused(RowQuantized(q, s, x), w, ids, prepared), fused(x, w, ids, prepared)
+    assert _rel(y_rows, y_plain) < 1e-3
+
+
 def _small_cfg():
     from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
