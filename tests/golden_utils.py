@@ -42,11 +42,22 @@ def write_instruct_checkpoint(meta: dict, tensors: dict, root, keep_distil: bool
     return root
 
 
+def fp32_bound(want: torch.Tensor, atol: float = 1e-5) -> float:
+    """The golden tolerance of an fp32 CPU result: ``atol`` per unit of the tensor's largest magnitude.
+
+    Reduction order differs between CPUs (torch's AVX-512 / AMX kernels block GEMMs and reductions their
+    own way), and a sum's rounding grows with the magnitudes summed: hidden rows of |4-6| differ from the
+    golden by 1.2-2.2e-5 on an AMX machine where other machines stayed below 1e-5.
+    """
+    return atol * max(1.0, want.float().abs().max().item())
+
+
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = 1e-5) -> None:
-    """Same shape and max abs error <= ``atol`` (fp32 golden comparisons)."""
+    """Same shape and max abs error <= ``fp32_bound(want, atol)`` (fp32 golden comparisons)."""
     assert tuple(got.shape) == tuple(want.shape), (name, tuple(got.shape), tuple(want.shape))
     err = (got.float() - want.float()).abs().max().item()
-    assert err <= atol, f"{name}: max abs err {err:.3g}"
+    bound = fp32_bound(want, atol)
+    assert err <= bound, f"{name}: max abs err {err:.3g} > {bound:.3g}"
 
 
 def instruct_engine(root, on: str = "cpu", **changes):

@@ -7,7 +7,8 @@ Instruct tiny weights plus ``guidance_emb`` / ``timestep_r_emb``): one row,
 shift-3 schedule; step 1 over the whole sequence, step 2 through its KV cache.
 Here: the deployment's pipeline from a checkpoint directory, through the
 engine's prefix-KV path (both steps), and the first step's layer input and
-hidden states through the full-sequence path. fp32 on the CPU, 1e-5.
+hidden states through the full-sequence path. fp32 on the CPU, 1e-5 per unit of magnitude
+(2.5e-5 where the timestep tokens enter: see TIMESTEP_ATOL).
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from golden_utils import assert_close as close, instruct_engine, write_instruct_
 from omni.attention_context import DenseContext, dense_meta
 from omni.request import ImageRequest
 
-ATOL = 1e-5
+# The step's two timestep tokens (t and the meanflow r) start from sin/cos of t * freq, an fp32 argument known only
+# to eps * t (see test_golden_sampler); on an AVX-512 machine the embeddings differ by 1.7e-5 and the first layer's
+# hidden rows by 7.1e-5 at |4.6| (1.5e-5 per unit); other machines stayed within 1e-5.
+TIMESTEP_ATOL = 2.5e-5
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,7 @@ def test_first_step_full_sequence_layer_input_and_hidden_states(engine, golden):
                           guidance=req.guidance)
     rest = m.embed(row.ids[row.prefix_len + block.shape[0]:])
     x_LD = torch.cat([prefix, block, rest])
-    close("inputs_embeds", x_LD[None], g["DISTIL.inputs_embeds"])
+    close("inputs_embeds", x_LD[None], g["DISTIL.inputs_embeds"], TIMESTEP_ATOL)
     hidden = []
     hooks = [layer.register_forward_hook(lambda mod, a, out: hidden.append(out)) for layer in m.transformer.model.layers]
     try:
@@ -80,7 +84,7 @@ def test_first_step_full_sequence_layer_input_and_hidden_states(engine, golden):
         for h in hooks:
             h.remove()
     for i, h_LD in enumerate(hidden):
-        close(f"hidden_states_{i + 1}", h_LD[None], g[f"DISTIL.hidden_states_{i + 1}"])
+        close(f"hidden_states_{i + 1}", h_LD[None], g[f"DISTIL.hidden_states_{i + 1}"], TIMESTEP_ATOL)
 
 
 @torch.inference_mode()

@@ -26,11 +26,11 @@ def tensors():
     return pytest.importorskip("safetensors.torch").load_file(str(GOLDEN_TENSORS))
 
 
-def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def check(name: str, got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
     err = (got - want).abs().max().item()
     print(f"{name}: max abs err {err:.3g}")
-    assert err <= ATOL, f"{name}: max abs err {err}"
+    assert err <= atol, f"{name}: max abs err {err} > {atol}"
 
 
 def test_default_50_step_sigmas(tensors):
@@ -53,7 +53,11 @@ def test_euler_and_cfg_are_fp32():
 
 
 def test_timestep_sinusoid(tensors):
-    check("TEMB.sinusoid256", timestep_sinusoid(tensors["golden.TEMB.t"]), tensors["golden.TEMB.sinusoid256"])
+    # sin/cos of t * freq: the fp32 argument itself is only known to eps * |t| (6e-5 at t = 1000), and vectorized
+    # sin/cos (AVX-512 builds) round differently there; 2.9e-5 measured on one such machine
+    t = tensors["golden.TEMB.t"]
+    bound = max(ATOL, torch.finfo(torch.float32).eps * t.abs().max().item())
+    check("TEMB.sinusoid256", timestep_sinusoid(t), tensors["golden.TEMB.sinusoid256"], bound)
 
 
 def test_timestep_embedder(tensors):
