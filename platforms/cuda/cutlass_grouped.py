@@ -184,6 +184,23 @@ class CutlassGroupedFp8:
 
 
 def load(fast_accum: bool, nvcc: str, include: str) -> CutlassGroupedFp8:
-    """The kernel for ``fast_accum``, built (or found in the cache) and loaded; raises with the reason."""
+    """The kernel for ``fast_accum``, built (or found in the cache), loaded and self-tested; raises with the reason."""
     cfg = CONFIGS[fast_accum]
-    return CutlassGroupedFp8(build(cfg, nvcc, include), cfg)
+    kernel = CutlassGroupedFp8(build(cfg, nvcc, include), cfg)
+    self_test(kernel)
+    return kernel
+
+
+def self_test(kernel: CutlassGroupedFp8) -> None:
+    """Two small groups on the current device against the fp32 product: an object that cannot run here (another
+    driver, another chip) fails at build time, where ``auto`` can still fall back, not in the first request."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(80, 128, device=dev, generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(2, 128, 128, device=dev, generator=g).to(torch.float8_e4m3fn)
+    offs = torch.tensor([48, 80], dtype=torch.int32, device=dev)
+    y = kernel(x, torch.ones(80, device=dev), w, torch.ones(2, 128, device=dev), offs).float()
+    ref = torch.cat([x[:48].float() @ w[0].float().T, x[48:].float() @ w[1].float().T])
+    err = ((y - ref).norm() / ref.norm()).item()  # .item() waits for the kernel: a launch fault surfaces here
+    if not err < 1e-2:
+        raise RuntimeError(f"{kernel.name}: self-test against the fp32 product failed (relative error {err:.3g})")

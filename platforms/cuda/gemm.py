@@ -283,16 +283,22 @@ def _grouped_bf16(spec: GroupedGemmSpec, caps: Caps, reject):
 def _grouped_fp8(spec: GroupedGemmSpec, caps: Caps, reject):
     if spec.in_features % 16 or spec.out_features % 16:
         return reject(f"cuda: fp8 grouped GEMMs need features divisible by 16, got {_dims(spec)}")
+    kernel, refusal = fp8_grouped_choice(spec, caps, "cuda")
+    return reject(refusal) if refusal else ScaledGroupedMM(spec, kernel)
+
+
+def fp8_grouped_choice(spec, caps: Caps, who: str):
+    """``(kernel, None)``: our CUTLASS kernel, or None for torch's; ``(None, reason)`` when neither can serve."""
     kernel = grouped_fp8_kernel(spec, caps)
-    if isinstance(kernel, str) and spec.grouped_fp8 == "cutlass":
-        return reject(f"cuda: kernels.grouped_fp8=cutlass: {kernel}")
     if not isinstance(kernel, str):
-        return ScaledGroupedMM(spec, kernel)
+        return kernel, None
+    if spec.grouped_fp8 == "cutlass":
+        return None, f"{who}: kernels.grouped_fp8=cutlass: {kernel}"
     if not caps.has_scaled_grouped_mm:
-        return reject("cuda: torch._scaled_grouped_mm is not in this torch")
+        return None, f"{who}: torch._scaled_grouped_mm is not in this torch"
     if caps.sm not in ((9, 0), (10, 0)):
-        return reject(f"cuda: torch._scaled_grouped_mm runs on sm90/sm100 only, not {caps.sm_name}")
-    return ScaledGroupedMM(spec)
+        return None, f"{who}: torch._scaled_grouped_mm runs on sm90/sm100 only, not {caps.sm_name}"
+    return None, None
 
 
 def grouped_fp8_kernel(spec, caps: Caps, load=None):

@@ -35,7 +35,7 @@ from omni.moe import sort_by_expert, swiglu as torch_swiglu
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
-from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, grouped_fp8_kernel
+from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8_grouped_choice
 
 FP8 = ("fp8_row", "fp8_tensor")
 
@@ -144,15 +144,9 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
         if spec.hidden % 16 or spec.inner % 16:
             return reject(f"cuda-moe: fp8 grouped GEMMs need hidden and inner divisible by 16, "
                           f"got {spec.hidden}/{spec.inner}")
-        grouped_kernel = grouped_fp8_kernel(spec, caps)
-        if isinstance(grouped_kernel, str):
-            if spec.grouped_fp8 == "cutlass":
-                return reject(f"cuda-moe: kernels.grouped_fp8=cutlass: {grouped_kernel}")
-            grouped_kernel = None
-        if grouped_kernel is None and not caps.has_scaled_grouped_mm:
-            return reject("cuda-moe: torch._scaled_grouped_mm is not in this torch")
-        if grouped_kernel is None and caps.sm not in ((9, 0), (10, 0)):
-            return reject(f"cuda-moe: torch._scaled_grouped_mm runs on sm90/sm100 only, not {caps.sm_name}")
+        grouped_kernel, refusal = fp8_grouped_choice(spec, caps, "cuda-moe")
+        if refusal:
+            return reject(refusal)
     else:
         if not caps.has_grouped_mm or caps.sm < (8, 0):
             return reject(f"cuda-moe: torch._grouped_mm needs a torch that has it and sm80+ ({caps.sm_name})")
