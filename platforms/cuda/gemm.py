@@ -301,20 +301,19 @@ def fp8_grouped_choice(spec, caps: Caps, who: str):
     return None, None
 
 
-def grouped_fp8_kernel(spec, caps: Caps, load=None):
+def grouped_fp8_kernel(spec, caps: Caps):
     """Our CUTLASS grouped kernel for ``spec`` (a ``GroupedGemmSpec`` or ``MoESpec``), or why not (a string).
 
     ``kernels.grouped_fp8``: ``torch`` asks for none; ``auto`` and ``cutlass``
     build it where ``caps`` allow (sm90, nvcc, CUTLASS's headers). ``auto``
     falls back to torch's kernel, logging the reason; the caller refuses a
-    ``cutlass`` demand with it. ``load`` is ``cutlass_grouped.load`` (tests
-    hand in a double).
+    ``cutlass`` demand with it.
     """
     if spec.grouped_fp8 == "torch":
         return "kernels.grouped_fp8=torch"
     reason = caps.cutlass_grouped_refusal
     if reason is None:
-        kernel = (load or _load_cutlass)(spec.fast_accum, caps.nvcc, caps.cutlass_include)
+        kernel = _load_cutlass(spec.fast_accum, caps.nvcc, caps.cutlass_include)
         if not isinstance(kernel, str):
             return kernel
         reason = kernel

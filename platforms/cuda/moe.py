@@ -82,7 +82,7 @@ def memory_kernels(choice: str, reject):
 
 
 class CudaMoE:
-    """Routed experts over ``torch._grouped_mm`` / ``torch._scaled_grouped_mm`` (see the module docstring)."""
+    """Routed experts over ``torch._grouped_mm`` or the fp8 grouped kernel ``resolve_moe`` chose (module docstring)."""
 
     def __init__(self, spec: MoESpec, kernels, grouped_kernel=None):
         self.spec, self.kernels = spec, kernels
