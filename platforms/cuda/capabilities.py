@@ -78,6 +78,7 @@ class Caps:
         flags |= {"varlen"} if self.varlen else set()
         flags |= {"flex"} if self.has_flex else set()
         flags |= {"grouped_mm"} if self.has_grouped_mm else set()
+        flags |= {"cutlass_grouped"} if self.cutlass_grouped_refusal is None else set()  # kernels.grouped_fp8
         return frozenset(flags)
 
 
