@@ -23,7 +23,6 @@ comes from torch's allocator per call, as torch's own kernel does.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -124,6 +123,8 @@ def build(cfg: TileConfig, nvcc: str, include: str, where: Path | None = None) -
     where = where or cache_dir()
     where.mkdir(parents=True, exist_ok=True)
     out = where / f"grouped_fp8_{cfg.name}_{cache_key(cfg, version, include)}.so"
+    import fcntl  # POSIX only, like the build itself: importing this module stays portable
+
     with open(out.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another rank compiling the same key: wait, then load its object
         if not out.exists():
