@@ -360,7 +360,7 @@ def floor(a, s: Setup, out, platform):
                 times[name] = timed((lambda: pre_quantized(xq, xs, pw, offs)) if pre_quantized else
                                     (lambda: kernel(x, pw, offs)), 20)
                 res.setdefault("grouped_kernel", kernel.name)
-            del x, w
+            x = w = None  # free the operands before the next shape (a del would leave the timed lambdas unbound)
         attn = s.model.model.layers[0].self_attn.attn["none"]
         meta = _meta(s.runs, False, dev)
         S = meta.cu_seqlens_k_host[-1]
@@ -490,7 +490,7 @@ def vae_decode(s: Setup, out):
     t = timed(lambda: vae.decode_image(lat, dtype=torch.float32), 3, warmup=1)
     out["vae_decode_s"] = t
     print(f"[vae] decode 1024x1024 fp32 {t*1e3:.1f} ms", flush=True)
-    del vae
+    vae = None  # frees the VAE before the caller's next part
 
 
 def main():
@@ -529,7 +529,7 @@ def main():
     if s8 is not None:
         s8.graphs = None
         attempt("floor", lambda: floor(a, s8, out, platform))
-    del s8
+    s8 = None  # frees the fp8 model before the naive bf16 run
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if s16 is not None and not a.no_naive:
