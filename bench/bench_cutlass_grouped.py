@@ -17,8 +17,6 @@ in turn, after a warm-up burn, and the median over the rounds is reported.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -28,36 +26,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import cuda_event_median, emit, git_commit  # noqa: E402
 
+from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
+
 E, TOKENS, TOP_K = 64, 8194, 8
 SHAPES = {"gate_up": (4096, 6144), "down": (3072, 4096)}
 
 
-def configs(path: Path):
-    """(name, run, scratch) of every configuration a shared object exports."""
-    lib = ctypes.CDLL(str(path))
-    names = re.findall(rb"omni_gg_(\w+?)_run\x00", path.read_bytes())
-    out = []
-    for n in sorted(set(names)):
-        run = getattr(lib, f"omni_gg_{n.decode()}_run")
-        run.restype = ctypes.c_int
-        run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
-        scratch = getattr(lib, f"omni_gg_{n.decode()}_scratch")
-        scratch.restype, scratch.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int]
-        out.append((n.decode(), run, scratch))
-    return out
-
-
-def ctypes_call(run, scratch, xq, wq, xs, ws, offs, n, k, sms, stream, raster=0, swizzle=1):
-    """A no-argument call of one exported configuration that returns its output."""
-    buf = torch.empty(scratch(E, sms), dtype=torch.uint8, device="cuda")
-    out = torch.full((xq.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")  # unwritten stays NaN
-
-    def call():
-        rc = run(xq.data_ptr(), wq.data_ptr(), out.data_ptr(), xs.data_ptr(), ws.data_ptr(), offs.data_ptr(),
-                 E, n, k, sms, raster, swizzle, buf.data_ptr(), stream)
-        assert rc == 0, f"status {rc}"
-        return out
-    return call
+def call(kernel: CutlassGroupedFp8, xq, xs, wq, ws, offs, raster: int, swizzle: int):
+    """A no-argument call of one configuration, writing one output that starts as NaN (unwritten stays NaN)."""
+    out = torch.full((xq.shape[0], wq.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    return lambda: kernel(xq, xs, wq, ws, offs, out=out, raster=raster, swizzle=swizzle)
 
 
 def round_robin(fns: dict, rounds: int) -> dict:
@@ -93,9 +71,7 @@ def main():
     a = p.parse_args()
     a.sched = [("MN".index(s[0]), int(s[1:])) for s in a.sched.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    stream = torch.cuda.current_stream().cuda_stream
-    kernels = [c for lib in a.lib for c in configs(lib)]
+    kernels = [CutlassGroupedFp8(lib, name) for lib in a.lib for name in exported_configs(lib)]
     rows = []
     for split, counts in splits(g).items():
         offs = counts.cumsum(0).to(torch.int32)
@@ -116,14 +92,13 @@ def main():
                        xq, wq[0].t(), scale_a=xs.view(-1, 1), scale_b=ws[0].view(1, -1), out_dtype=torch.bfloat16,
                        use_fast_accum=True)}
             err = {}
-            for cname, run, scratch in kernels:
+            for kernel in kernels:
                 for raster, swizzle in a.sched:
-                    label = cname if (raster, swizzle) == (0, 1) else f"{cname} r{'MN'[raster]}s{swizzle}"
-                    fns[label] = ours = ctypes_call(run, scratch, xq, wq, xs, ws, offs, n, k, sms, stream, raster,
-                                                    swizzle)
-                    out = ours()
-                    err[label] = float((out.float() - ref[cname.rsplit("_", 1)[1]]).norm() / ref["fast"].norm())
-                    out.fill_(float("nan"))  # the next call must write every element again
+                    label = kernel.config if (raster, swizzle) == (0, 1) else \
+                        f"{kernel.config} r{'MN'[raster]}s{swizzle}"
+                    fns[label] = ours = call(kernel, xq, xs, wq, ws, offs, raster, swizzle)
+                    acc = kernel.config.rsplit("_", 1)[1]  # fast | exact: compared with torch's kernel of the same
+                    err[label] = float((ours().float() - ref[acc]).norm() / ref["fast"].norm())
             t = round_robin(fns, a.rounds)
             row = {"split": split, "gemm": name, "rows": R, "max_rows": int(counts.max()),
                    **{f"{m} TFLOP/s": round(flops / s / 1e12, 1) for m, s in t.items()},

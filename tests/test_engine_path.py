@@ -15,20 +15,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from golden_utils import build_golden_model
+from golden_utils import assert_close as close, build_golden_model  # fp32: golden_utils.fp32_bound
 from omni.kv_pool import KVPool, PoolContext, Run
 from omni.platform_manager import select
 from omni.models.hunyuan_image3.rope import rope_cos_sin
 from omni.models.hunyuan_image3.sampler import cfg_combine, euler_step
-
-ATOL = 1e-5  # per unit of the tensor's largest magnitude: fp32 reduction-order noise scales with it
-
-
-def close(name, got, want):
-    err = (got.float() - want.float()).abs().max().item()
-    bound = ATOL * max(1.0, want.abs().max().item())  # hidden rows reach |6|: 1e-5 absolute is ~10 fp32 ulps there
-    assert got.shape == want.shape and err <= bound, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}, " \
-                                                     f"err {err} > {bound}"
 
 
 @pytest.fixture(scope="module", params=[(True, 3), (True, 16), (False, 5)], ids=["paged-3", "paged-16", "gather-5"])

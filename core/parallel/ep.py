@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from omni.specs import RowQuantized
+
 
 class ExpertShard:
     """Hooks that route tokens to the experts this rank holds (see the module docstring)."""
@@ -43,6 +45,8 @@ class ExpertShard:
 
     def before(self, module, args):
         x_TD, w_Tk, e_Tk = args
+        if isinstance(x_TD, RowQuantized):  # rows a glue kernel quantized: route the rows, the kernel requantizes
+            x_TD = x_TD.x_TI
         if self.comm.size == 1:
             return self._select(x_TD, w_Tk, e_Tk)
         return self._dispatch(x_TD, w_Tk, e_Tk)

@@ -183,12 +183,8 @@ class RoutedExperts(KernelOwner):
 
     @property
     def takes_rows(self) -> bool:
-        """Whether the MoE kernel takes rows the glue quantized (``RowQuantized``) and gathers them as they are.
-
-        Not under expert parallelism: its hooks (``omni.parallel.ep``) index and send the rows themselves.
-        """
-        return (self.moe_spec.quant == "fp8_row" and getattr(self.moe, "accepts_row_quantized", False)
-                and not self._forward_pre_hooks)
+        """Whether the MoE kernel takes rows the glue quantized (``RowQuantized``) and gathers them as they are."""
+        return self.moe_spec.quant == "fp8_row" and getattr(self.moe, "accepts_row_quantized", False)
 
     def forward(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor) -> torch.Tensor:
         g13, g2 = self.gate_and_up_proj, self.down_proj

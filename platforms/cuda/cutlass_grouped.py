@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -49,8 +50,6 @@ class TileConfig:
     cluster: tuple[int, int]
     pingpong: bool
     fast_accum: bool
-    raster_along_n: bool = False  # runtime scheduling: tile order (CUTLASS's default for groups: along M)
-    swizzle: int = 1  # runtime scheduling: 1, 2, 4 or 8
 
     @property
     def name(self) -> str:
@@ -73,11 +72,8 @@ CONFIGS = {True: TileConfig((128, 128, 128), (1, 2), pingpong=True, fast_accum=T
 def find_nvcc() -> str | None:
     """The nvcc that builds the kernel: ``$CUDA_HOME/bin``, then PATH, then /usr/local/cuda (None: absent)."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    for candidate in ([str(Path(home) / "bin" / "nvcc")] if home else []) + [shutil.which("nvcc") or "",
-                                                                           "/usr/local/cuda/bin/nvcc"]:
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
+    candidates = (home and str(Path(home) / "bin" / "nvcc"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc")
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
 def find_cutlass_include() -> str | None:
@@ -148,29 +144,40 @@ def _compile(cfg: TileConfig, nvcc: str, include: str, out: Path) -> None:
 
 
 class CutlassGroupedFp8:
-    """``D[R, N] = (A[R, K] @ B[e]^T) * sa[r] * sb[e, n]`` per expert group, bf16 out (see the module docstring)."""
+    """``D[R, N] = (A[R, K] @ B[e]^T) * sa[r] * sb[e, n]`` per expert group, bf16 out (see the module docstring).
 
-    def __init__(self, library: Path, cfg: TileConfig):
+    ``config`` names one configuration the shared object ``library`` exports (``TileConfig.name``).
+    """
+
+    def __init__(self, library: Path, config: str):
         lib = ctypes.CDLL(str(library))
-        self.cfg, self.name = cfg, f"cutlass-grouped-fp8[{cfg.name}]"
-        self._run = getattr(lib, f"omni_gg_{cfg.name}_run")
+        self.config, self.name = config, f"cutlass-grouped-fp8[{config}]"
+        self._run = getattr(lib, f"omni_gg_{config}_run")
         self._run.restype = ctypes.c_int
         self._run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
-        self._scratch = getattr(lib, f"omni_gg_{cfg.name}_scratch")
+        self._scratch = getattr(lib, f"omni_gg_{config}_scratch")
         self._scratch.restype, self._scratch.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int]
         self._sms: dict[int, int] = {}
+        self._scratch_bytes: dict[tuple[int, int], int] = {}
 
-    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E) -> torch.Tensor:
-        """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ ``[E, N]``) -> bf16 ``[R, N]``."""
+    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, raster: int = 0,
+                 swizzle: int = 1) -> torch.Tensor:
+        """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ ``[E, N]``) -> bf16 ``[R, N]``.
+
+        ``raster`` (0 along M, 1 along N) and ``swizzle`` (1-8) order the tiles; the defaults, CUTLASS's own for
+        groups, measured fastest (bench/bench_cutlass_grouped.py --sched). ``out``: written in place when given.
+        """
         E, N, K = wq_ENK.shape
-        out = torch.empty(xq_RK.shape[0], N, dtype=torch.bfloat16, device=xq_RK.device)
+        if out is None:
+            out = torch.empty(xq_RK.shape[0], N, dtype=torch.bfloat16, device=xq_RK.device)
         if out.numel() == 0:
             return out
         sms = self._sm_count(xq_RK.device)
-        scratch = torch.empty(self._scratch(E, sms), dtype=torch.uint8, device=xq_RK.device)
+        if (E, sms) not in self._scratch_bytes:
+            self._scratch_bytes[E, sms] = self._scratch(E, sms)
+        scratch = torch.empty(self._scratch_bytes[E, sms], dtype=torch.uint8, device=xq_RK.device)
         status = self._run(xq_RK.data_ptr(), wq_ENK.data_ptr(), out.data_ptr(), xs_R.data_ptr(), ws_EN.data_ptr(),
-                           offs_E.data_ptr(), E, N, K, sms, int(self.cfg.raster_along_n), self.cfg.swizzle,
-                           scratch.data_ptr(),
+                           offs_E.data_ptr(), E, N, K, sms, raster, swizzle, scratch.data_ptr(),
                            torch.cuda.current_stream(xq_RK.device).cuda_stream)
         if status:
             raise RuntimeError(f"{self.name}: CUTLASS refused the call (status {status}: 1 cannot implement, "
@@ -184,10 +191,15 @@ class CutlassGroupedFp8:
         return self._sms[index]
 
 
+def exported_configs(library: Path) -> list[str]:
+    """The configuration names a shared object built from ``grouped_fp8.cu`` exports (read from its symbols)."""
+    return sorted({m.decode() for m in re.findall(rb"omni_gg_(\w+?)_run\x00", library.read_bytes())})
+
+
 def load(fast_accum: bool, nvcc: str, include: str) -> CutlassGroupedFp8:
     """The kernel for ``fast_accum``, built (or found in the cache), loaded and self-tested; raises with the reason."""
     cfg = CONFIGS[fast_accum]
-    kernel = CutlassGroupedFp8(build(cfg, nvcc, include), cfg)
+    kernel = CutlassGroupedFp8(build(cfg, nvcc, include), cfg.name)
     self_test(kernel)
     return kernel
 

@@ -226,7 +226,7 @@ class ScaledGroupedMM:
 
     def __init__(self, spec: GroupedGemmSpec, kernel=None):
         self.spec, self.per_row, self.kernel = spec, spec.quant == "fp8_row", kernel
-        impl = f",{kernel.cfg.name}" if kernel is not None else ""
+        impl = f",{kernel.config}" if kernel is not None else ""
         self.name = f"cuda-scaled-grouped-mm[{spec.quant}{fast_accum_tag(spec)}{impl}]"
 
     def prepare_weight(self, w_EOI: torch.Tensor) -> PreparedWeight:

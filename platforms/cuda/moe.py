@@ -96,7 +96,7 @@ class CudaMoE:
         else:
             self.gemm13, self.gemm2 = GroupedMM(g13), GroupedMM(g2)
         fast = fast_accum_tag(spec) if spec.quant in FP8 else ""
-        impl = f",{grouped_kernel.cfg.name}" if grouped_kernel is not None else ""
+        impl = f",{grouped_kernel.config}" if grouped_kernel is not None else ""
         self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}{fast}{impl}]"
 
     def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
@@ -111,9 +111,7 @@ class CudaMoE:
         E = prepared.w13.data.shape[0]
         routing = sort_by_expert(topk_ids_Tk, E)
         offs = routing.offsets_E
-        rows = x_TD if isinstance(x_TD, RowQuantized) and self.accepts_row_quantized else None
-        if rows is None and isinstance(x_TD, RowQuantized):
-            x_TD = x_TD.x_TI
+        rows = x_TD if isinstance(x_TD, RowQuantized) else None  # only fp8_row accepts them (accepts_row_quantized)
         out_dtype = self.spec.dtype if rows is not None else x_TD.dtype
         x = None if rows is not None else x_TD.to(self.spec.dtype)
         if self.spec.quant == "fp8_row":

@@ -35,8 +35,8 @@ class Fp32GroupedDouble:
     """Stands in for the loaded kernel: records each call and computes its documented product in fp32."""
 
     def __init__(self, fast_accum: bool):
-        self.cfg, self.calls = cg.CONFIGS[fast_accum], []
-        self.name = f"double[{self.cfg.name}]"
+        self.config, self.calls = cg.CONFIGS[fast_accum].name, []
+        self.name = f"double[{self.config}]"
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E):
         self.calls.append(dict(x=(xq_RK.dtype, tuple(xq_RK.shape), xq_RK.is_contiguous()), xs=tuple(xs_R.shape),
@@ -213,6 +213,13 @@ def test_cache_key_follows_source_config_compiler_and_headers(fake_nvcc):
     assert key != cg.cache_key(fast, "release 13.1", str(include))
     (include / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 5\n")
     assert key != cg.cache_key(fast, "release 13.0", str(include))
+
+
+def test_exported_configurations_are_read_from_the_symbols(tmp_path):
+    library = tmp_path / "lib.so"
+    library.write_bytes(b"\x7fELF..omni_gg_pong_128x128_c1x2_fast_run\x00omni_gg_pong_128x128_c1x2_fast_scratch\x00"
+                        b"omni_gg_coop_128x256_c1x1_fast_run\x00omni_gg_coop_128x256_c1x1_fast_run\x00")
+    assert cg.exported_configs(library) == ["coop_128x256_c1x1_fast", "pong_128x128_c1x2_fast"]
 
 
 def test_configs_name_their_template_arguments():

@@ -60,7 +60,7 @@ def test_matches_torch_kernel_and_fp64(platform, fast):
     rel_torch = float((y_torch.double() - exact).norm() / exact.norm())
     assert rel < 4e-3, rel  # bf16 output rounding and the tensor cores' accumulation
     assert rel <= rel_torch * 1.05 + 1e-6, (rel, rel_torch)  # no worse than torch's own kernel
-    assert torch.isfinite(y).all() and y[offs[-1]:].numel() == 0
+    assert torch.isfinite(y).all()
 
 
 def test_replays_from_a_captured_graph_with_new_routing(platform):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -235,3 +236,24 @@ def test_merge_of_key_halves_equals_full_attention():
     o, lse = merge(None, None, *kern(q, k[:6], v[:6], dense_meta(mask[:, :6])))
     o, lse = merge(o, lse, *kern(q, k[6:], v[6:], dense_meta(mask[:, 6:])))
     assert torch.allclose(o, full, atol=1e-6)
+
+
+def test_expert_shard_routes_glue_quantized_rows_as_their_rows():
+    """Under EP the routed experts may receive ``RowQuantized`` rows (a kernel that takes them): the shard routes the
+    rows they carry, as it routes plain rows."""
+    from omni.parallel.ep import ExpertShard
+    from omni.quant import quantize_fp8
+    from omni.specs import RowQuantized
+
+    class Weighted(torch.nn.Module):  # the routed-experts contract: weighted rows summed over the k choices
+        def forward(self, x_TD, w_Tk, e_Tk):
+            return x_TD * (w_Tk * (e_Tk + 1)).sum(-1, keepdim=True)
+
+    module = Weighted()
+    ExpertShard(range(2, 4), 4, types.SimpleNamespace(size=1)).attach(module)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=g)
+    w, e = torch.rand(6, 2, generator=g), torch.tensor([[0, 2], [3, 1], [2, 3], [0, 1], [1, 2], [3, 0]])
+    q, s = quantize_fp8(x, per_row=True)
+    plain = module(x, w, e)
+    assert plain.abs().sum() > 0 and torch.equal(module(RowQuantized(q, s, x), w, e), plain)
