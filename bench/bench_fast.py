@@ -71,6 +71,9 @@ def parse():
     p.add_argument("--grouped-fp8", choices=["auto", "torch", "cutlass"], default="auto",
                    help="kernel of the fp8 expert GEMMs (kernels.grouped_fp8), engine and floor")
     p.add_argument("--no-vae", action="store_true")
+    p.add_argument("--vae-dtype", choices=["float32", "float16", "bfloat16"], default="float16",
+                   help="the decode whose time enters the per-image figure (all three are timed and compared); "
+                        "float16 autocast is the official pipeline's")
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--json", type=Path)
     p.add_argument("--platform", default="cuda", help="cpu with --config small: a dry run of the script")
@@ -480,16 +483,40 @@ def quality(s16: Setup, s8: Setup, out):
           json.dumps(out["quality_random_layers"]), flush=True)
 
 
-def vae_decode(s: Setup, out):
+VAE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def to_pixels(x_B3HW: torch.Tensor) -> torch.Tensor:
+    """The pipeline's denormalisation: [-1, 1] -> uint8 levels (as floats, for differences)."""
+    return ((x_B3HW / 2 + 0.5).clamp(0, 1) * 255).round()
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = float(((a - b) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(255.0 ** 2 / mse)).item()
+
+
+def vae_decode(s: Setup, out, per_image: str):
+    """1024x1024 decode in fp32 and under fp16 / bf16 autocast (the official pipeline's is fp16); each
+    low-precision image is compared with the fp32 one in uint8 levels. ``per_image`` enters the image figure."""
     from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig
 
     with torch.device(s.device):
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(s.cfg.vae)).eval()
     random_init_(vae, 0)
     lat = s.latents.float()
-    t = timed(lambda: vae.decode_image(lat, dtype=torch.float32), 3, warmup=1)
-    out["vae_decode_s"] = t
-    print(f"[vae] decode 1024x1024 fp32 {t*1e3:.1f} ms", flush=True)
+    ref = to_pixels(vae.decode_image(lat, dtype=torch.float32))
+    res = {}
+    for name, dtype in VAE_DTYPES.items():
+        t = timed(lambda: vae.decode_image(lat, dtype=dtype), 3, warmup=1)
+        px = to_pixels(vae.decode_image(lat, dtype=dtype))
+        res[name] = {"s": t, "finite": bool(px.isfinite().all()), "psnr_vs_fp32_db": psnr(px, ref),
+                     "max_level_diff": float((px - ref).abs().max()),
+                     "levels_off_by_more_than_2_frac": float(((px - ref).abs() > 2).float().mean())}
+        print(f"[vae] decode 1024x1024 {name}: {t*1e3:.1f} ms, vs fp32 {json.dumps(res[name])}", flush=True)
+    out["vae_decode"] = res
+    out["vae_decode_dtype"] = per_image
+    out["vae_decode_s"] = res[per_image]["s"]
     vae = None  # frees the VAE before the caller's next part
 
 
@@ -536,7 +563,7 @@ def main():
         s16.graphs = None
         attempt("naive", lambda: naive(a, s16, out))
     if not a.no_vae and s16 is not None:
-        attempt("vae", lambda: vae_decode(s16, out))
+        attempt("vae", lambda: vae_decode(s16, out, a.vae_dtype))
     summarize(a, out)
     save()
 
@@ -575,7 +602,7 @@ def summarize(a, out):
     e16 = summary.get("engine_bf16")
     if e16 and "bf16" in fl:
         lines.append(f"engine bf16 / floor bf16 = {e16['step_32_s'] / fl['bf16']['step_32_layers_s']:.2f}x (per step)")
-    lines.append(f"VAE decode {vae*1e3:.0f} ms included per image; peak memory "
+    lines.append(f"VAE decode ({out.get('vae_decode_dtype', '-')}) {vae*1e3:.0f} ms included per image; peak memory "
                  f"{out.get('engine_fp8', {}).get('peak_mem_gib_measured_layers', float('nan')):.1f} GiB "
                  f"({a.layers} layers, fp8)")
     out["summary"] = summary

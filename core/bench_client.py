@@ -141,7 +141,7 @@ class InProcessTarget:
         self.engine = self._engine(args).start()
         self.engine.wait_ready()
         self.time_to_ready_s = round(time.perf_counter() - t0, 2)  # build: load or fill, quantize, KV pool
-        self.defaults = d.recipe.defaults
+        self.defaults, self.png_level = d.recipe.defaults, d.recipe.serving.png_compress_level
 
     def _engine(self, args):
         if not args.full_size_layers:
@@ -174,7 +174,7 @@ class InProcessTarget:
             [ticket] = self.engine.submit_many([req])
             result = ticket.result()
             t1 = time.perf_counter()
-            encode_image(result.image_HW3)
+            encode_image(result.image_HW3, png_level=self.png_level)
             result.times.encode = time.perf_counter() - t1
         except Exception as e:
             return Sample(False, time.perf_counter() - t0, type(e).__name__)

@@ -229,12 +229,16 @@ def _replicated_part(name: str, params: int, bpp: float, on_host: bool) -> Part:
 
 
 def _vae_part(recipe: Recipe, counts: ParamCounts) -> Part:
-    """The VAE decoder, whole on every device (its peak while ``offload.mode vae`` streams it in)."""
-    dtype = recipe.model.vae_dtype
+    """The VAE decoder, whole on every device (its peak while ``offload.mode vae`` streams it in).
+
+    Its weights stay float32 whatever ``model.vae_dtype`` says: that field is the autocast dtype of the
+    decode (the official pipeline's ``vae_autocast_dtype``), so it changes activations, not weights.
+    """
     streamed = recipe.offload.mode == "vae"
     note = "decoder streamed in for the decode (offload.mode vae); peak shown" if streamed else ""
-    return Part(f"VAE ({dtype})", counts.vae, DTYPE_BYTES[dtype], 1, "replicated",
-                counts.vae * DTYPE_BYTES[dtype], 0.0, note)
+    bpp = DTYPE_BYTES["float32"]
+    return Part(f"VAE (float32, decode in {recipe.model.vae_dtype})", counts.vae, bpp, 1, "replicated",
+                counts.vae * bpp, 0.0, note)
 
 
 def kv_token_bytes(recipe: Recipe, cfg) -> int:

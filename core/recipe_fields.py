@@ -197,6 +197,10 @@ def _pattern(regex: str, text: str) -> _Rule:
     return _Rule(text, lambda v: v is None or re.fullmatch(regex, v) is not None)
 
 
+def _between(lo: int, hi: int) -> _Rule:
+    return _Rule(f"in {lo}..{hi}", lambda v: lo <= v <= hi)
+
+
 _POSITIVE = _Rule("> 0", lambda v: v > 0)
 _PORT = _Rule("in 1..65535", lambda v: 1 <= v <= 65535)
 _NONEMPTY = _Rule("a non-empty string", lambda v: v is None or bool(v.strip()))

@@ -18,6 +18,7 @@ from .recipe_fields import (
     _Rule,
     _apply,
     _at_least,
+    _between,
     _field_of,
     _insert,
     _opt,
@@ -70,7 +71,9 @@ class Model(_Validated):
     path: str | None = _opt(None, "Hugging Face-format directory with safetensors; null = embedded tiny weights "
                                   "(a released flavor then needs --model PATH)", rule=_NONEMPTY)
     dtype: str = _opt("bfloat16", "dtype of transformer weights and activations", choices=DTYPES)
-    vae_dtype: str = _opt("float32", "dtype of the VAE decoder", choices=DTYPES)
+    vae_dtype: str = _opt("float32", "dtype the VAE decodes (and encodes) in: float32, or an autocast dtype "
+                                     "(float16 is the official pipeline's); the weights stay float32",
+                          choices=DTYPES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -213,6 +216,9 @@ class Serving(_Validated):
     max_image_pixels: int = _opt(4096 * 4096, "largest reference image (editing) in width x height pixels; a larger "
                                               "one is refused from its header, before it is decoded",
                                  rule=_at_least(16 * 16))
+    png_compress_level: int = _opt(4, "zlib level of PNG responses, 0-9: lossless at every level; lower encodes "
+                                      "faster into more bytes (1024x1024: level 1 about half the time of 4, "
+                                      "10-20% more bytes; BENCHMARKS.md)", rule=_between(0, 9))
     fetch_remote_images: bool = _opt(False, "let chat image_url parts name http(s) URLs the server fetches (timeout, "
                                             "byte limit); false = data: URIs only. True lets clients make the server "
                                             "request any URL it can reach")

@@ -45,7 +45,7 @@ class Api:
     def __init__(self, engine: EngineHandle, options: ServingOptions, metrics: Metrics):
         self.engine, self.opt, self.metrics = engine, options, metrics
         self.builder = RequestBuilder(options, options.helpers)
-        self.generator = Generator(engine, options.request_timeout_s)
+        self.generator = Generator(engine, options.request_timeout_s, options.png_level)
         self.rules = ImageRules(options.model_id, options.helpers.max_images, options.max_image_pixels,
                                 options.max_image_bytes)
         self.text = TextChat(options, self.builder, self.generator, metrics)

@@ -18,7 +18,7 @@ from omni.engine_handle import EngineHandle
 from omni.request import ImageRequest, ImageResult
 from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestInvalid, RequestTooLarge
 
-from .encode import encode_image
+from .encode import PNG_LEVEL, encode_image
 from .errors import APIError, ClientGone, internal_error, shutting_down, submit_refused
 from .resize import fit_image
 from .schemas import GenerationParams
@@ -29,8 +29,8 @@ log = logging.getLogger("omni.serving")
 class Generator:
     """Hands requests to ``engine`` and turns their futures into encoded images, or an ``APIError``."""
 
-    def __init__(self, engine: EngineHandle, request_timeout_s: float):
-        self.engine, self.timeout_s = engine, request_timeout_s
+    def __init__(self, engine: EngineHandle, request_timeout_s: float, png_level: int = PNG_LEVEL):
+        self.engine, self.timeout_s, self.png_level = engine, request_timeout_s, png_level
         self.closing = False  # set when the server is told to stop: waiting calls answer 503 at once
 
     async def generate(self, request: Request, reqs: list[ImageRequest], body: GenerationParams,
@@ -38,7 +38,8 @@ class Generator:
         """Submit, await (watching for a disconnect and the timeout), then fit to ``output`` (h, w; None: the
         native size) and encode; cancels on any exit."""
         results = await self.run(request, reqs)
-        return [(r, await _encode(r, body.output_format, body.output_compression, output)) for r in results]
+        return [(r, await _encode(r, body.output_format, body.output_compression, output, self.png_level))
+                for r in results]
 
     async def run(self, request: Request, reqs: list, too_large: str = "size") -> list:
         """The requests' results (images or text answers); every unfinished one is cancelled on any exit.
@@ -111,17 +112,19 @@ def failure(e: BaseException, tickets) -> APIError | ClientGone:
     return internal_error(rid)
 
 
-async def _encode(r: ImageResult, fmt: str, quality: int | None, output: tuple[int, int] | None) -> bytes:
+async def _encode(r: ImageResult, fmt: str, quality: int | None, output: tuple[int, int] | None,
+                  png_level: int) -> bytes:
     """Resized to ``output`` and encoded off the event loop, so other requests keep being answered meanwhile
     (the ``encode`` stage counts both)."""
     t0 = time.perf_counter()
-    blob = await asyncio.to_thread(_fit_and_encode, r.image_HW3, output, fmt, quality)
+    blob = await asyncio.to_thread(_fit_and_encode, r.image_HW3, output, fmt, quality, png_level)
     r.times.encode = time.perf_counter() - t0
     return blob
 
 
-def _fit_and_encode(image_HW3, output: tuple[int, int] | None, fmt: str, quality: int | None) -> bytes:
-    return encode_image(image_HW3 if output is None else fit_image(image_HW3, *output), fmt, quality)
+def _fit_and_encode(image_HW3, output: tuple[int, int] | None, fmt: str, quality: int | None,
+                    png_level: int) -> bytes:
+    return encode_image(image_HW3 if output is None else fit_image(image_HW3, *output), fmt, quality, png_level)
 
 
 def _succeeded(future) -> bool:

@@ -46,6 +46,7 @@ class ServingOptions:
     max_image_bytes: int = 20 << 20  # encoded bytes per image (413 past it)
     fetch_remote_images: bool = False  # recipe serving.fetch_remote_images: chat image_url may be http(s)
     fetch_timeout_s: float = 10.0  # per remote image
+    png_level: int = 4  # recipe serving.png_compress_level: zlib level of PNG responses
 
     @classmethod
     def from_recipe(cls, recipe, *, model_id: str, api_key: str | None = None, **kw) -> "ServingOptions":
@@ -56,5 +57,6 @@ class ServingOptions:
         kw.setdefault("helpers", model_registry.get(recipe.model.flavor).serving_helpers())
         kw.setdefault("max_image_pixels", s.max_image_pixels)
         kw.setdefault("fetch_remote_images", s.fetch_remote_images)
+        kw.setdefault("png_level", s.png_compress_level)
         return cls(model_id=model_id, defaults=recipe.defaults, api_key=api_key,
                    request_timeout_s=s.request_timeout_s, max_queue=s.max_queue + s.max_running, **kw)

@@ -67,6 +67,32 @@ def test_images_png_with_timings_and_seeds(served, drained):
     assert "timings" not in again.json()["data"][0]
 
 
+def zlib_level_class(png: bytes) -> int:
+    """FLEVEL of the first IDAT's zlib header (RFC 1950): 0 for levels 0-1, 1 for 2-5, 2 for 6, 3 for 7-9."""
+    pos = 8  # after the PNG signature: chunks of (length, type, data, crc)
+    while True:
+        length, kind = int.from_bytes(png[pos:pos + 4], "big"), png[pos + 4:pos + 8]
+        if kind == b"IDAT":
+            return png[pos + 9] >> 6
+        pos += 12 + length
+
+
+def test_png_level_comes_from_the_recipe(served, tiny_recipe, drained):
+    """serving.png_compress_level reaches the encoder: the same pixels, written at zlib level 1 instead of 4."""
+    from conftest import make_pipeline, serve
+
+    fast = tiny_recipe.replace_paths({"serving.png_compress_level": 1})
+    srv, engine = serve(fast, make_pipeline(fast))
+    try:
+        with srv, httpx.Client(base_url=srv.url, timeout=300) as client:
+            level1 = image_bytes(generate(client, size="256x256"))
+    finally:
+        engine.stop()
+    level4 = image_bytes(generate(served.client, size="256x256"))
+    assert zlib_level_class(level1) == 0 and zlib_level_class(level4) == 1
+    assert np.array_equal(png_array(level1), png_array(level4))
+
+
 @pytest.mark.parametrize("fmt,magic", [("jpeg", b"\xff\xd8\xff"), ("webp", b"RIFF")])
 def test_images_output_formats(served, drained, fmt, magic):
     r = generate(served.client, output_format=fmt, output_compression=80)
