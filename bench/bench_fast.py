@@ -434,7 +434,25 @@ def profile(s: Setup, out, label):
 
 def profile_io(s: Setup, out, label):
     """The step outside the backbone (patch embed + timestep token; final layer, CFG combine, Euler):
-    wall time against the sum of its kernels and their count, per part."""
+    wall time against the sum of its kernels and their count, per part. Where the model keeps NHWC conv
+    weights (the platform's channels_last capability) it is measured again with NCHW copies of them (the
+    baseline), and the same weight tensors go back afterwards (captured graphs point at them)."""
+    io_parts(s, out, label)
+    convs = [c for head in (s.model.patch_embed, s.model.final_layer) for c in head.modules()
+             if isinstance(c, torch.nn.Conv2d)]
+    if not s.model.channels_last:
+        return
+    kept = [c.weight.data for c in convs]
+    for c, w in zip(convs, kept):
+        c.weight.data = w.contiguous()
+    try:
+        io_parts(s, out, f"{label}_nchw_weights")
+    finally:
+        for c, w in zip(convs, kept):
+            c.weight.data = w
+
+
+def io_parts(s: Setup, out, label):
     from torch.profiler import ProfilerActivity, profile as prof
 
     m, t = s.model, torch.full((1,), 900.0, device=s.device)

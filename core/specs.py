@@ -41,7 +41,9 @@ class PlatformInfo:
     device_count: int = 0
     device_name: str = ""
     memory_bytes: int = 0  # per device, 0 when unknown without a device context
-    capabilities: frozenset[str] = frozenset()  # e.g. {"fp8", "graphs", "paged_kv"}
+    # e.g. {"fp8", "graphs", "paged_kv"}; "channels_last": convolutions run fastest on NHWC activations, so a
+    # model may keep its conv weights in torch.channels_last (the CPU reference leaves it out: goldens are NCHW)
+    capabilities: frozenset[str] = frozenset()
     accelerator: bool = True  # False only for the CPU reference
 
 

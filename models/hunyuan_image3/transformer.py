@@ -43,7 +43,7 @@ from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantize
 from omni.specs import GlueSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .config import HunyuanImage3Config
-from .image_io import TimestepEmbedder, UNetDown, UNetUp
+from .image_io import TimestepEmbedder, UNetDown, UNetUp, to_channels_last
 
 MASKS = ("none", "causal", "dense")
 FOREIGN_PREFIXES = ("vae.", "vision_model.", "vision_aligner.")  # checkpoint parts other modules own
@@ -268,6 +268,7 @@ class HunyuanImage3Transformer(nn.Module):
             self.timestep_r_emb = TimestepEmbedder(D, **kw)  # replaces the <timestep_r> token
         self.patch_embed = UNetDown(C, hidden, D, patch_size=cfg.patch_size, **kw)
         self.final_layer = UNetUp(D, hidden, C, patch_size=cfg.patch_size, **kw)
+        self.channels_last = "channels_last" in platform.info.capabilities  # NHWC conv weights at finalize()
         self.requires_grad_(False)
 
     # ------------------------------------------------------------ token stream
@@ -338,6 +339,8 @@ class HunyuanImage3Transformer(nn.Module):
     def finalize(self) -> None:
         """Prepare every kernel-backed weight (quantize, re-layout) once, after loading."""
         finalize_all(self)
+        if self.channels_last:
+            to_channels_last(self.patch_embed, self.final_layer)
 
 
 def _has_param(module: nn.Module, name: str) -> bool:

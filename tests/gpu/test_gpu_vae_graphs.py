@@ -85,3 +85,67 @@ def test_fp32_decode_takes_the_parallel_group_norm_and_captures(monkeypatch):
         replayed = graphs.run(((tuple(z.shape),), ()), z, vae.decode_image, lambda: ()).clone()
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(replayed, ours, atol=1e-5, rtol=0)
+
+
+def test_fp16_autocast_decode_runs_the_float32_policy_in_parallel_and_captures(monkeypatch):
+    """The official pipeline's fp16 autocast: GroupNorm stays fp32 (CUDA's policy) but takes the parallel
+    statistics; the decode equals the one with torch's GroupNorm kernel, eager and replayed."""
+    import torch.nn.functional as F
+
+    from omni import group_norm as gn
+    from omni.platform_manager import select
+
+    platform = select("cuda")
+    platform.device_services(0)
+    torch.manual_seed(0)
+    cfg = VAEConfig(block_out_channels=(32, 32, 64, 64, 64), latent_channels=4, layers_per_block=1,
+                    ffactor_spatial=16, ffactor_temporal=2)
+    vae = AutoencoderKLConv3D(cfg).cuda().eval()
+    z = torch.randn(1, 4, 32, 48, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    x = torch.randn(1, 64, 2, 40, 40, device="cuda", dtype=torch.float16)
+    with torch.autocast("cuda", dtype=torch.float16):
+        assert gn.autocast_dtype_of_group_norm(x) == torch.float32
+    with torch.inference_mode():
+        ours = vae.decode_image(z, dtype=torch.float16)
+        with monkeypatch.context() as m:
+            m.setattr(gn.GroupNorm, "forward", lambda self, t: F.group_norm(t, self.num_groups, self.weight,
+                                                                            self.bias, self.eps))
+            reference = vae.decode_image(z, dtype=torch.float16)
+        graphs = StepGraphs(platform, "cuda", name="vae_decode_fp16")
+        replayed = graphs.run(((tuple(z.shape),), ()), z, lambda t: vae.decode_image(t, dtype=torch.float16),
+                              lambda: ()).clone()
+    assert ours.isfinite().all()
+    torch.testing.assert_close(ours, reference, atol=4e-3, rtol=0)  # fp16 convolutions after either norm
+    torch.testing.assert_close(replayed, ours, atol=1e-5, rtol=0)
+
+
+def test_nhwc_image_heads_on_cuda_match_nchw():
+    """The cuda platform has the channels_last capability; bf16 heads with NHWC weights give the NCHW result."""
+    import copy
+
+    from omni.platform_manager import select
+    from omni.models.hunyuan_image3.image_io import UNetDown, UNetUp, to_channels_last
+
+    platform = select("cuda")
+    platform.device_services(0)
+    assert "channels_last" in platform.info.capabilities
+    torch.manual_seed(0)
+    kw = dict(patch_size=1, platform=platform, dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        down, up = UNetDown(32, 256, 512, **kw).eval(), UNetUp(512, 256, 32, **kw).eval()
+    for m in (down, up):
+        for p in m.parameters():
+            p.data.normal_(0, 0.05)
+    down_cl, up_cl = copy.deepcopy(down), copy.deepcopy(up)
+    to_channels_last(down_cl, up_cl)
+    g = torch.Generator("cuda").manual_seed(5)
+    z = torch.randn(1, 32, 24, 40, device="cuda", generator=g, dtype=torch.bfloat16)
+    emb = torch.randn(2, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        tokens, tokens_cl = down(z, emb[:1]), down_cl(z, emb[:1])
+        h = torch.randn(2, 24 * 40, 512, device="cuda", generator=g, dtype=torch.bfloat16)
+        v, v_cl = up(h, emb, 24, 40), up_cl(h, emb, 24, 40)
+    scale = float(tokens.float().abs().max())
+    torch.testing.assert_close(tokens_cl.float(), tokens.float(), atol=2e-2 * scale, rtol=0)
+    torch.testing.assert_close(v_cl.float(), v.float(), atol=2e-2 * float(v.float().abs().max()), rtol=0)
+    assert v_cl.is_contiguous()
