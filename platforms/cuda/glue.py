@@ -37,6 +37,7 @@ class TritonGlue:
         from . import glue_triton
 
         self.spec, self.k, self.swiglu_kernels, self.triton = spec, glue_triton, moe_kernels, triton
+        self.tiles = dict(glue_triton.TILES)  # launch shapes per kernel (a benchmark may try others)
         self.block = triton.next_power_of_2(spec.hidden)
         self.name = "cuda-triton-glue"
         self.host = ReferenceGlue(spec)  # CPU tensors (the plugin's CPU tests) take the reference's ops
@@ -49,9 +50,10 @@ class TritonGlue:
         s = torch.empty(T, 1, dtype=torch.float32, device=x.device) if quantize else y
         if T:
             dd = d.reshape(-1, D).contiguous() if d is not None else x2
-            self.k.norm_kernel[(T,)](x2, dd, w, h if h is not None else y, y, q, s, D, self.spec.eps,
-                                     BLOCK=self.block, ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX,
-                                     num_warps=8 if self.block >= 2048 else 4)
+            tile = self.tiles["norm"]
+            self.k.norm_kernel[(self.triton.cdiv(T, tile.rows),)](
+                x2, dd, w, h if h is not None else y, y, q, s, T, D, self.spec.eps, BLOCK=self.block, ROWS=tile.rows,
+                ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX, num_warps=tile.warps)
         y = y.view(x.shape)
         out = RowQuantized(q, s, y) if quantize else y
         return out if h is None else (h.view(x.shape), out)
@@ -76,8 +78,10 @@ class TritonGlue:
         k, v = torch.empty(T, K, H, dtype=qkv.dtype, device=qkv.device), torch.empty(T, K, H, dtype=qkv.dtype,
                                                                                     device=qkv.device)
         if T:
-            self.k.rope_norm_kernel[(T, K)](qkv, cos_TH.contiguous(), sin_TH.contiguous(), wq_H, wk_H, q, k, v,
-                                            self.spec.eps, K=K, G=N // K, H=H, num_warps=2)
+            tile = self.tiles["rope"]
+            self.k.rope_norm_kernel[(self.triton.cdiv(T, tile.rows), K)](
+                qkv, cos_TH.contiguous(), sin_TH.contiguous(), wq_H, wk_H, q, k, v, T, self.spec.eps, K=K, G=N // K,
+                H=H, ROWS=tile.rows, num_warps=tile.warps)
         return q, k, v
 
     def swiglu(self, h_T2I, quantize: bool):
@@ -95,10 +99,10 @@ class TritonGlue:
         w = torch.empty(T, k, dtype=torch.float32, device=x.device)
         ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
         if T:
-            block_t = 16
-            self.k.route_kernel[(self.triton.cdiv(T, block_t),)](
-                x, w, ids, T, E, TOPK=k, BLOCK_T=block_t, BLOCK_E=self.triton.next_power_of_2(E),
-                KPAD=self.triton.next_power_of_2(k), num_warps=4)
+            tile = self.tiles["route"]
+            self.k.route_kernel[(self.triton.cdiv(T, tile.rows),)](
+                x, w, ids, T, E, TOPK=k, BLOCK_T=tile.rows, BLOCK_E=self.triton.next_power_of_2(E),
+                KPAD=self.triton.next_power_of_2(k), num_warps=tile.warps)
         return w, ids
 
 

@@ -8,16 +8,32 @@ multiplies, RoPE output is rounded before its QK-norm; the e4m3 quantization
 is ``omni.quant``'s (absmax / 448 from the rounded row, clamp, round).
 
     norm_kernel      [h = x + d]  ->  y = w * round(h * rsqrt(mean(h^2) + eps))  [-> e4m3 rows + scales]
-    rope_norm_kernel per (token, KV group): the group's q heads and its k head rotated (rotate-half)
-                     and RMSNormed over H; q, k and v written contiguously
+    rope_norm_kernel per (block of tokens, KV group): the group's q heads and its k head rotated
+                     (rotate-half) and RMSNormed over H; q, k and v written contiguously
     route_kernel     per block of tokens: fp32 softmax over E, top-k by repeated arg-max, renormalised
+
+Each program takes ``ROWS`` rows (tokens) at once; ``TILES`` holds the rows per program and warps the
+platform launches with, chosen by ``bench/bench_row_kernels.py`` on an H200 (BENCHMARKS.md).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import triton
 import triton.language as tl
 
 FP8_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Tile:
+    """How a row kernel is launched: rows (tokens) per program and warps per program."""
+
+    rows: int
+    warps: int
+
+
+TILES = {"norm": Tile(1, 8), "rope": Tile(1, 2), "route": Tile(16, 4)}  # before bench_row_kernels: one row each
 
 
 @triton.jit
@@ -26,65 +42,69 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, D, eps, BLOCK: tl.constexpr,
+def norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, T, D, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                 ADD: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    m = cols < D
+    rm, cm = rows < T, cols < D
+    m = rm[:, None] & cm[None, :]
+    off = rows[:, None] * D + cols[None, :]
     dt = y_ptr.dtype.element_ty
-    x = tl.load(x_ptr + r * D + cols, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
     if ADD:  # the residual add rounds in the activation dtype, as ``x + d`` does
-        x = _round(x + tl.load(d_ptr + r * D + cols, mask=m, other=0.0).to(tl.float32), dt)
-        tl.store(h_ptr + r * D + cols, x.to(dt), mask=m)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    y = _round(w * _round(x * inv, dt), dt)
-    tl.store(y_ptr + r * D + cols, y.to(dt), mask=m)
+        x = _round(x + tl.load(d_ptr + off, mask=m, other=0.0).to(tl.float32), dt)
+        tl.store(h_ptr + off, x.to(dt), mask=m)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    y = _round(w[None, :] * _round(x * inv[:, None], dt), dt)
+    tl.store(y_ptr + off, y.to(dt), mask=m)
     if QUANT:
-        s = tl.maximum(tl.max(tl.abs(y), axis=0) / QMAX, 1e-12)
-        q = tl.minimum(tl.maximum(y / s, -QMAX), QMAX)
-        tl.store(q_ptr + r * D + cols, q.to(tl.float8e4nv), mask=m)
-        tl.store(s_ptr + r, s)
+        s = tl.maximum(tl.max(tl.abs(y), axis=1) / QMAX, 1e-12)
+        q = tl.minimum(tl.maximum(y / s[:, None], -QMAX), QMAX)
+        tl.store(q_ptr + off, q.to(tl.float8e4nv), mask=m)
+        tl.store(s_ptr + rows, s, mask=rm)
 
 
 @triton.jit
 def _rope_norm_head(x1, x2, c, s, w1, w2, eps, H: tl.constexpr, dt: tl.constexpr):
-    """One head's halves: rotate-half RoPE (rounded), then RMSNorm over H (rounded, weighted, rounded)."""
+    """Each token's head halves ``[tokens, H/2]``: rotate-half RoPE (rounded), then RMSNorm over H (rounded,
+    weighted, rounded)."""
     y1 = _round(x1 * c - x2 * s, dt)
     y2 = _round(x2 * c + x1 * s, dt)
-    inv = 1.0 / tl.sqrt((tl.sum(y1 * y1, axis=0) + tl.sum(y2 * y2, axis=0)) / H + eps)
-    return _round(w1 * _round(y1 * inv, dt), dt), _round(w2 * _round(y2 * inv, dt), dt)
+    inv = 1.0 / tl.sqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / H + eps)
+    return _round(w1 * _round(y1 * inv[:, None], dt), dt), _round(w2 * _round(y2 * inv[:, None], dt), dt)
 
 
 @triton.jit
-def rope_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_ptr, eps,
-                     K: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def rope_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_ptr, T, eps,
+                     K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, ROWS: tl.constexpr):
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1] tokens
     g = tl.program_id(1)
     HALF: tl.constexpr = H // 2
-    lo = tl.arange(0, HALF)
+    lo = tl.arange(0, HALF)[None, :]
+    m = t < T
     dt = q_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + t * H + lo)  # the tables repeat their halves: cos[i] == cos[i + H/2]
-    s = tl.load(sin_ptr + t * H + lo)
+    c = tl.load(cos_ptr + t * H + lo, mask=m)  # the tables repeat their halves: cos[i] == cos[i + H/2]
+    s = tl.load(sin_ptr + t * H + lo, mask=m)
     wq1, wq2 = tl.load(wq_ptr + lo).to(tl.float32), tl.load(wq_ptr + HALF + lo).to(tl.float32)
     row = qkv_ptr + t * (K * (G + 2) * H) + g * (G + 2) * H
     for j in tl.static_range(G):  # this group's query heads
-        x1 = tl.load(row + j * H + lo).to(tl.float32)
-        x2 = tl.load(row + j * H + HALF + lo).to(tl.float32)
+        x1 = tl.load(row + j * H + lo, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(row + j * H + HALF + lo, mask=m, other=0.0).to(tl.float32)
         y1, y2 = _rope_norm_head(x1, x2, c, s, wq1, wq2, eps, H, dt)
         out = q_ptr + (t * K * G + g * G + j) * H
-        tl.store(out + lo, y1.to(dt))
-        tl.store(out + HALF + lo, y2.to(dt))
+        tl.store(out + lo, y1.to(dt), mask=m)
+        tl.store(out + HALF + lo, y2.to(dt), mask=m)
     wk1, wk2 = tl.load(wk_ptr + lo).to(tl.float32), tl.load(wk_ptr + HALF + lo).to(tl.float32)
-    x1 = tl.load(row + G * H + lo).to(tl.float32)
-    x2 = tl.load(row + G * H + HALF + lo).to(tl.float32)
+    x1 = tl.load(row + G * H + lo, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(row + G * H + HALF + lo, mask=m, other=0.0).to(tl.float32)
     y1, y2 = _rope_norm_head(x1, x2, c, s, wk1, wk2, eps, H, dt)
     kout = k_ptr + (t * K + g) * H
-    tl.store(kout + lo, y1.to(dt))
-    tl.store(kout + HALF + lo, y2.to(dt))
+    tl.store(kout + lo, y1.to(dt), mask=m)
+    tl.store(kout + HALF + lo, y2.to(dt), mask=m)
     vout = v_ptr + (t * K + g) * H
-    tl.store(vout + lo, tl.load(row + (G + 1) * H + lo))
-    tl.store(vout + HALF + lo, tl.load(row + (G + 1) * H + HALF + lo))
+    tl.store(vout + lo, tl.load(row + (G + 1) * H + lo, mask=m), mask=m)
+    tl.store(vout + HALF + lo, tl.load(row + (G + 1) * H + HALF + lo, mask=m), mask=m)
 
 
 @triton.jit

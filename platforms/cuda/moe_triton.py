@@ -50,20 +50,24 @@ def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, D, BLOCK: t
 
 
 @triton.jit
-def _swiglu_kernel(h_ptr, out_ptr, s_ptr, I, BLOCK: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
+def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
+                   QMAX: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    m = cols < I
-    x1 = tl.load(h_ptr + r * 2 * I + cols, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(h_ptr + r * 2 * I + I + cols, mask=m, other=0.0).to(tl.float32)
+    rm = rows < R
+    m = rm[:, None] & (cols < I)[None, :]
+    src = h_ptr + rows[:, None] * 2 * I + cols[None, :]
+    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + I, mask=m, other=0.0).to(tl.float32)
     a = x1 * (x2 * tl.sigmoid(x2))
+    dst = rows[:, None] * I + cols[None, :]
     if QUANT:
-        s = tl.maximum(tl.max(tl.abs(a), axis=0) / QMAX, 1e-12)
-        q = tl.minimum(tl.maximum(a / s, -QMAX), QMAX)
-        tl.store(out_ptr + r * I + cols, q.to(tl.float8e4nv), mask=m)
-        tl.store(s_ptr + r, s)
+        s = tl.maximum(tl.max(tl.abs(a), axis=1) / QMAX, 1e-12)
+        q = tl.minimum(tl.maximum(a / s[:, None], -QMAX), QMAX)
+        tl.store(out_ptr + dst, q.to(tl.float8e4nv), mask=m)
+        tl.store(s_ptr + rows, s, mask=rm)
     else:
-        tl.store(out_ptr + r * I + cols, a.to(out_ptr.dtype.element_ty), mask=m)
+        tl.store(out_ptr + dst, a.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -85,6 +89,11 @@ def _warps(block: int) -> int:
 
 class TritonKernels:
     name = "triton"
+
+    def __init__(self):
+        from .glue_triton import Tile
+
+        self.swiglu_tile = Tile(1, 8)  # rows per program, warps (bench/bench_row_kernels.py may try others)
 
     def quant_gather(self, x_TD: torch.Tensor, token_R: torch.Tensor):
         x = x_TD.contiguous()
@@ -126,8 +135,10 @@ class TritonKernels:
         out = torch.empty(R, I, dtype=torch.float8_e4m3fn if quantize else h.dtype, device=h.device)
         s = torch.empty(R, dtype=torch.float32, device=h.device)
         if R:
-            block = triton.next_power_of_2(I)
-            _swiglu_kernel[(R,)](h, out, s, I, BLOCK=block, QUANT=quantize, QMAX=FP8_MAX, num_warps=_warps(block))
+            tile = self.swiglu_tile
+            _swiglu_kernel[(triton.cdiv(R, tile.rows),)](h, out, s, R, I, BLOCK=triton.next_power_of_2(I),
+                                                         ROWS=tile.rows, QUANT=quantize, QMAX=FP8_MAX,
+                                                         num_warps=tile.warps)
         return (out, s[:, None]) if quantize else (out, None)
 
     def combine(self, y_RD: torch.Tensor, inverse_R: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype):
