@@ -28,12 +28,11 @@ from bench_common import cuda_event_median, emit, git_commit  # noqa: E402
 
 T, D, N, K, H, I, E, TOPK = 8194, 4096, 32, 8, 128, 3072, 64, 8
 R = T * TOPK
-CHUNKED = [(r, w, c) for r in (1, 2, 4) for w in (4, 8) for c in (1024, 2048)]  # Tile.chunk: multi-pass
 SWEEP = {
-    "norm": [(r, w, 0) for r in (1, 2, 4) for w in (4, 8, 16)] + CHUNKED,
-    "rope": [(r, w, 0) for r in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)],
-    "route": [(r, w, 0) for r in (4, 8, 16, 32, 64) for w in (1, 2, 4, 8)],
-    "swiglu": [(r, w, 0) for r in (1, 2, 4) for w in (4, 8, 16)] + CHUNKED,
+    "norm": [(r, w) for r in (1, 2, 4) for w in (4, 8, 16)],
+    "rope": [(r, w) for r in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)],
+    "route": [(r, w) for r in (4, 8, 16, 32, 64) for w in (1, 2, 4, 8)],
+    "swiglu": [(r, w) for r in (1, 2, 4) for w in (4, 8, 16)],
 }
 SWEEP["moe_swiglu"] = SWEEP["swiglu"]
 
@@ -73,8 +72,7 @@ def cases(glue, moe):
     b16 = 2
     return [
         ("rms_norm + fp8 rows", "norm", lambda: glue.rms_norm(x, w, True), T * D * (2 + 2 + 1)),
-        ("add + rms_norm + fp8 rows", "norm", lambda: glue.add_rms_norm(x, d, w, True),
-         T * D * (2 * b16 + 2 * b16 + 1)),
+        ("add + rms_norm + fp8 rows", "norm", lambda: glue.add_rms_norm(x, d, w, True), T * D * (2 * b16 + 2 * b16 + 1)),
         ("rope + qk-norm + v", "rope", lambda: glue.rope_qk_norm(qkv, cos, sin, wq, wk, (N, K)),
          2 * T * (N + 2 * K) * H * b16 + 2 * T * H * b16),
         ("router softmax + top-8", "route", lambda: glue.route(logits), T * E * 4 + T * TOPK * 12),
@@ -113,26 +111,24 @@ def main() -> int:
     for name, key, fn, nbytes in cases(glue, moe):
         base_tile = current_tile(glue, moe, key)
         want = [t.clone() for t in outputs(fn())]
-        row = {"step": name, "tile_key": key, "current": [base_tile.rows, base_tile.warps, base_tile.chunk],
+        row = {"step": name, "tile_key": key, "current": [base_tile.rows, base_tile.warps],
                "floor_us": nbytes / copy_bw * 1e6, "tries": []}
-        for rows, warps, chunk in SWEEP[key]:
-            set_tile(glue, moe, key, Tile(rows, warps, chunk))
-            tried = {"rows": rows, "warps": warps, "chunk": chunk}
+        for rows, warps in SWEEP[key]:
+            set_tile(glue, moe, key, Tile(rows, warps))
             try:
                 got = outputs(fn())
                 us = cuda_event_median(fn, a.iters) * 1e6
-                row["tries"].append({**tried, "us": us, "TBps": nbytes / us / 1e6,
+                row["tries"].append({"rows": rows, "warps": warps, "us": us, "TBps": nbytes / us / 1e6,
                                      "bit_identical": same_bits(got, want)})
             except Exception as e:  # a launch shape Triton cannot compile is reported, the sweep goes on
-                row["tries"].append({**tried, "error": f"{type(e).__name__}: {e}"[:200]})
+                row["tries"].append({"rows": rows, "warps": warps, "error": f"{type(e).__name__}: {e}"[:200]})
         set_tile(glue, moe, key, base_tile)
         timed = [t for t in row["tries"] if "us" in t]
         best = min(timed, key=lambda t: t["us"])
-        cur = next(t for t in timed if (t["rows"], t["warps"], t["chunk"]) == (base_tile.rows, base_tile.warps,
-                                                                                base_tile.chunk))
+        cur = next(t for t in timed if (t["rows"], t["warps"]) == (base_tile.rows, base_tile.warps))
         row.update(best=best, current_us=cur["us"], speedup=cur["us"] / best["us"])
         print(f"{name:40s} current {cur['us']:7.1f} us  best {best['us']:7.1f} us at rows={best['rows']} "
-              f"warps={best['warps']} chunk={best['chunk']} ({best['TBps']:.2f} TB/s, floor {row['floor_us']:.1f} us, "
+              f"warps={best['warps']} ({best['TBps']:.2f} TB/s, floor {row['floor_us']:.1f} us, "
               f"identical={best['bit_identical']})", flush=True)
         out["rows"].append(row)
     return emit(out, a.json)

@@ -27,8 +27,7 @@ def convs(model) -> list[nn.Conv2d]:
 
 @pytest.fixture(scope="module")
 def both(golden_data):
-    nhwc = build_golden_model(golden_data, platform_with("channels_last"))
-    return build_golden_model(golden_data, select("cpu")), nhwc
+    return build_golden_model(golden_data, select("cpu")), build_golden_model(golden_data, platform_with("channels_last"))
 
 
 def test_the_capability_gives_nhwc_conv_weights_and_only_then(both):
@@ -54,8 +53,7 @@ def test_nhwc_heads_give_the_nchw_tokens_and_velocity(both):
 
 def test_group_norm_reduces_a_channels_last_input_in_place_and_keeps_its_layout():
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(2, 64, 6, 5, generator=g, dtype=torch.float64) * 2 + 3
-    x = x.contiguous(memory_format=torch.channels_last)
+    x = (torch.randn(2, 64, 6, 5, generator=g, dtype=torch.float64) * 2 + 3).contiguous(memory_format=torch.channels_last)
     w, b = torch.randn(64, generator=g, dtype=torch.float64), torch.randn(64, generator=g, dtype=torch.float64)
     y = parallel_group_norm(x, 32, w, b, 1e-6)
     torch.testing.assert_close(y, F.group_norm(x.contiguous(), 32, w, b, 1e-6), atol=1e-12, rtol=0)

@@ -50,14 +50,10 @@ class TritonGlue:
         s = torch.empty(T, 1, dtype=torch.float32, device=x.device) if quantize else y
         if T:
             dd = d.reshape(-1, D).contiguous() if d is not None else x2
-            tile, args = self.tiles["norm"], (x2, dd, w, h if h is not None else y, y, q, s, T, D, self.spec.eps)
-            kw = dict(ROWS=tile.rows, ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX, num_warps=tile.warps)
-            grid = (self.triton.cdiv(T, tile.rows),)
-            if tile.chunk:
-                chunk = min(tile.chunk, self.block)
-                self.k.norm_chunked_kernel[grid](*args, CHUNK=chunk, NCHUNK=self.triton.cdiv(D, chunk), **kw)
-            else:
-                self.k.norm_kernel[grid](*args, BLOCK=self.block, **kw)
+            tile = self.tiles["norm"]
+            self.k.norm_kernel[(self.triton.cdiv(T, tile.rows),)](
+                x2, dd, w, h if h is not None else y, y, q, s, T, D, self.spec.eps, BLOCK=self.block, ROWS=tile.rows,
+                ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX, num_warps=tile.warps)
         y = y.view(x.shape)
         out = RowQuantized(q, s, y) if quantize else y
         return out if h is None else (h.view(x.shape), out)

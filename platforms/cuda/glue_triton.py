@@ -27,13 +27,10 @@ FP8_MAX = 448.0
 
 @dataclass(frozen=True)
 class Tile:
-    """How a row kernel is launched: rows (tokens) per program, warps per program, and ``chunk``: 0 holds a
-    whole row in registers (one pass); otherwise the row is walked in chunks of that many values, once for
-    its statistics and again for the output (the second read hits L2), which keeps far fewer values live."""
+    """How a row kernel is launched: rows (tokens) per program and warps per program."""
 
     rows: int
     warps: int
-    chunk: int = 0
 
 
 # Chosen by bench/bench_row_kernels.py on an H200 at the released shapes (BENCHMARKS.md, "Seventh session"):
@@ -68,49 +65,6 @@ def norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, T, D, eps, BLOC
         s = tl.maximum(tl.max(tl.abs(y), axis=1) / QMAX, 1e-12)
         q = tl.minimum(tl.maximum(y / s[:, None], -QMAX), QMAX)
         tl.store(q_ptr + off, q.to(tl.float8e4nv), mask=m)
-        tl.store(s_ptr + rows, s, mask=rm)
-
-
-@triton.jit
-def norm_chunked_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, T, D, eps, CHUNK: tl.constexpr,
-                        NCHUNK: tl.constexpr, ROWS: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr,
-                        QMAX: tl.constexpr):
-    """``norm_kernel`` walking each row in chunks: sum of squares (and h), then y and its absmax, then e4m3."""
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    rm = rows < T
-    dt = y_ptr.dtype.element_ty
-    ss = tl.zeros([ROWS], dtype=tl.float32)
-    for i in tl.static_range(NCHUNK):
-        cols = i * CHUNK + tl.arange(0, CHUNK)
-        m = rm[:, None] & (cols < D)[None, :]
-        off = rows[:, None] * D + cols[None, :]
-        x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-        if ADD:  # the residual add rounds in the activation dtype, as ``x + d`` does
-            x = _round(x + tl.load(d_ptr + off, mask=m, other=0.0).to(tl.float32), dt)
-            tl.store(h_ptr + off, x.to(dt), mask=m)
-        ss += tl.sum(x * x, axis=1)
-    inv = 1.0 / tl.sqrt(ss / D + eps)
-    amax = tl.zeros([ROWS], dtype=tl.float32)
-    src = h_ptr if ADD else x_ptr
-    for i in tl.static_range(NCHUNK):
-        cols = i * CHUNK + tl.arange(0, CHUNK)
-        cm = cols < D
-        m = rm[:, None] & cm[None, :]
-        off = rows[:, None] * D + cols[None, :]
-        x = tl.load(src + off, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        y = _round(w[None, :] * _round(x * inv[:, None], dt), dt)
-        tl.store(y_ptr + off, y.to(dt), mask=m)
-        amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
-    if QUANT:
-        s = tl.maximum(amax / QMAX, 1e-12)
-        for i in tl.static_range(NCHUNK):
-            cols = i * CHUNK + tl.arange(0, CHUNK)
-            m = rm[:, None] & (cols < D)[None, :]
-            off = rows[:, None] * D + cols[None, :]
-            y = tl.load(y_ptr + off, mask=m, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(y / s[:, None], -QMAX), QMAX)
-            tl.store(q_ptr + off, q.to(tl.float8e4nv), mask=m)
         tl.store(s_ptr + rows, s, mask=rm)
 
 

@@ -71,33 +71,6 @@ def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
-def _swiglu_chunked_kernel(h_ptr, out_ptr, s_ptr, R, I, CHUNK: tl.constexpr, NCHUNK: tl.constexpr,
-                           ROWS: tl.constexpr, QMAX: tl.constexpr):
-    """The quantizing ``_swiglu_kernel`` walking each row in chunks: the absmax of x1 * silu(x2), then the
-    same products again (the inputs re-read from L2) scaled to e4m3."""
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    rm = rows < R
-    amax = tl.zeros([ROWS], dtype=tl.float32)
-    for i in tl.static_range(NCHUNK):
-        cols = i * CHUNK + tl.arange(0, CHUNK)
-        m = rm[:, None] & (cols < I)[None, :]
-        src = h_ptr + rows[:, None] * 2 * I + cols[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + I, mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x1 * (x2 * tl.sigmoid(x2))), axis=1))
-    s = tl.maximum(amax / QMAX, 1e-12)
-    for i in tl.static_range(NCHUNK):
-        cols = i * CHUNK + tl.arange(0, CHUNK)
-        m = rm[:, None] & (cols < I)[None, :]
-        src = h_ptr + rows[:, None] * 2 * I + cols[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + I, mask=m, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x1 * (x2 * tl.sigmoid(x2)) / s[:, None], -QMAX), QMAX)
-        tl.store(out_ptr + rows[:, None] * I + cols[None, :], q.to(tl.float8e4nv), mask=m)
-    tl.store(s_ptr + rows, s, mask=rm)
-
-
-@triton.jit
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -165,14 +138,9 @@ class TritonKernels:
         s = torch.empty(R, dtype=torch.float32, device=h.device)
         if R:
             tile = tile or self.swiglu_tile
-            grid = (triton.cdiv(R, tile.rows),)
-            if tile.chunk and quantize:
-                chunk = min(tile.chunk, triton.next_power_of_2(I))
-                _swiglu_chunked_kernel[grid](h, out, s, R, I, CHUNK=chunk, NCHUNK=triton.cdiv(I, chunk),
-                                             ROWS=tile.rows, QMAX=FP8_MAX, num_warps=tile.warps)
-            else:
-                _swiglu_kernel[grid](h, out, s, R, I, BLOCK=triton.next_power_of_2(I), ROWS=tile.rows,
-                                     QUANT=quantize, QMAX=FP8_MAX, num_warps=tile.warps)
+            _swiglu_kernel[(triton.cdiv(R, tile.rows),)](h, out, s, R, I, BLOCK=triton.next_power_of_2(I),
+                                                         ROWS=tile.rows, QUANT=quantize, QMAX=FP8_MAX,
+                                                         num_warps=tile.warps)
         return (out, s[:, None]) if quantize else (out, None)
 
     def combine(self, y_RD: torch.Tensor, inverse_R: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype):
