@@ -19,6 +19,12 @@ ranks building at once wait on a file lock and load the same object. The
 library is loaded with ctypes and called with the current stream, so a
 call is capturable; its scratch (per-group pointers, CUTLASS's workspace)
 comes from torch's allocator per call, as torch's own kernel does.
+
+Before this process runs an object on a device model for the first time, a
+child process self-tests it there (``python -m omni.platforms.cuda.cutlass_grouped``).
+A kernel that faults would leave a sticky CUDA error behind, and the process
+could then not fall back to torch's kernel. The verdict is kept beside the
+object, keyed by device model and driver, so the child runs once per machine.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,12 +203,41 @@ def exported_configs(library: Path) -> list[str]:
     return sorted({m.decode() for m in re.findall(rb"omni_gg_(\w+?)_run\x00", library.read_bytes())})
 
 
-def load(fast_accum: bool, nvcc: str, include: str) -> CutlassGroupedFp8:
-    """The kernel for ``fast_accum``, built (or found in the cache), loaded and self-tested; raises with the reason."""
+def load(fast_accum: bool, nvcc: str, include: str, tester=None) -> CutlassGroupedFp8:
+    """The kernel for ``fast_accum``, built (or found in the cache), self-tested on this device model in a child
+    process (once per machine; ``tester`` replaces the child, for tests) and loaded; raises with the reason."""
     cfg = CONFIGS[fast_accum]
-    kernel = CutlassGroupedFp8(build(cfg, nvcc, include), cfg.name)
-    self_test(kernel)
-    return kernel
+    library = build(cfg, nvcc, include)
+    device = torch.cuda.current_device()
+    passed = library.with_name(f"{library.stem}.ok-{device_tag(device)}")
+    if not passed.exists():
+        (tester or test_in_child)(library, cfg.name, device)
+        passed.touch()
+    return CutlassGroupedFp8(library, cfg.name)
+
+
+def device_tag(device: int) -> str:
+    """The device model and the driver, as a file-name part: a verdict holds for that pair only."""
+    version = ctypes.c_int(0)
+    try:
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+    except OSError:
+        pass
+    name = re.sub(r"[^A-Za-z0-9]+", "-", torch.cuda.get_device_name(device)).strip("-")
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{name}-sm{major}{minor}-driver{version.value}"
+
+
+def test_in_child(library: Path, config: str, device: int, timeout_s: float = 300.0) -> None:
+    """Run ``self_test`` on ``device`` in a child process; raises with its output when it fails or faults."""
+    cmd = [sys.executable, "-m", "omni.platforms.cuda.cutlass_grouped", str(library), config, str(device)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the self-test of {config} did not finish in {timeout_s:.0f} s") from None
+    if done.returncode != 0:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-6:])
+        raise RuntimeError(f"the self-test of {config} failed in a child process (exit {done.returncode}):\n{tail}")
 
 
 def self_test(kernel: CutlassGroupedFp8) -> None:
@@ -217,3 +253,16 @@ def self_test(kernel: CutlassGroupedFp8) -> None:
     err = ((y - ref).norm() / ref.norm()).item()  # .item() waits for the kernel: a launch fault surfaces here
     if not err < 1e-2:
         raise RuntimeError(f"{kernel.name}: self-test against the fp32 product failed (relative error {err:.3g})")
+
+
+def main(argv: list[str]) -> int:
+    """``python -m omni.platforms.cuda.cutlass_grouped LIBRARY CONFIG DEVICE``: the child of ``test_in_child``."""
+    library, config, device = Path(argv[0]), argv[1], int(argv[2])
+    torch.cuda.set_device(device)
+    self_test(CutlassGroupedFp8(library, config))
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -204,6 +204,47 @@ def test_a_failing_compiler_raises_with_its_message_and_leaves_nothing(fake_nvcc
     assert not list((tmp_path / "cache").glob("*.so")) and not list((tmp_path / "cache").glob("*.tmp"))
 
 
+@pytest.fixture
+def loading(fake_nvcc, tmp_path, monkeypatch):
+    """``cg.load`` on this CPU machine: the fake compiler, a kernel cache in tmp, device 0 of a made-up model,
+    and the ctypes wrapper recorded instead of opened (the fake object is no ELF)."""
+    nvcc, include, log = fake_nvcc
+    monkeypatch.setenv("OMNI_KERNEL_CACHE", str(tmp_path / "kcache"))
+    monkeypatch.setattr(cg.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(cg, "device_tag", lambda device: f"NVIDIA-H200-sm90-driver13000-dev{device}")
+    opened = []
+    monkeypatch.setattr(cg, "CutlassGroupedFp8", lambda library, config: opened.append((library, config)) or config)
+    return str(nvcc), str(include), opened, tmp_path / "kcache"
+
+
+def test_the_self_test_runs_once_per_device_model_before_the_object_is_opened(loading):
+    nvcc, include, opened, cache = loading
+    tested = []
+    assert cg.load(True, nvcc, include, tester=lambda *a: tested.append(a)) == "pong_128x128_c1x2_fast"
+    [(library, config, device)] = tested
+    assert (config, device) == ("pong_128x128_c1x2_fast", 0) and opened == [(library, config)]
+    assert (cache / f"{library.stem}.ok-NVIDIA-H200-sm90-driver13000-dev0").exists()
+    cg.load(True, nvcc, include, tester=lambda *a: tested.append(a))
+    assert len(tested) == 1 and len(opened) == 2  # the verdict is kept: no second child
+
+
+def test_a_failed_self_test_opens_nothing_and_keeps_no_verdict(loading):
+    nvcc, include, opened, cache = loading
+
+    def fails(library, config, device):
+        raise RuntimeError("the self-test of pong_128x128_c1x2_fast failed in a child process (exit 1)")
+
+    with pytest.raises(RuntimeError, match="failed in a child process"):
+        cg.load(True, nvcc, include, tester=fails)
+    assert opened == [] and not list(cache.glob("*.ok-*"))
+
+
+def test_the_child_reports_its_failure_with_its_output(tmp_path):
+    """A real child process: on this machine without CUDA it fails, and the parent raises with its error."""
+    with pytest.raises(RuntimeError, match=r"failed in a child process \(exit 1\):\n(.|\n)*(CUDA|cuda|Torch not compiled)"):
+        cg.test_in_child(tmp_path / "missing.so", "pong_128x128_c1x2_fast", 0)
+
+
 def test_cache_key_follows_source_config_compiler_and_headers(fake_nvcc):
     _, include, _ = fake_nvcc
     fast, exact = cg.CONFIGS[True], cg.CONFIGS[False]

@@ -94,3 +94,31 @@ def test_fused_moe_on_our_kernel_equals_torch_kernel(platform):
     prepared = ours.prepare_weights(w13, w2)
     y, y_torch = ours(x, weights, ids, prepared), stock(x, weights, ids, prepared)
     assert "pong_128x128_c1x2_fast" in ours.name and float((y - y_torch).float().norm() / y_torch.float().norm()) < 1e-3
+
+
+def test_a_fresh_machine_self_tests_in_a_child_and_keeps_the_verdict(platform, tmp_path, monkeypatch):
+    """The built object copied into an empty cache (no verdict): ``load`` runs the child self-test on this device,
+    keeps its verdict beside the object, and the kernel it opens matches torch's; the second load spawns nothing."""
+    import shutil
+
+    from omni.platforms.cuda import cutlass_grouped as cg
+    from omni.platforms.cuda.capabilities import detect_caps
+
+    caps = detect_caps(0)
+    built = cg.build(cg.CONFIGS[True], caps.nvcc, caps.cutlass_include)
+    monkeypatch.setenv("OMNI_KERNEL_CACHE", str(tmp_path))
+    shutil.copy(built, tmp_path / built.name)
+    children = []
+    real_child = cg.test_in_child
+    kernel = cg.load(True, caps.nvcc, caps.cutlass_include, tester=lambda *a: children.append(a) or real_child(*a))
+    assert len(children) == 1 and list(tmp_path.glob("*.ok-*sm90*"))
+    cg.load(True, caps.nvcc, caps.cutlass_include, tester=lambda *a: children.append(a))
+    assert len(children) == 1
+    spec = GroupedGemmSpec(num_experts=E, in_features=K, out_features=N, dtype=torch.bfloat16, quant="fp8_row",
+                           fast_accum=True, grouped_fp8="torch")
+    stock = platform.grouped_gemm(spec)
+    x, w, offs = _operands(3)
+    pw = stock.prepare_weight(w)
+    xq, xs = quant.quantize_fp8(x, per_row=True)
+    got = kernel(xq, xs.reshape(-1).float(), pw.data, pw.scale.view(E, N), offs)
+    torch.testing.assert_close(got, stock.scaled(xq, xs, pw, offs), atol=0, rtol=0)  # torch's kernel, same operands
