@@ -258,8 +258,9 @@ def self_test(kernel: CutlassGroupedFp8) -> None:
 def main(argv: list[str]) -> int:
     """``python -m omni.platforms.cuda.cutlass_grouped LIBRARY CONFIG DEVICE``: the child of ``test_in_child``."""
     library, config, device = Path(argv[0]), argv[1], int(argv[2])
+    kernel = CutlassGroupedFp8(library, config)  # opening the object needs no device
     torch.cuda.set_device(device)
-    self_test(CutlassGroupedFp8(library, config))
+    self_test(kernel)
     torch.cuda.synchronize()
     return 0
 

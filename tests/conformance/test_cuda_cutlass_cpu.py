@@ -240,8 +240,8 @@ def test_a_failed_self_test_opens_nothing_and_keeps_no_verdict(loading):
 
 
 def test_the_child_reports_its_failure_with_its_output(tmp_path):
-    """A real child process: on this machine without CUDA it fails, and the parent raises with its error."""
-    with pytest.raises(RuntimeError, match=r"failed in a child process \(exit 1\):\n(.|\n)*(CUDA|cuda|Torch not compiled)"):
+    """A real child process that cannot open its object (on any machine): the parent raises with the child's error."""
+    with pytest.raises(RuntimeError, match=r"failed in a child process \(exit 1\):\n(.|\n)*missing\.so: cannot open"):
         cg.test_in_child(tmp_path / "missing.so", "pong_128x128_c1x2_fast", 0)
 
 
