@@ -23,23 +23,19 @@ imported only by the commands that need them, so ``--help`` and ``recipes
 --check`` stay fast.
 """
 import logging
-import math
 import os
 import sys
 from pathlib import Path
 
 from .deployment import DeploymentError, Endpoint, check_on
-from .recipe import GiB, Recipe, RecipeError, list_recipes, load_recipe, parse_size, schema_rows
-from .request import GenerateJob, ImageRequest
-
+from .recipe import GiB, Recipe, RecipeError, list_recipes, load_recipe, schema_rows
+from .cli_jobs import (
+    UsageError, check_generation_flags, check_range, generate_job, image_request, reference_images, serving_helpers,
+)
 from .cli_parser import build_parser
 
 log = logging.getLogger("omni.cli")
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE = 0, 1, 2
-
-class UsageError(Exception):
-    """A problem with what the user asked for; exit status 2."""
-
 
 def cmd_platforms(args) -> int:
     from .platform_manager import detect_all
@@ -190,24 +186,24 @@ def _extras() -> list[str]:
 
 
 def cmd_generate(args) -> int:
-    _check_generation_flags(args)
+    check_generation_flags(args)
     deployment = _deployment(args, serving=False)
-    helpers = _helpers(deployment, args.bot_task != "image", "--bot-task " + args.bot_task)
+    helpers = serving_helpers(deployment, args.bot_task != "image", "--bot-task " + args.bot_task)
     generate_main = _generate_main()
     d = deployment.recipe.defaults
-    return generate_main(deployment, _job(args, _image_request(args, d, helpers), d.size))
+    return generate_main(deployment, generate_job(args, image_request(args, d, helpers), d.size))
 
 
 def cmd_edit(args) -> int:
     """generate, with the reference images read and checked as the server checks uploads."""
-    _check_generation_flags(args)
+    check_generation_flags(args)
     deployment = _deployment(args, serving=False)
-    helpers = _helpers(deployment, args.bot_task != "image", "--bot-task " + args.bot_task)
-    images, size = _reference_images(args.image, deployment.recipe)
+    helpers = serving_helpers(deployment, args.bot_task != "image", "--bot-task " + args.bot_task)
+    images, size = reference_images(args.image, deployment.recipe)
     generate_main = _generate_main()
     d = deployment.recipe.defaults
-    request = _image_request(args, d, helpers, images=images, default_size=size)
-    return generate_main(deployment, _job(args, request, d.size, images))
+    request = image_request(args, d, helpers, images=images, default_size=size)
+    return generate_main(deployment, generate_job(args, request, d.size, images))
 
 
 def cmd_chat(args) -> int:
@@ -215,83 +211,20 @@ def cmd_chat(args) -> int:
     from .chat import ChatJob, chat_main
     from .serving.schemas import MAX_TEMPERATURE, MAX_TEXT_TOKENS, MIN_TEMPERATURE, MIN_TOP_P
 
-    _check_range(args.max_tokens, "--max-tokens", 1 <= args.max_tokens <= MAX_TEXT_TOKENS, f"1..{MAX_TEXT_TOKENS}")
+    check_range(args.max_tokens, "--max-tokens", 1 <= args.max_tokens <= MAX_TEXT_TOKENS, f"1..{MAX_TEXT_TOKENS}")
     t = args.temperature or 0
-    _check_range(args.temperature, "--temperature", t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
+    check_range(args.temperature, "--temperature", t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE,
                  f"0 (greedy) or {MIN_TEMPERATURE:g}..{MAX_TEMPERATURE:g}")
-    _check_range(args.top_p, "--top-p", args.top_p is None or MIN_TOP_P <= args.top_p <= 1, f"{MIN_TOP_P:g}..1")
-    _check_range(args.top_k, "--top-k", (args.top_k or 0) >= 0, ">= 0")
+    check_range(args.top_p, "--top-p", args.top_p is None or MIN_TOP_P <= args.top_p <= 1, f"{MIN_TOP_P:g}..1")
+    check_range(args.top_k, "--top-k", (args.top_k or 0) >= 0, ">= 0")
     deployment = _deployment(args, serving=False)
-    helpers = _helpers(deployment, True, "chat")
-    images = _reference_images(args.image, deployment.recipe)[0] if args.image else ()
+    helpers = serving_helpers(deployment, True, "chat")
+    images = reference_images(args.image, deployment.recipe)[0] if args.image else ()
     given = args.system_prompt if args.system_prompt is not None else deployment.recipe.defaults.system_prompt
     sampling = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
                                   ("top_p", args.top_p), ("top_k", args.top_k), ("seed", args.seed)) if v is not None}
     job = ChatJob(args.prompt, images, helpers.system_prompt(given, bot_task="text"), sampling)
     return chat_main(deployment, job)
-
-
-def _check_range(value, flag: str, ok: bool, allowed: str) -> None:
-    if value is not None and not ok:
-        raise UsageError(f"{flag} must be {allowed}, got {value}")
-
-
-def _helpers(deployment, writes_text: bool, what: str):
-    """The flavour's serving helpers; a model that does not write text refuses ``what`` (exit 2)."""
-    flavor = deployment.recipe.model.flavor
-    helpers = deployment.flavor().serving_helpers()
-    if writes_text and not helpers.writes_text:
-        raise UsageError(f"{what}: model {flavor} does not write text (it draws images only); use an Instruct "
-                         "flavour (e.g. --recipe cpu_tiny_instruct)")
-    return helpers
-
-
-def _check_generation_flags(args) -> None:
-    """The API's bounds (omni.serving.schemas / validation), each refusal naming its flag."""
-    from .serving.schemas import MAX_TEXT_TOKENS
-
-    _check_size_flag(args.size)
-    _check_number_flags(args)
-    _check_text_flags(args)
-    if args.drop_think and args.bot_task not in ("think", "think_recaption"):
-        raise UsageError("--drop-think applies to --bot-task think or think_recaption (a CoT with a <think> section)")
-    cot = args.cot_max_tokens
-    if cot is not None and (args.bot_task == "image" or not 1 <= cot <= MAX_TEXT_TOKENS):
-        raise UsageError(f"--cot-max-tokens must be 1..{MAX_TEXT_TOKENS} and needs a --bot-task that writes a CoT "
-                         "(recaption, think, think_recaption)")
-
-
-def _check_size_flag(size: str | None) -> None:
-    from .serving.validation import NATIVE_SIZES, size_problem
-
-    if size is not None and size not in NATIVE_SIZES:
-        width, height = _parse_size_arg(size)
-        problem = size_problem(height, width)
-        if problem:
-            raise UsageError(f"--size: {problem}")
-
-
-def _check_number_flags(args) -> None:
-    """--steps, --guidance (finite: inf drew an all-black image) and --seed within the API's ranges."""
-    from .serving.schemas import MAX_GUIDANCE, MAX_SEED, MAX_STEPS
-
-    steps, g, seed = args.steps, args.guidance, args.seed
-    _check_range(steps, "--steps", steps is not None and 1 <= steps <= MAX_STEPS, f"1..{MAX_STEPS}")
-    _check_range(g, "--guidance", g is not None and math.isfinite(g) and 0 <= g <= MAX_GUIDANCE,
-                 f"a finite number in 0..{MAX_GUIDANCE:g}")
-    _check_range(seed, "--seed", seed is not None and 0 <= seed <= MAX_SEED, f"0..{MAX_SEED}")
-
-
-def _check_text_flags(args) -> None:
-    """Valid Unicode (a command line decoded with surrogateescape can hold lone surrogates)."""
-    from .serving.errors import APIError
-    from .serving.json_body import check_unicode
-
-    for flag, text in (("--prompt", args.prompt), ("--negative-prompt", args.negative_prompt)):
-        try:
-            check_unicode(text, flag)
-        except APIError as e:  # its message names the flag
-            raise UsageError(e.message) from None
 
 
 def _generate_main():
@@ -300,78 +233,6 @@ def _generate_main():
     except ModuleNotFoundError as e:
         _missing(e, "omni.generate", "generate")
     return generate_main
-
-
-def _job(args, request: ImageRequest, default: str, images: tuple = ()) -> GenerateJob:
-    return GenerateJob(request, Path(args.output), Path(args.latents) if args.latents else None,
-                       output_size=_output_size(args, default, images), verbose=args.verbose)
-
-
-def _output_size(args, default: str, images: tuple) -> tuple[int, int] | None:
-    """(h, w) the written image has: --size exactly, else an edit's first image, else defaults.size;
-    --size auto / native: the model's own size, untouched."""
-    from .serving.validation import NATIVE_SIZES
-
-    if args.size in NATIVE_SIZES:
-        return None
-    if args.size is None and images:
-        return tuple(images[0].shape[:2])
-    width, height = _parse_size_arg(args.size or default)
-    return height, width
-
-
-def _reference_images(paths: list[str], recipe) -> tuple[tuple, tuple[int, int]]:
-    """The decoded ``--image`` files and the (width, height) the first one asks for (snapped by the model).
-
-    The rules are the server's (omni.serving.image_input); any refusal names the file and exits 2.
-    """
-    from . import model_registry
-    from .serving.image_input import ImageInputError, ImageRules, decode_images, reference_size
-
-    helpers = model_registry.get(recipe.model.flavor).serving_helpers()
-    rules = ImageRules(recipe.model.flavor, helpers.max_images, recipe.serving.max_image_pixels)
-    try:
-        images = decode_images([(f"--image {p}", _read_file(p)) for p in paths], rules)
-    except ImageInputError as e:
-        hint = " (e.g. --recipe cpu_tiny_instruct)" if helpers.max_images == 0 else ""
-        raise UsageError(f"{e}{hint}") from None
-    height, width = reference_size(helpers, images[0])
-    return images, (width, height)
-
-
-def _read_file(path: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as e:
-        raise UsageError(f"--image {path}: cannot read it: {e.strerror or e}") from None
-
-
-def _image_request(args, d, helpers, images: tuple = (), default_size: tuple[int, int] | None = None):
-    """The flags, with the recipe's ``defaults`` where a flag is not given (an edit's size: its first image's).
-
-    ``--size auto``: with a CoT ``--bot-task`` the model picks the ratio (``auto_size``); without one it is the
-    default size, as over the API. The recipe's system prompt mode is resolved for the bot task.
-    """
-    size = None if args.size in ("auto", "native") else args.size
-    if size is not None or default_size is None:
-        width, height = _parse_size_arg(size or d.size)
-    else:
-        width, height = default_size
-    cot = {"cot_max_tokens": args.cot_max_tokens} if args.cot_max_tokens is not None else {}
-    return ImageRequest(prompt=args.prompt, negative_prompt=args.negative_prompt, height=height, width=width,
-                        steps=d.steps if args.steps is None else args.steps,
-                        guidance=d.guidance if args.guidance is None else args.guidance, seed=args.seed,
-                        shift=d.shift, template=d.template,
-                        system_prompt=helpers.system_prompt(d.system_prompt, bot_task=args.bot_task),
-                        return_latents=args.latents is not None, images=images, bot_task=args.bot_task,
-                        drop_think=args.drop_think, auto_size=args.size == "auto" and args.bot_task != "image", **cot)
-
-
-def _parse_size_arg(text: str) -> tuple[int, int]:
-    try:
-        return parse_size(text)
-    except RecipeError as e:
-        raise UsageError(f"--size: {e}") from None
 
 
 def cmd_serve(args) -> int:
