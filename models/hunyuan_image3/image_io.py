@@ -115,7 +115,7 @@ def to_channels_last(*modules: nn.Module) -> None:
 
     Image tokens are already ``[B, h, w, D]``, so the heads' activations are
     channels-last views; with NCHW weights cuDNN converts the layout around
-    every convolution (1.4 ms per 1024x1024 CFG step on an H200, BENCHMARKS.md).
+    every convolution (1.26 ms of a 1024x1024 CFG step on an H200: BENCHMARKS.md, "Seventh session").
     """
     for module in modules:
         for conv in module.modules():
