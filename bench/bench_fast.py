@@ -438,10 +438,10 @@ def profile_io(s: Setup, out, label):
     weights (the platform's channels_last capability) it is measured again with NCHW copies of them (the
     baseline), and the same weight tensors go back afterwards (captured graphs point at them)."""
     io_parts(s, out, label)
-    convs = [c for head in (s.model.patch_embed, s.model.final_layer) for c in head.modules()
-             if isinstance(c, torch.nn.Conv2d)]
     if not s.model.channels_last:
         return
+    convs = [c for head in (s.model.patch_embed, s.model.final_layer) for c in head.modules()
+             if isinstance(c, torch.nn.Conv2d)]
     kept = [c.weight.data for c in convs]
     for c, w in zip(convs, kept):
         c.weight.data = w.contiguous()

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from .encode import PNG_LEVEL
+
 FALLBACK_DEFAULTS = SimpleNamespace(steps=50, guidance=5.0, size="1024x1024", shift=3.0, template="pretrain",
                                     system_prompt=None)
 
@@ -46,7 +48,7 @@ class ServingOptions:
     max_image_bytes: int = 20 << 20  # encoded bytes per image (413 past it)
     fetch_remote_images: bool = False  # recipe serving.fetch_remote_images: chat image_url may be http(s)
     fetch_timeout_s: float = 10.0  # per remote image
-    png_level: int = 4  # recipe serving.png_compress_level: zlib level of PNG responses
+    png_level: int = PNG_LEVEL  # recipe serving.png_compress_level: zlib level of PNG responses
 
     @classmethod
     def from_recipe(cls, recipe, *, model_id: str, api_key: str | None = None, **kw) -> "ServingOptions":

@@ -13,15 +13,20 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")]
 
 
+def small_vae() -> AutoencoderKLConv3D:
+    """A 16x VAE small enough for the tests (4 latent channels, 2 frames), seeded, on the device."""
+    torch.manual_seed(0)
+    cfg = VAEConfig(block_out_channels=(32, 32, 64, 64, 64), latent_channels=4, layers_per_block=1,
+                    ffactor_spatial=16, ffactor_temporal=2)
+    return AutoencoderKLConv3D(cfg).cuda().eval()
+
+
 def test_captured_vae_decode_matches_eager():
     from omni.platform_manager import select
 
     platform = select("cuda")
     platform.device_services(0)
-    torch.manual_seed(0)
-    cfg = VAEConfig(block_out_channels=(32, 32, 64, 64, 64), latent_channels=4, layers_per_block=1,
-                    ffactor_spatial=16, ffactor_temporal=2)
-    vae = AutoencoderKLConv3D(cfg).cuda().eval()
+    vae = small_vae()
     eager = lambda z: vae.decode_image(z, dtype=torch.bfloat16)  # noqa: E731
     graphs = StepGraphs(platform, "cuda", name="vae_decode")
     captured = lambda z: graphs.run(((tuple(z.shape),), ()), z, eager, lambda: ())  # noqa: E731
@@ -40,10 +45,7 @@ def test_tiles_on_two_streams_match_one_stream_eager_and_replayed():
 
     platform = select("cuda")
     services = platform.device_services(0)
-    torch.manual_seed(0)
-    cfg = VAEConfig(block_out_channels=(32, 32, 64, 64, 64), latent_channels=4, layers_per_block=1,
-                    ffactor_spatial=16, ffactor_temporal=2)
-    vae = AutoencoderKLConv3D(cfg).cuda().eval()
+    vae = small_vae()
     eager = lambda z: vae.decode_image(z, dtype=torch.bfloat16)  # noqa: E731
     lanes = TileLanes(services, count=2)
     assert len(lanes.streams) == 2
@@ -69,10 +71,7 @@ def test_fp32_decode_takes_the_parallel_group_norm_and_captures(monkeypatch):
     platform = select("cuda")
     platform.device_services(0)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # compare the norms, not TF32 convolutions
-    torch.manual_seed(0)
-    cfg = VAEConfig(block_out_channels=(32, 32, 64, 64, 64), latent_channels=4, layers_per_block=1,
-                    ffactor_spatial=16, ffactor_temporal=2)
-    vae = AutoencoderKLConv3D(cfg).cuda().eval()
+    vae = small_vae()
     z = torch.randn(1, 4, 32, 48, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     x = torch.randn(1, 64, 2, 40, 40, device="cuda")
     assert torch.equal(gn.group_norm(x, 32, None, None, 1e-6), gn.parallel_group_norm(x, 32, None, None, 1e-6))
@@ -97,16 +96,18 @@ def test_fp16_autocast_decode_runs_the_float32_policy_in_parallel_and_captures(m
 
     platform = select("cuda")
     platform.device_services(0)
-    torch.manual_seed(0)
-    cfg = VAEConfig(block_out_channels=(32, 32, 64, 64, 64), latent_channels=4, layers_per_block=1,
-                    ffactor_spatial=16, ffactor_temporal=2)
-    vae = AutoencoderKLConv3D(cfg).cuda().eval()
+    vae = small_vae()
     z = torch.randn(1, 4, 32, 48, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     x = torch.randn(1, 64, 2, 40, 40, device="cuda", dtype=torch.float16)
     with torch.autocast("cuda", dtype=torch.float16):
         assert gn.autocast_dtype_of_group_norm(x) == torch.float32
+    parallel = gn.parallel_group_norm
+    calls = []
     with torch.inference_mode():
-        ours = vae.decode_image(z, dtype=torch.float16)
+        with monkeypatch.context() as m:  # count the parallel form's calls: the fp32 policy must take it
+            m.setattr(gn, "parallel_group_norm", lambda *a: calls.append(a[0].dtype) or parallel(*a))
+            ours = vae.decode_image(z, dtype=torch.float16)
+        assert calls and set(calls) == {torch.float32}, calls
         with monkeypatch.context() as m:
             m.setattr(gn.GroupNorm, "forward", lambda self, t: F.group_norm(t, self.num_groups, self.weight,
                                                                             self.bias, self.eps))
