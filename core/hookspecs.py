@@ -340,6 +340,14 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     they are instead of quantizing the gathered rows again (the same
     numbers: per-token scales commute with the gather); without the
     attribute the model passes plain rows.
+    An implementation may set ``accepts_addends = True``: ``__call__`` then
+    also takes ``addends=(a_TD, ...)`` (at most two ``[T, D]`` tensors) and
+    returns ``sum(addends) + y`` computed in fp32, the addends first and in
+    order, rounded once (``omni.moe.add_terms``), so the model's residual and
+    shared-expert adds cost no pass of their own. The model passes addends
+    only where no parallel-plan hook sits on the experts or the MLP (an
+    all-reduce or an expert dispatch must see the MoE's own output); without
+    the attribute it adds them itself in the official bf16 order.
 
     Capture safety: ``__call__`` must not read routing on the host (no
     ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends
@@ -354,7 +362,8 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     and, for quantized schemes, ``grouped_fp8="cutlass"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.5 (``grouped_fp8``, ``accepts_row_quantized``; 0.4 ``fast_accum``; 0.3 ``memory_bound``).
+    Versions: 0.6 (``accepts_addends``); 0.5 (``grouped_fp8``, ``accepts_row_quantized``; 0.4 ``fast_accum``;
+    0.3 ``memory_bound``).
     """
 
 

@@ -102,6 +102,13 @@ class KernelOwner(nn.Module):
         raise NotImplementedError
 
 
+def unhooked(module: nn.Module) -> bool:
+    """Whether no forward (pre-)hook is attached to ``module``. A parallel plan attaches its collectives as
+    hooks (an all-reduce of the output, expert dispatch), so work may only be fused across the module's
+    boundary, e.g. a residual added inside its last kernel, when this holds."""
+    return not (module._forward_hooks or module._forward_pre_hooks)  # torch has no public getter for these
+
+
 def finalize_experts(moe, gate_and_up: GroupedLinear, down: GroupedLinear) -> None:
     """Prepare both expert weights with the MoE kernel ``moe`` and make them the modules' state.
 

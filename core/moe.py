@@ -35,6 +35,12 @@ class Routing:
     token_R: torch.Tensor  # int64: token of each sorted row
     offsets_E: torch.Tensor  # int32: cumulative row ends per expert
 
+    def inverse(self) -> torch.Tensor:
+        """int64 sorted row of each assignment ``t*k + j`` (the combine's gather index)."""
+        inverse_R = torch.empty_like(self.order_R)
+        inverse_R[self.order_R] = torch.arange(self.order_R.numel(), device=self.order_R.device)
+        return inverse_R
+
 
 def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> Routing:
     """Stable sort of the ``T*k`` assignments by expert; no host sync."""
@@ -48,10 +54,19 @@ def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> Routing:
 def combine(y_RD: torch.Tensor, routing: Routing, topk_weights_Tk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``out[t] = sum_j w[t, j] * y[row of (t, j)]`` in fp32, as ``dtype``."""
     T, k = topk_weights_Tk.shape
-    inverse_R = torch.empty_like(routing.order_R)
-    inverse_R[routing.order_R] = torch.arange(routing.order_R.numel(), device=y_RD.device)
-    y_TkD = y_RD[inverse_R].view(T, k, y_RD.shape[-1]).float()  # explicit: T may be 0 (an idle sp rank)
+    y_TkD = y_RD[routing.inverse()].view(T, k, y_RD.shape[-1]).float()  # explicit: T may be 0 (an idle sp rank)
     return torch.einsum("tkd,tk->td", y_TkD, topk_weights_Tk.float()).to(dtype)
+
+
+def add_terms(acc_TD: torch.Tensor, addends: tuple) -> torch.Tensor:
+    """``sum(addends) + acc`` in fp32, the addends first and in order: the combine of an MoE kernel that
+    ``accepts_addends`` (``omni_moe_impl``), rounded once afterwards."""
+    if not addends:
+        return acc_TD
+    total = addends[0].float()
+    for a in addends[1:]:
+        total = total + a.float()
+    return total + acc_TD
 
 
 def expert_gemm_specs(spec: MoESpec) -> tuple[GroupedGemmSpec, GroupedGemmSpec]:

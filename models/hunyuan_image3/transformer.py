@@ -39,7 +39,7 @@ import torch.nn as nn
 from omni.build_options import BuildOptions
 from omni.weights import LoadTarget, load_state_dict
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
-                         finalize_experts)
+                         finalize_experts, unhooked)
 from omni.specs import GlueSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .config import HunyuanImage3Config
@@ -186,9 +186,19 @@ class RoutedExperts(KernelOwner):
         """Whether the MoE kernel takes rows the glue quantized (``RowQuantized``) and gathers them as they are."""
         return self.moe_spec.quant == "fp8_row" and getattr(self.moe, "accepts_row_quantized", False)
 
-    def forward(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_addends(self) -> bool:
+        """Whether the MoE kernel adds other terms in its fp32 combine (``accepts_addends``) and no plan hook
+        stands between it and the caller (expert parallelism combines the routed rows after a dispatch)."""
+        return getattr(self.moe, "accepts_addends", False) and unhooked(self)
+
+    def forward(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor,
+                addends: tuple = ()) -> torch.Tensor:
+        """The routed experts' weighted sum; ``addends`` (only where ``takes_addends``) join its fp32 combine."""
         g13, g2 = self.gate_and_up_proj, self.down_proj
         prepared = PreparedMoE(g13.prepared or PreparedWeight(g13.weight), g2.prepared or PreparedWeight(g2.weight))
+        if addends:
+            return self.moe(x_TD, weights_Tk, experts_Tk, prepared, addends=addends)
         return self.moe(x_TD, weights_Tk, experts_Tk, prepared)
 
 
@@ -206,13 +216,20 @@ class MoE(nn.Module):
                                      capturable=opts.capturable, grouped_fp8=opts.grouped_fp8,
                                      **opts.linear_kw(opts.quant))
 
-    def forward(self, n_TD) -> torch.Tensor:
+    def forward(self, n_TD, residual_TD: torch.Tensor | None = None) -> torch.Tensor:
         """``n_TD``: the normed rows, or their ``RowQuantized`` form (the shared expert, and the routed experts
-        where their kernel says so, take it as is)."""
+        where their kernel says so, take it as is). ``residual_TD``, if given, is added to the output: inside
+        the routed experts' combine with the shared expert's output where the kernel takes addends."""
         x_TD = n_TD.x_TI if isinstance(n_TD, RowQuantized) else n_TD
         weights_Tk, experts_Tk = self.gate(x_TD)
         routed_in = n_TD if isinstance(n_TD, RowQuantized) and self.experts.takes_rows else x_TD
-        return self.shared_mlp(n_TD) + self.experts(routed_in, weights_Tk, experts_Tk)
+        terms = (self.shared_mlp(n_TD),) if residual_TD is None else (residual_TD, self.shared_mlp(n_TD))
+        if self.experts.takes_addends:
+            return self.experts(routed_in, weights_Tk, experts_Tk, addends=terms)
+        y_TD = self.experts(routed_in, weights_Tk, experts_Tk)
+        for a in reversed(terms):  # h + (shared + routed): the official order of the adds
+            y_TD = a + y_TD
+        return y_TD
 
 
 # ---------------------------------------------------------------- decoder
@@ -235,6 +252,8 @@ class DecoderLayer(nn.Module):
         a_TD = self.self_attn(n_TD, cos_TH, sin_TH, ctx)
         h_TD, n_TD = self.glue.add_rms_norm(x_TD, a_TD, self.post_attention_layernorm.weight,
                                             takes_rows(self.mlp.shared_mlp.gate_and_up_proj))
+        if unhooked(self.mlp):  # the residual joins the MoE's combine; a plan's all-reduce must see the MLP alone
+            return self.mlp(n_TD, residual_TD=h_TD)
         return h_TD + self.mlp(n_TD)
 
 

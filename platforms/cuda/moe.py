@@ -1,19 +1,21 @@
-"""The fused MoE of the CUDA platform (``omni_moe_impl``): routed experts in five launches plus the sort.
+"""The fused MoE of the CUDA platform (``omni_moe_impl``): routed experts in seven launches.
 
 May assume: tensors live on the worker's CUDA device (the torch kernels also
 run on CPU tensors, which the CPU tests use). Nothing here reads routing on
 the host, so the whole layer is capturable.
 
-    sort        stable sort of the T*k expert ids; group ends by searchsorted (no bincount, no sync)
+    sort        stable counting sort of the T*k expert ids (two Triton launches: counts per block, places);
+                each sorted row's token, each assignment's sorted row, the group ends (no host read)
     gather      bf16: x[token_R];  fp8: gather + per-row e4m3 quantization in one pass (Triton), or, for
                 rows a glue kernel quantized already (``RowQuantized``), a gather of the e4m3 rows and scales
     GEMM 1      torch._grouped_mm / our CUTLASS grouped fp8 kernel (kernels.grouped_fp8) or
                 torch._scaled_grouped_mm over the expert groups -> h [R, 2I] bf16
     SwiGLU      x1 * silu(x2) (SiLU on the SECOND half), fused with the per-row e4m3 quantization (Triton)
     GEMM 2      as GEMM 1 -> y [R, D] bf16
-    combine     out[t] = sum_j w[t, j] * y[row of (t, j)], fp32 accumulate, one pass (Triton)
+    combine     out[t] = sum(addends)[t] + sum_j w[t, j] * y[row of (t, j)], fp32 accumulate, one pass (Triton);
+                the model passes the shared expert's output and the residual as addends (``accepts_addends``)
 
-The three memory-bound steps run as Triton kernels (``moe_triton.py``) or as
+The memory-bound steps run as Triton kernels (``moe_triton.py``) or as
 torch ops computing the same function (``TorchKernels``), as the spec's
 ``memory_bound`` (``kernels.memory_bound``) says: ``auto`` takes Triton when
 it imports, ``torch`` the torch ops, ``triton`` demands Triton (refused
@@ -31,7 +33,7 @@ import importlib.util
 import torch
 
 from omni import quant
-from omni.moe import sort_by_expert, swiglu as torch_swiglu
+from omni.moe import add_terms, sort_by_expert, swiglu as torch_swiglu
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
@@ -40,10 +42,18 @@ from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8
 FP8 = ("fp8_row", "fp8_tensor")
 
 
+def torch_route_rows(ids_Tk: torch.Tensor, num_experts: int):
+    """``(token_R, inverse_R, offsets_E)``: the stable sort by expert (``omni.moe.sort_by_expert``) as the MoE
+    uses it: each sorted row's token, each assignment's sorted row, the int32 group ends."""
+    routing = sort_by_expert(ids_Tk, num_experts)
+    return routing.token_R, routing.inverse(), routing.offsets_E
+
+
 class TorchKernels:
     """The memory-bound steps as plain torch ops (the Triton kernels' definition)."""
 
     name = "torch"
+    route_rows = staticmethod(torch_route_rows)
 
     def quant_gather(self, x_TD, token_R):
         xq, s = quant.quantize_fp8(x_TD, per_row=True)  # per-token scales commute with the gather
@@ -59,10 +69,10 @@ class TorchKernels:
         a = torch_swiglu(h_R2I)
         return quant.quantize_fp8(a, per_row=True) if quantize else (a, None)
 
-    def combine(self, y_RD, inverse_R, w_Tk, dtype):
+    def combine(self, y_RD, inverse_R, w_Tk, dtype, addends: tuple = ()):
         T, k = w_Tk.shape
         y_TkD = y_RD[inverse_R].view(T, k, -1).float()
-        return torch.einsum("tkd,tk->td", y_TkD, w_Tk.float()).to(dtype)
+        return add_terms(torch.einsum("tkd,tk->td", y_TkD, w_Tk.float()), addends).to(dtype)
 
 
 def triton_found() -> bool:
@@ -87,6 +97,7 @@ class CudaMoE:
     def __init__(self, spec: MoESpec, kernels, grouped_kernel=None):
         self.spec, self.kernels = spec, kernels
         self.accepts_row_quantized = spec.quant == "fp8_row"  # rows the glue quantized: gathered, not requantized
+        self.accepts_addends = True  # the combine kernel adds the shared expert and the residual (no extra pass)
         kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant, fast_accum=spec.fast_accum,
                   grouped_fp8=spec.grouped_fp8)
         g13 = GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw)
@@ -106,29 +117,26 @@ class CudaMoE:
         """Pre-quantized e4m3 experts (reference scale layouts) -> this kernel's row-scale layout."""
         return PreparedMoE(ScaledGroupedMM.prepare_quantized(w13), ScaledGroupedMM.prepare_quantized(w2))
 
-    def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE) -> torch.Tensor:
-        """``x_TD``: rows, or (``fp8_row``) their ``RowQuantized`` form, whose e4m3 rows are gathered as they are."""
-        E = prepared.w13.data.shape[0]
-        routing = sort_by_expert(topk_ids_Tk, E)
-        offs = routing.offsets_E
+    def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE, addends: tuple = ()) -> torch.Tensor:
+        """``x_TD``: rows, or (``fp8_row``) their ``RowQuantized`` form, whose e4m3 rows are gathered as they are;
+        ``addends``: up to two ``[T, D]`` terms the combine adds in fp32 (``accepts_addends``)."""
+        token_R, inverse_R, offs = self.kernels.route_rows(topk_ids_Tk, prepared.w13.data.shape[0])
         rows = x_TD if isinstance(x_TD, RowQuantized) else None  # only fp8_row accepts them (accepts_row_quantized)
         out_dtype = self.spec.dtype if rows is not None else x_TD.dtype
         x = None if rows is not None else x_TD.to(self.spec.dtype)
         if self.spec.quant == "fp8_row":
-            xq, xs = (self.kernels.gather_rows(rows.q_TI, rows.scale_T1, routing.token_R) if rows is not None
-                      else self.kernels.quant_gather(x, routing.token_R))
+            xq, xs = (self.kernels.gather_rows(rows.q_TI, rows.scale_T1, token_R) if rows is not None
+                      else self.kernels.quant_gather(x, token_R))
             h = self.gemm13.scaled(xq, xs, prepared.w13, offs)
             aq, as_ = self.kernels.swiglu(h, quantize=True)
             y = self.gemm2.scaled(aq, as_, prepared.w2, offs)
         elif self.spec.quant == "fp8_tensor":
-            h = self.gemm13.group_quantized(x[routing.token_R], prepared.w13, offs)
+            h = self.gemm13.group_quantized(x[token_R], prepared.w13, offs)
             y = self.gemm2.group_quantized(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
         else:  # GroupedMM
-            h = self.gemm13(x[routing.token_R], prepared.w13, offs)
+            h = self.gemm13(x[token_R], prepared.w13, offs)
             y = self.gemm2(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
-        inverse_R = torch.empty_like(routing.order_R)
-        inverse_R[routing.order_R] = torch.arange(routing.order_R.numel(), device=y.device)
-        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype)
+        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, addends)
 
 
 def resolve_moe(spec: MoESpec, caps: Caps, reject):

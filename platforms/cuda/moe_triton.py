@@ -7,7 +7,9 @@ every tensor is a contiguous CUDA tensor. One program per row; no host reads.
                    ``quant_rows`` is the same without the gather (the dense fp8_row linears' activations)
     gather_rows    q[token_R[r]], s[token_R[r]]: rows a glue kernel quantized already (1 byte per element moved)
     swiglu         h[r] = [x1 | x2] -> x1 * silu(x2), as bf16 or as e4m3 + per-row scale
-    combine        out[t] = sum_j w[t, j] * y[inverse[t*k + j]] (fp32 accumulate)
+    combine        out[t] = sum(addends)[t] + sum_j w[t, j] * y[inverse[t*k + j]] (fp32 accumulate, one rounding)
+    route_rows     a stable counting sort of the T*k expert ids in two launches (counts per block, then
+                   places): each sorted row's token, each assignment's sorted row, the group ends
 
 The quantization is ``omni.quant``'s (absmax / 448, clamp, round to nearest
 e4m3) computed in fp32 from the bf16 inputs.
@@ -17,6 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .moe import torch_route_rows  # moe.py imports this module only from a function: no cycle
 
 FP8_MAX = 448.0
 
@@ -71,16 +75,58 @@ def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
-def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, D, K: tl.constexpr, ADDENDS: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = d < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if ADDENDS >= 1:  # the addends first, in order (omni.moe.add_terms)
+        acc += tl.load(a0_ptr + t * D + d, mask=m, other=0.0).to(tl.float32)
+    if ADDENDS >= 2:
+        acc += tl.load(a1_ptr + t * D + d, mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(K):
         r = tl.load(inv_ptr + t * K + j).to(tl.int64)
         w = tl.load(w_ptr + t * K + j).to(tl.float32)
         acc += tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) * w
     tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[b, e]: how many of block b's assignments route to expert e."""
+    b = tl.program_id(0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    e = tl.load(ids_ptr + i, mask=i < R, other=EB)  # EB matches no expert column
+    hit = (e[:, None] == tl.arange(0, EB)[None, :]).to(tl.int32)
+    tl.store(counts_ptr + b * EB + tl.arange(0, EB), tl.sum(hit, axis=0))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, NB, EB: tl.constexpr,
+                  NBP: tl.constexpr, BLOCK: tl.constexpr):
+    """Sorted row of each assignment of block b: its expert's start, the rows of that expert in blocks before
+    b, and its rank among the block's rows of that expert (index order: the sort is stable)."""
+    b = tl.program_id(0)
+    blocks, experts = tl.arange(0, NBP), tl.arange(0, EB)
+    c = tl.load(counts_ptr + blocks[:, None] * EB + experts[None, :], mask=(blocks < NB)[:, None], other=0)
+    totals = tl.sum(c, axis=0)
+    ends = tl.cumsum(totals, axis=0)
+    base = ends - totals + tl.sum(tl.where((blocks < b)[:, None], c, 0), axis=0)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    m = i < R
+    e = tl.load(ids_ptr + i, mask=m, other=EB)
+    hit = (e[:, None] == experts[None, :]).to(tl.int32)
+    pos = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + base[None, :]), axis=1).to(tl.int64)
+    tl.store(inverse_ptr + i, pos, mask=m)
+    tl.store(token_ptr + pos, (i // K).to(tl.int64), mask=m)
+    if b == 0:
+        tl.store(ends_ptr + experts, ends, mask=experts < E)
+
+
+# The counting sort's shape: BLOCK assignments per program; its programs read every block's counts, so it
+# takes up to MAX_BLOCKS blocks and MAX_EXPERTS experts (a longer prefill sorts with torch).
+SORT_BLOCK, MAX_BLOCKS, MAX_EXPERTS = 1024, 256, 256
 
 
 def _warps(block: int) -> int:
@@ -143,12 +189,35 @@ class TritonKernels:
                                                          num_warps=tile.warps)
         return (out, s[:, None]) if quantize else (out, None)
 
-    def combine(self, y_RD: torch.Tensor, inverse_R: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype):
+    def combine(self, y_RD: torch.Tensor, inverse_R: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype,
+                addends: tuple = ()):
+        """``sum(addends) + sum_j w[t, j] * y[inverse[t*k + j]]`` in fp32, rounded once; at most two addends."""
         T, k = w_Tk.shape
         D = y_RD.shape[1]
         out = torch.empty(T, D, dtype=dtype, device=y_RD.device)
+        if len(addends) > 2:
+            raise ValueError(f"cuda-moe combine: at most two addends, got {len(addends)}")
+        a = [t.reshape(T, D).contiguous() for t in addends] + [out] * (2 - len(addends))  # unread placeholders
         if T:
             block = 1024
-            _combine_kernel[(T, triton.cdiv(D, block))](y_RD.contiguous(), inverse_R, w_Tk.float().contiguous(), out,
-                                                        D, K=k, BLOCK_D=block, num_warps=4)
+            _combine_kernel[(T, triton.cdiv(D, block))](y_RD.contiguous(), inverse_R, w_Tk.float().contiguous(),
+                                                        a[0], a[1], out, D, K=k, ADDENDS=len(addends),
+                                                        BLOCK_D=block, num_warps=4)
         return out
+
+    def route_rows(self, ids_Tk: torch.Tensor, num_experts: int):
+        """``(token_R, inverse_R, offsets_E)`` of the stable sort by expert, in two launches (the torch sort
+        beyond ``MAX_BLOCKS`` blocks or ``MAX_EXPERTS`` experts)."""
+        ids = ids_Tk.reshape(-1).contiguous()
+        R, k, dev = ids.numel(), ids_Tk.shape[1], ids.device
+        nb = triton.cdiv(R, SORT_BLOCK)
+        if not 0 < nb <= MAX_BLOCKS or num_experts > MAX_EXPERTS:
+            return torch_route_rows(ids_Tk, num_experts)
+        eb = triton.next_power_of_2(num_experts)
+        counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
+        token_R, inverse_R = torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.int64, device=dev)
+        ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=SORT_BLOCK, num_warps=8)
+        _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
+                             NBP=triton.next_power_of_2(nb), BLOCK=SORT_BLOCK, num_warps=8)
+        return token_R, inverse_R, ends_E

@@ -175,3 +175,68 @@ def test_cuda_moe_resolution_reasons():
         reasons = []
         assert resolve_moe(s, caps, reasons.append) is None
         assert why in reasons[0], reasons
+
+
+# ----------------------------------------------------------------- addends (accepts_addends)
+
+
+def _addends(T: int, D: int, dtype, device, seed: int = 7):
+    return tuple(_rand(T, D, seed=seed + i).to(dtype).to(device) for i in range(2))
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_moe_addends_join_the_combine(platform_name, quant):
+    """An impl that ``accepts_addends`` returns ``sum(addends) + MoE(x)`` (the fp64 oracle plus the addends)."""
+    E, k, D, inner = SHAPES["E8-k3-32x16"]
+    spec = MoESpec(num_experts=E, topk=k, hidden=D, inner=inner, dtype=torch.bfloat16, quant=quant)
+    impl = get_platform(platform_name).moe(spec)
+    if not getattr(impl, "accepts_addends", False):
+        pytest.skip(f"{impl.name} does not take addends (the model adds them itself)")
+    dev = device_of(platform_name)
+    x, wts, ids, w13, w2 = make_case(spec, "random")
+    prepared = impl.prepare_weights(w13.bfloat16().to(dev), w2.bfloat16().to(dev))
+    a = _addends(x.shape[0], D, torch.bfloat16, dev)
+    y = impl(x.bfloat16().to(dev), wts.to(dev), ids.to(dev), prepared, addends=a)
+    ref = naive_moe(spec, x, wts, ids, w13.bfloat16(), w2.bfloat16()) + sum(t.double().cpu() for t in a)
+    assert rel_err(y, ref) <= 3e-2
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_cuda_moe_addends_on_cpu(monkeypatch, quant):
+    """The CUDA MoE's torch kernels: addends add in fp32 before the one rounding (a zero addend changes no bit;
+    the sum differs from the separate bf16 adds by at most their roundings), and the oracle agrees."""
+    from omni.platforms.cuda.moe import CudaMoE, TorchKernels
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _emulated_scaled_grouped_mm, raising=False)
+    E, k, D, inner = SHAPES["E4-k2-64x48"]
+    spec = MoESpec(num_experts=E, topk=k, hidden=D, inner=inner, dtype=torch.bfloat16, quant=quant)
+    impl = CudaMoE(spec, kernels=TorchKernels())
+    assert impl.accepts_addends
+    x, wts, ids, w13, w2 = make_case(spec, "random")
+    prepared = impl.prepare_weights(w13.bfloat16(), w2.bfloat16())
+    x = x.bfloat16()
+    alone = impl(x, wts, ids, prepared)
+    assert torch.equal(impl(x, wts, ids, prepared, addends=(torch.zeros_like(x),)), alone)
+    h, shared = _addends(x.shape[0], D, torch.bfloat16, "cpu")
+    fused = impl(x, wts, ids, prepared, addends=(h, shared))
+    separate = h + (shared + alone)  # what the model does without addends: three bf16 roundings more
+    f = [t.float().abs() for t in (alone, shared + alone, separate)]
+    half_ulps = 2 ** -8 * (f[0] + f[1] + 2 * f[2]) + 2 ** -24  # bf16: half an ulp <= 2^-8 |v|
+    assert ((fused.float() - separate.float()).abs() <= half_ulps).all()
+    assert not torch.equal(fused, separate)  # the roundings differ somewhere: the fused path really ran
+    ref = naive_moe(spec, x.float(), wts, ids, w13.bfloat16(), w2.bfloat16()) + h.double() + shared.double()
+    assert rel_err(fused, ref) <= 3e-2
+
+
+def test_cuda_moe_torch_route_rows_is_the_stable_sort():
+    """``route_rows`` (torch kernels): each sorted row's token, each assignment's sorted row and the group ends
+    of a stable sort, checked against a direct construction."""
+    from omni.platforms.cuda.moe import TorchKernels
+
+    ids = torch.tensor([[2, 0], [0, 3], [2, 1], [0, 2]])
+    token_R, inverse_R, ends_E = TorchKernels().route_rows(ids, 5)
+    flat = ids.flatten().tolist()
+    order = sorted(range(len(flat)), key=lambda r: (flat[r], r))  # stable: equal experts keep their order
+    assert token_R.tolist() == [r // 2 for r in order]
+    assert [order[p] for p in inverse_R.tolist()] == list(range(len(flat)))
+    assert ends_E.dtype == torch.int32 and ends_E.tolist() == [3, 4, 7, 8, 8]
