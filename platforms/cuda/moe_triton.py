@@ -104,29 +104,33 @@ def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr)
 
 @triton.jit
 def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, NB, EB: tl.constexpr,
-                  NBP: tl.constexpr, BLOCK: tl.constexpr):
+                  NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """Sorted row of each assignment of block b: its expert's start, the rows of that expert in blocks before
-    b, and its rank among the block's rows of that expert (index order: the sort is stable)."""
+    b, and its rank among the block's rows of that expert (index order: the sort is stable). The block is
+    ranked CHUNK rows at a time, so the scan's scratch stays within shared memory."""
     b = tl.program_id(0)
     blocks, experts = tl.arange(0, NBP), tl.arange(0, EB)
     c = tl.load(counts_ptr + blocks[:, None] * EB + experts[None, :], mask=(blocks < NB)[:, None], other=0)
     totals = tl.sum(c, axis=0)
     ends = tl.cumsum(totals, axis=0)
     base = ends - totals + tl.sum(tl.where((blocks < b)[:, None], c, 0), axis=0)
-    i = b * BLOCK + tl.arange(0, BLOCK)
-    m = i < R
-    e = tl.load(ids_ptr + i, mask=m, other=EB)
-    hit = (e[:, None] == experts[None, :]).to(tl.int32)
-    pos = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + base[None, :]), axis=1).to(tl.int64)
-    tl.store(inverse_ptr + i, pos, mask=m)
-    tl.store(token_ptr + pos, (i // K).to(tl.int64), mask=m)
+    for start in tl.static_range(0, BLOCK, CHUNK):
+        i = b * BLOCK + start + tl.arange(0, CHUNK)
+        m = i < R
+        e = tl.load(ids_ptr + i, mask=m, other=EB)
+        hit = (e[:, None] == experts[None, :]).to(tl.int32)
+        pos = tl.sum(hit * (tl.cumsum(hit, axis=0) - 1 + base[None, :]), axis=1).to(tl.int64)
+        tl.store(inverse_ptr + i, pos, mask=m)
+        tl.store(token_ptr + pos, (i // K).to(tl.int64), mask=m)
+        base += tl.sum(hit, axis=0)
     if b == 0:
         tl.store(ends_ptr + experts, ends, mask=experts < E)
 
 
-# The counting sort's shape: BLOCK assignments per program; its programs read every block's counts, so it
-# takes up to MAX_BLOCKS blocks and MAX_EXPERTS experts (a longer prefill sorts with torch).
-SORT_BLOCK, MAX_BLOCKS, MAX_EXPERTS = 1024, 256, 256
+# The counting sort's shape: SORT_BLOCK assignments per program, ranked SORT_CHUNK at a time (a [1024, 64]
+# scan asked for 256 KiB of shared memory on the H200); its programs read every block's counts, so it takes
+# up to MAX_BLOCKS blocks and MAX_EXPERTS experts (a longer prefill sorts with torch).
+SORT_BLOCK, SORT_CHUNK, MAX_BLOCKS, MAX_EXPERTS = 1024, 128, 256, 256
 
 
 def _warps(block: int) -> int:
@@ -219,5 +223,5 @@ class TritonKernels:
         ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
         _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=SORT_BLOCK, num_warps=8)
         _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
-                             NBP=triton.next_power_of_2(nb), BLOCK=SORT_BLOCK, num_warps=8)
+                             NBP=triton.next_power_of_2(nb), BLOCK=SORT_BLOCK, CHUNK=SORT_CHUNK, num_warps=8)
         return token_R, inverse_R, ends_E

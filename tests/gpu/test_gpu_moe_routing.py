@@ -1,7 +1,7 @@
 """The CUDA MoE's counting sort (``route_rows``) and its combine with addends, Triton against torch, on a device.
 
 - ``route_rows``: the same three tensors as the torch path (a stable sort) at the released shapes (8194 tokens,
-  top-8 of 64), with an expert left empty, one busy expert, a width that is not a power of two, fewer rows
+  top-8 of 64; and a prefill of 600), with an expert left empty, one busy expert, a width that is not a power of two, fewer rows
   than one block, and beyond the kernel's block limit (where it hands over to the torch sort); replayed from
   a CUDA graph on new ids.
 - ``combine`` with zero, one and two addends: within a bf16 rounding of the torch kernels' fp32 sum, and a
@@ -38,7 +38,7 @@ def routed_ids(T: int, k: int, E: int, how: str, seed: int = 0) -> torch.Tensor:
     raise ValueError(how)
 
 
-CASES = {"released": (8194, 8, 64, "topk"), "busy": (3000, 4, 16, "busy"), "width37": (1500, 6, 37, "topk"),
+CASES = {"released": (8194, 8, 64, "topk"), "prefill-of-two-prompts": (600, 8, 64, "topk"), "busy": (3000, 4, 16, "busy"), "width37": (1500, 6, 37, "topk"),
          "under-a-block": (7, 3, 8, "topk"), "beyond-the-block-limit": (33000, 8, 64, "topk")}
 
 
