@@ -4,7 +4,8 @@ One 1024x1024 CFG step packs T = 8194 tokens (2 rows x (1 + 4096)); hidden
 4096, 32 query / 8 KV heads of 128, shared-expert width 3072, 64 experts top 8.
 For each step of the glue (``omni_glue_impl``) it times, in the same run:
 
-    torch     the reference's ops (the router: the fp32 copy of the rows and an fp32 GEMM) (``omni.reference_glue``: what the model ran before fusion)
+    torch     the reference's ops (the router: the fp32 copy of the rows and an fp32 GEMM) (``omni.reference_glue``: what the model ran before fusion);
+              the MoE's routing and combine: what the cuda MoE ran before (torch's sort; combine, then two adds)
     liger     liger-kernel's Triton kernel for the same step where it has one (rms_norm,
               fused_add_rms_norm, rope, swiglu), plus our quant_rows where the step also quantizes
     ours      ``omni.platforms.cuda.glue.TritonGlue`` (one pass, quantization fused); the router:
@@ -82,6 +83,7 @@ def cases(ours, ref, lig, quant_rows):
             "torch": lambda: ref.route(logits), "ours": lambda: ours.route(logits)}),
         ROUTER: (T * D * 2 + T * E * 4, route_fns),
     }
+    c.update(moe_steps(r, g))
     if lig is not None:
         def lig_rms():
             y = lig["rms"](x, w, 1e-5, 0.0, "llama", None)[0]
@@ -103,6 +105,27 @@ def cases(ours, ref, lig, quant_rows):
         for name, fn in zip(list(c)[:4], (lig_rms, lig_add_rms, lig_rope, lig_swiglu)):
             c[name][1]["liger (+ our quant_rows)" if "fp8" in name else "liger (+ torch qk-norm)"] = fn
     return c, {ROUTER: route_err}
+
+
+def moe_steps(r, g):
+    """The MoE's routing and its combine: before (torch's sort + searchsorted + inverse scatter; the combine,
+    then the shared expert's and the residual's bf16 adds) vs ours (the two-launch counting sort; the combine
+    with both as fp32 addends)."""
+    from omni.platforms.cuda.moe import TorchKernels
+    from omni.platforms.cuda.moe_triton import TritonKernels
+
+    tk, ok = TorchKernels(), TritonKernels()
+    ids = torch.rand(T, E, device="cuda", generator=g).topk(TOPK, dim=-1).indices
+    R = T * TOPK
+    _, inverse, _ = tk.route_rows(ids, E)
+    y, w, h, shared = r(R, D), torch.rand(T, TOPK, device="cuda", generator=g), r(T, D), r(T, D)
+    return {
+        "MoE routing: sort the 65,552 assignments by expert": (R * 8 + 2 * R * 8 + E * 4, {
+            "torch": lambda: tk.route_rows(ids, E), "ours": lambda: ok.route_rows(ids, E)}),
+        "MoE combine + shared expert + residual": (R * D * 2 + 3 * T * D * 2, {
+            "torch": lambda: h + (shared + ok.combine(y, inverse, w, torch.bfloat16)),
+            "ours": lambda: ok.combine(y, inverse, w, torch.bfloat16, (h, shared))}),
+    }
 
 
 def ref_split(qkv):
