@@ -216,9 +216,11 @@ class Serving(_Validated):
     max_image_pixels: int = _opt(4096 * 4096, "largest reference image (editing) in width x height pixels; a larger "
                                               "one is refused from its header, before it is decoded",
                                  rule=_at_least(16 * 16))
-    png_compress_level: int = _opt(4, "zlib level of PNG responses, 0-9: lossless at every level; lower encodes "
-                                      "faster into more bytes (1024x1024 with Pillow: level 1 took 0.5-0.7x the "
-                                      "time of 4 for about 20% more bytes; BENCHMARKS.md)", rule=_between(0, 9))
+    png_compress_level: int = _opt(4, "zlib-style effort of PNG responses, 0-9: lossless at every level; lower "
+                                      "encodes faster into more bytes (0 stores; 1-3 one fast ISA-L pass; 4-6 also "
+                                      "try ISA-L's thorough level and zlib's run-length mode per row chunk, keeping "
+                                      "the shortest; 7-9 also zlib at the level: omni/serving/png.py, "
+                                      "BENCHMARKS.md)", rule=_between(0, 9))
     fetch_remote_images: bool = _opt(False, "let chat image_url parts name http(s) URLs the server fetches (timeout, "
                                             "byte limit); false = data: URIs only. True lets clients make the server "
                                             "request any URL it can reach")
