@@ -120,7 +120,7 @@ def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K
         i = b * BLOCK + start + lanes
         m = i < R
         e = tl.load(ids_ptr + i, mask=m, other=EB)
-        e_row = tl.load(ids_ptr + b * BLOCK + start + lanes, mask=m, other=EB)  # the same ids, along the other axis
+        e_row = tl.load(ids_ptr + i, mask=m, other=EB)  # the same ids again, to lie along the other axis
         rank = tl.sum(((e[:, None] == e_row[None, :]) & earlier).to(tl.int32), axis=1)
         hit = (e[:, None] == experts[None, :]).to(tl.int32)
         pos = (tl.sum(hit * base[None, :], axis=1) + rank).to(tl.int64)
