@@ -209,7 +209,7 @@ def cmd_edit(args) -> int:
 def cmd_chat(args) -> int:
     """Text answers: the flags checked, the images decoded (the server's rules), then omni.chat."""
     from .chat import ChatJob, chat_main
-    from .serving.schemas import MAX_TEMPERATURE, MAX_TEXT_TOKENS, MIN_TEMPERATURE, MIN_TOP_P
+    from .serving.limits import MAX_TEMPERATURE, MAX_TEXT_TOKENS, MIN_TEMPERATURE, MIN_TOP_P
 
     check_range(args.max_tokens, "--max-tokens", 1 <= args.max_tokens <= MAX_TEXT_TOKENS, f"1..{MAX_TEXT_TOKENS}")
     t = args.temperature or 0

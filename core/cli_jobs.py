@@ -31,7 +31,7 @@ def serving_helpers(deployment, writes_text: bool, what: str):
 
 def check_generation_flags(args) -> None:
     """The API's bounds (omni.serving.schemas / validation), each refusal naming its flag."""
-    from .serving.schemas import MAX_TEXT_TOKENS
+    from .serving.limits import MAX_TEXT_TOKENS
 
     _check_size_flag(args.size)
     _check_number_flags(args)
@@ -45,7 +45,7 @@ def check_generation_flags(args) -> None:
 
 
 def _check_size_flag(size: str | None) -> None:
-    from .serving.validation import NATIVE_SIZES, size_problem
+    from .serving.limits import NATIVE_SIZES, size_problem
 
     if size is not None and size not in NATIVE_SIZES:
         width, height = _parse_size_arg(size)
@@ -56,7 +56,7 @@ def _check_size_flag(size: str | None) -> None:
 
 def _check_number_flags(args) -> None:
     """--steps, --guidance (finite: inf drew an all-black image) and --seed within the API's ranges."""
-    from .serving.schemas import MAX_GUIDANCE, MAX_SEED, MAX_STEPS
+    from .serving.limits import MAX_GUIDANCE, MAX_SEED, MAX_STEPS
 
     steps, g, seed = args.steps, args.guidance, args.seed
     check_range(steps, "--steps", steps is not None and 1 <= steps <= MAX_STEPS, f"1..{MAX_STEPS}")
@@ -68,7 +68,7 @@ def _check_number_flags(args) -> None:
 def _check_text_flags(args) -> None:
     """Valid Unicode (a command line decoded with surrogateescape can hold lone surrogates)."""
     from .serving.errors import APIError
-    from .serving.json_body import check_unicode
+    from .serving.limits import check_unicode
 
     for flag, text in (("--prompt", args.prompt), ("--negative-prompt", args.negative_prompt)):
         try:
@@ -85,7 +85,7 @@ def generate_job(args, request: ImageRequest, default: str, images: tuple = ()) 
 def _output_size(args, default: str, images: tuple) -> tuple[int, int] | None:
     """(h, w) the written image has: --size exactly, else an edit's first image, else defaults.size;
     --size auto / native: the model's own size, untouched."""
-    from .serving.validation import NATIVE_SIZES
+    from .serving.limits import NATIVE_SIZES
 
     if args.size in NATIVE_SIZES:
         return None

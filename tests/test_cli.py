@@ -368,3 +368,18 @@ def test_output_piped_into_a_reader_that_leaves_early_is_not_an_error():
     proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=60)
     assert "BrokenPipe" not in proc.stderr and "error" not in proc.stderr, proc.stderr
     assert proc.returncode == 0
+
+
+def test_generate_runs_without_the_web_stack(tmp_path):
+    """``omni-run generate`` checks its flags by the API's rules (omni.serving.limits) without importing
+    FastAPI, Starlette, uvicorn or pydantic: they are the server's, and cost the CLI a part of its start."""
+    out = tmp_path / "fox.png"
+    code = ("import sys\nfrom omni.cli import main\n"
+            f"rc = main(['generate', '--recipe', 'cpu_tiny', '--prompt', 'a red fox', '--steps', '1', "
+            f"'--size', '64x64', '-o', {str(out)!r}])\n"
+            "print('WEB', sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'pydantic') if m in sys.modules))\n"
+            "sys.exit(rc or 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "WEB []" in done.stdout, done.stdout[-500:]
+    assert out.stat().st_size > 0

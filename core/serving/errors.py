@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import re
 
-from fastapi.responses import JSONResponse
-
 from omni.scheduler import EngineUnavailable, QueueFull, RequestInvalid, RequestTooLarge
 
 
@@ -28,6 +26,8 @@ class ClientGone(Exception):
 
 
 def error_response(e: APIError, rid: str) -> JSONResponse:
+    from fastapi.responses import JSONResponse  # here: the CLI checks its flags with APIError, without FastAPI
+
     body = {"message": e.message, "type": e.type, "param": e.param, "code": e.code, "request_id": rid}
     return JSONResponse({"error": body}, status_code=e.status, headers=e.headers)
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from .errors import APIError, ClientGone
+from .limits import check_unicode
 
 MAX_BODY_BYTES = 1 << 20
 MAX_JSON_DEPTH = 32  # the deepest real body (chat content parts) is 5
@@ -104,30 +105,6 @@ def json_depth(raw: bytes) -> int:
     brackets = np.frombuffer(_STRING.sub(b'""', raw), np.uint8)
     steps = np.isin(brackets, _OPEN).astype(np.int32) - np.isin(brackets, _CLOSE).astype(np.int32)
     return int(np.cumsum(steps).max(initial=0))
-
-
-def check_unicode(value, path: str = "") -> None:
-    """400 naming the first string (key or value) that is not valid Unicode, e.g. a lone surrogate."""
-    if isinstance(value, str):
-        if not _encodable(value):
-            field = path or "body"
-            raise APIError(400, f"{field}: the text is not valid Unicode (a lone surrogate such as \\ud800?)",
-                           param=field, code="invalid_unicode")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_unicode(key, path)
-            check_unicode(item, f"{path}.{key}" if path else key)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            check_unicode(item, f"{path}[{i}]")
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def validated(model: type[BaseModel], data: dict, strict: bool = False):

@@ -10,17 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-MAX_N = 10  # OpenAI's limit for n
-MAX_STEPS = 200
-MAX_GUIDANCE = 30.0
-MAX_SEED = 2**63 - MAX_N  # image i of n draws with seed + i, which must still fit a signed 64-bit int
-OUTPUT_FORMATS = ("png", "jpeg", "webp")
-BOT_TASKS = ("image", "recaption", "think", "think_recaption")  # all but "image" write a CoT first (Instruct)
-COT_TASKS = BOT_TASKS[1:]
-MAX_TEXT_TOKENS = 4096  # max_tokens of a text answer, cot_max_tokens of a CoT
-MAX_TEMPERATURE = 2.0  # OpenAI's range for temperature
-MIN_TEMPERATURE = 1e-4  # above 0: smaller ones overflow the float32 logits they divide (0 is greedy)
-MIN_TOP_P = 1e-6  # smaller ones round to 0 in float32 and keep no token at all
+from .limits import (BOT_TASKS, COT_TASKS, MAX_GUIDANCE, MAX_N, MAX_SEED, MAX_STEPS,  # noqa: F401 (re-exported)
+                     MAX_TEMPERATURE, MAX_TEXT_TOKENS, MIN_TEMPERATURE, MIN_TOP_P, OUTPUT_FORMATS)
 
 
 class GenerationParams(BaseModel):

@@ -28,9 +28,8 @@ from .options import ModelHelpers, ServingOptions
 from .schemas import BOT_TASKS, COT_TASKS, GenerationParams
 
 from .json_body import MAX_BODY_BYTES, parse_body, read_body, validated  # noqa: F401 (re-exported)
+from .limits import MAX_ASPECT, MAX_SIDE, MIN_SIDE, NATIVE_SIZES, size_problem  # noqa: F401 (re-exported)
 
-MIN_SIDE, MAX_SIDE, MAX_ASPECT = 64, 4096, 4.0  # of the image returned (the model generates at its own sizes)
-NATIVE_SIZES = ("auto", "native")  # the model's own size, untouched
 SIZE_TEXT = re.compile(r"[1-9][0-9]*[xX][1-9][0-9]*")  # what the OpenAPI size pattern allows (then the range)
 
 
@@ -228,13 +227,3 @@ class RequestBuilder:
         if len(text) > self.opt.max_prompt_chars:
             raise APIError(400, f"{field} is {len(text)} characters; the limit is {self.opt.max_prompt_chars}",
                            param=field)
-
-
-def size_problem(h: int, w: int, max_side: int = MAX_SIDE) -> str | None:
-    """Why a requested (h, w) is refused (the API's and the CLI's rule), or None."""
-    if not (MIN_SIDE <= h <= max_side and MIN_SIDE <= w <= max_side):
-        return f"{w}x{h} (WxH) is out of range: each side must be between {MIN_SIDE} and {max_side} pixels"
-    if max(h / w, w / h) > MAX_ASPECT:
-        return (f"{w}x{h} (WxH) has aspect ratio beyond {MAX_ASPECT:g}:1; the model generates between "
-                f"1:{MAX_ASPECT:g} and {MAX_ASPECT:g}:1")
-    return None
