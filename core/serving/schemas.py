@@ -1,8 +1,9 @@
 """Request and response bodies of the HTTP API (OpenAI Images and vLLM-Omni chat shapes).
 
-Static limits live in the field declarations (a violation is a 400 naming the
-field); limits that depend on the deployment (n against the queue, prompt
-length) are checked in validation.py with the same error shape.
+Static limits (values in limits.py, which the CLI shares without pydantic)
+live in the field declarations (a violation is a 400 naming the field);
+limits that depend on the deployment (n against the queue, prompt length)
+are checked in validation.py with the same error shape.
 """
 from __future__ import annotations
 

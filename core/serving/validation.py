@@ -1,7 +1,7 @@
 """From a parsed body to checked ``ImageRequest``s: body limits, deployment limits, sizes, chat prompts.
 
 Reading and parsing a body (bytes, content type, depth, Unicode, strict
-types) is json_body.py. Static limits live in schemas.py; the limits here
+types) is json_body.py. Static limits live in limits.py (schemas.py declares them on the fields); the limits here
 depend on the deployment (the model, its sizes, the queue, prompt length, how
 many reference images it takes). Every violation is an ``APIError`` 400 (404
 for an unknown model, 413 for a body past its limit) naming the field.
