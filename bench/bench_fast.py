@@ -152,6 +152,11 @@ class Setup:
     def ctx(self):
         return PoolContext(self.pool, self.runs, "none", False, self.device)
 
+    @property
+    def graph_key(self) -> tuple:
+        """``StepGraphs`` key of the step: (signature of both rows, their KV pages)."""
+        return ((self.P, self.th, self.tw),) * self.rows, tuple(self.pages)
+
     @torch.inference_mode()
     def prefill(self):
         P, m = self.P, self.model
@@ -171,8 +176,7 @@ class Setup:
         m, t = self.model, torch.full((1,), 900.0, device=self.device)
         x = self.block_input(t)
         if graph:
-            key = ((self.P, self.th, self.tw),) * self.rows, tuple(self.pages)
-            h = self.graphs.run(key, x, m.backbone, lambda: (self.blk_cos, self.blk_sin, self.ctx()))
+            h = self.graphs.run(self.graph_key, x, m.backbone, lambda: (self.blk_cos, self.blk_sin, self.ctx()))
         else:
             h = m.backbone(x, self.blk_cos, self.blk_sin, self.ctx())
         v = m.velocity(h.view(self.rows, self.n_block, -1)[:, 1:], t.repeat(self.rows), self.th, self.tw)
@@ -213,11 +217,9 @@ def engine(a, platform, quant, device, out, label):
         s.graphs = StepGraphs(platform, platform.info.device_type)
         s.step(True)
         t_step_graph = timed(lambda: s.step(True), a.timed)
-        key = ((s.P, s.th, s.tw),) * s.rows, tuple(s.pages)
-
         @torch.inference_mode()
         def replay_backbone():
-            return s.graphs.run(key, x, s.model.backbone, None)
+            return s.graphs.run(s.graph_key, x, s.model.backbone, None)
 
         t_bb_graph = timed(replay_backbone, a.timed)
         io = t_step_graph - t_bb_graph
@@ -424,12 +426,11 @@ def profile(s: Setup, out, label, graph: bool = False):
     from torch.profiler import ProfilerActivity, profile as prof
 
     x = s.block_input(torch.full((1,), 900.0, device=s.device))
-    key = ((s.P, s.th, s.tw),) * s.rows, tuple(s.pages)
     passes = 2 if graph else 1
 
     @torch.inference_mode()
     def run():
-        return s.graphs.run(key, x, s.model.backbone, None) if graph else s.backbone(x)
+        return s.graphs.run(s.graph_key, x, s.model.backbone, None) if graph else s.backbone(x)
 
     run()
     sync()

@@ -344,10 +344,11 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     also takes ``addends=(a_TD, ...)`` (at most two ``[T, D]`` tensors) and
     returns ``sum(addends) + y`` computed in fp32, the addends first and in
     order, rounded once (``omni.moe.add_terms``), so the model's residual and
-    shared-expert adds cost no pass of their own. The model passes addends
-    only where no parallel-plan hook sits on the experts or the MLP (an
-    all-reduce or an expert dispatch must see the MoE's own output); without
-    the attribute it adds them itself in the official bf16 order.
+    shared-expert adds cost no pass of their own. The model passes none where
+    a parallel-plan hook sits on the experts (an expert dispatch must see the
+    routed rows' own output), and the residual only where none sits on the
+    MLP (its all-reduce must see the MLP's own output); without the attribute
+    it adds them itself in the official bf16 order.
 
     Capture safety: ``__call__`` must not read routing on the host (no
     ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends

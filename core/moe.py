@@ -53,9 +53,14 @@ def sort_by_expert(topk_ids_Tk: torch.Tensor, num_experts: int) -> Routing:
 
 def combine(y_RD: torch.Tensor, routing: Routing, topk_weights_Tk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``out[t] = sum_j w[t, j] * y[row of (t, j)]`` in fp32, as ``dtype``."""
+    return weighted_sum(y_RD, routing.inverse(), topk_weights_Tk).to(dtype)
+
+
+def weighted_sum(y_RD: torch.Tensor, inverse_R: torch.Tensor, topk_weights_Tk: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, D]``: ``sum_j w[t, j] * y[inverse[t*k + j]]`` (``inverse``: ``Routing.inverse()``)."""
     T, k = topk_weights_Tk.shape
-    y_TkD = y_RD[routing.inverse()].view(T, k, y_RD.shape[-1]).float()  # explicit: T may be 0 (an idle sp rank)
-    return torch.einsum("tkd,tk->td", y_TkD, topk_weights_Tk.float()).to(dtype)
+    y_TkD = y_RD[inverse_R].view(T, k, y_RD.shape[-1]).float()  # explicit: T may be 0 (an idle sp rank)
+    return torch.einsum("tkd,tk->td", y_TkD, topk_weights_Tk.float())
 
 
 def add_terms(acc_TD: torch.Tensor, addends: tuple) -> torch.Tensor:

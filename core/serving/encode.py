@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import io
 
-from .png import encode_png
-
-
-PNG_LEVEL = 4  # zlib level of PNG responses unless the recipe's serving.png_compress_level says otherwise
+from .png import PNG_LEVEL, encode_png
 
 
 def encode_image(image_HW3, fmt: str = "png", quality: int | None = None, png_level: int = PNG_LEVEL) -> bytes:

@@ -24,6 +24,7 @@ except ImportError:  # the stdlib zlib does everything, only slower
     isal_zlib = None
 
 SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_LEVEL = 4  # zlib level of PNG responses unless the recipe's serving.png_compress_level says otherwise
 COLOUR_TYPE_BY_CHANNELS = {1: 0, 3: 2, 4: 6}  # 8-bit grey, RGB, RGBA
 MAX_IDAT_BYTES = 2**31 - 1  # the PNG limit on one chunk's length
 ONE_CHUNK_BELOW_BYTES = 256 << 10  # measured: about where a second chunk starts paying for the hand-off
@@ -59,7 +60,7 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def encode_png(image_HWC, level: int = 4, *, chunks: int | None = None, backend: str | None = None) -> bytes:
+def encode_png(image_HWC, level: int = PNG_LEVEL, *, chunks: int | None = None, backend: str | None = None) -> bytes:
     """PNG bytes of ``image_HWC`` (uint8, ``[H, W]`` or ``[H, W, C]`` with C in 1, 3, 4), lossless at every
     zlib ``level`` 0-9: a higher level spends more time for fewer bytes; 0 stores the rows uncompressed.
     ``chunks``: how many row ranges are deflated in parallel (default: by size and cores);

@@ -33,7 +33,7 @@ import importlib.util
 import torch
 
 from omni import quant
-from omni.moe import add_terms, sort_by_expert, swiglu as torch_swiglu
+from omni.moe import add_terms, sort_by_expert, swiglu as torch_swiglu, weighted_sum
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
@@ -70,9 +70,7 @@ class TorchKernels:
         return quant.quantize_fp8(a, per_row=True) if quantize else (a, None)
 
     def combine(self, y_RD, inverse_R, w_Tk, dtype, addends: tuple = ()):
-        T, k = w_Tk.shape
-        y_TkD = y_RD[inverse_R].view(T, k, -1).float()
-        return add_terms(torch.einsum("tkd,tk->td", y_TkD, w_Tk.float()), addends).to(dtype)
+        return add_terms(weighted_sum(y_RD, inverse_R, w_Tk), addends).to(dtype)
 
 
 def triton_found() -> bool:

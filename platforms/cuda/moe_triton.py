@@ -200,11 +200,11 @@ class TritonKernels:
     def combine(self, y_RD: torch.Tensor, inverse_R: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype,
                 addends: tuple = ()):
         """``sum(addends) + sum_j w[t, j] * y[inverse[t*k + j]]`` in fp32, rounded once; at most two addends."""
+        if len(addends) > 2:
+            raise ValueError(f"cuda-moe combine: at most two addends, got {len(addends)}")
         T, k = w_Tk.shape
         D = y_RD.shape[1]
         out = torch.empty(T, D, dtype=dtype, device=y_RD.device)
-        if len(addends) > 2:
-            raise ValueError(f"cuda-moe combine: at most two addends, got {len(addends)}")
         a = [t.reshape(T, D).contiguous() for t in addends] + [out] * (2 - len(addends))  # unread placeholders
         if T:
             block = 1024
