@@ -29,6 +29,7 @@ object, keyed by device model and driver, so the child runs once per machine.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import importlib.util
 import logging
@@ -51,22 +52,31 @@ ARCH = "sm_90a"  # wgmma and TMA: the kernel is Hopper-only
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One instantiation of the kernel: tile (M, N, K), cluster (M, N), schedule and accumulation."""
+    """One instantiation of the kernel: tile (M, N, K), cluster (M, N), schedule, accumulation and epilogue.
+
+    ``swiglu``: the epilogue computes ``x1 * silu(x2)`` of each adjacent column pair and writes it as bf16, so
+    the output has half the columns (the weight's rows must come in (x1, x2) pairs; ``csrc/grouped_fp8.cu``).
+    """
 
     tile: tuple[int, int, int]
     cluster: tuple[int, int]
     pingpong: bool
     fast_accum: bool
+    swiglu: bool = False
 
     @property
     def name(self) -> str:
         m, n, _ = self.tile
         sched = "pong" if self.pingpong else "coop"
-        return f"{sched}_{m}x{n}_c{self.cluster[0]}x{self.cluster[1]}_{'fast' if self.fast_accum else 'exact'}"
+        epi = SWIGLU_SUFFIX if self.swiglu else ""
+        return f"{sched}_{m}x{n}_c{self.cluster[0]}x{self.cluster[1]}_{'fast' if self.fast_accum else 'exact'}{epi}"
 
     def export_line(self) -> str:
-        args = (*self.tile, *self.cluster, str(self.pingpong).lower(), str(self.fast_accum).lower())
+        args = (*self.tile, *self.cluster, str(self.pingpong).lower(), str(self.fast_accum).lower(), int(self.swiglu))
         return f"OMNI_GG_EXPORT({self.name}, {', '.join(map(str, args))})"
+
+
+SWIGLU_SUFFIX = "_swiglu"
 
 
 # The configurations chosen by bench/bench_cutlass_grouped.py on the H200 (routed split, same run):
@@ -74,6 +84,8 @@ class TileConfig:
 #   exact: cooperative 128x128, cluster 1x2  918 / 876 TFLOP/s (torch 866 / 833)
 CONFIGS = {True: TileConfig((128, 128, 128), (1, 2), pingpong=True, fast_accum=True),
            False: TileConfig((128, 128, 128), (1, 2), pingpong=False, fast_accum=False)}
+# The MoE's first GEMM with the SwiGLU epilogue: the same tiles (BENCHMARKS.md, "Ninth session").
+SWIGLU_CONFIGS = {fast: dataclasses.replace(cfg, swiglu=True) for fast, cfg in CONFIGS.items()}
 
 
 def find_nvcc() -> str | None:
@@ -153,12 +165,15 @@ def _compile(cfg: TileConfig, nvcc: str, include: str, out: Path) -> None:
 class CutlassGroupedFp8:
     """``D[R, N] = (A[R, K] @ B[e]^T) * sa[r] * sb[e, n]`` per expert group, bf16 out (see the module docstring).
 
-    ``config`` names one configuration the shared object ``library`` exports (``TileConfig.name``).
+    ``config`` names one configuration the shared object ``library`` exports (``TileConfig.name``). A
+    configuration with the SwiGLU epilogue (its name ends in ``_swiglu``; ``swiglu`` is then true) returns
+    ``x1 * silu(x2)`` of each adjacent column pair of D instead: bf16 ``[R, N / 2]``.
     """
 
     def __init__(self, library: Path, config: str):
         lib = ctypes.CDLL(str(library))
         self.config, self.name = config, f"cutlass-grouped-fp8[{config}]"
+        self.swiglu = config.endswith(SWIGLU_SUFFIX)
         self._run = getattr(lib, f"omni_gg_{config}_run")
         self._run.restype = ctypes.c_int
         self._run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
@@ -169,14 +184,15 @@ class CutlassGroupedFp8:
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, raster: int = 0,
                  swizzle: int = 1) -> torch.Tensor:
-        """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ ``[E, N]``) -> bf16 ``[R, N]``.
+        """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ ``[E, N]``) -> bf16 ``[R, N]``
+        (``[R, N / 2]`` with the SwiGLU epilogue).
 
         ``raster`` (0 along M, 1 along N) and ``swizzle`` (1-8) order the tiles; the defaults, CUTLASS's own for
         groups, measured fastest (bench/bench_cutlass_grouped.py --sched). ``out``: written in place when given.
         """
         E, N, K = wq_ENK.shape
         if out is None:
-            out = torch.empty(xq_RK.shape[0], N, dtype=torch.bfloat16, device=xq_RK.device)
+            out = torch.empty(xq_RK.shape[0], N // 2 if self.swiglu else N, dtype=torch.bfloat16, device=xq_RK.device)
         if out.numel() == 0:
             return out
         sms = self._sm_count(xq_RK.device)
@@ -203,10 +219,11 @@ def exported_configs(library: Path) -> list[str]:
     return sorted({m.decode() for m in re.findall(rb"omni_gg_(\w+?)_run\x00", library.read_bytes())})
 
 
-def load(fast_accum: bool, nvcc: str, include: str, tester=None) -> CutlassGroupedFp8:
-    """The kernel for ``fast_accum``, built (or found in the cache), self-tested on this device model in a child
-    process (once per machine; ``tester`` replaces the child, for tests) and loaded; raises with the reason."""
-    cfg = CONFIGS[fast_accum]
+def load(fast_accum: bool, nvcc: str, include: str, tester=None, swiglu: bool = False) -> CutlassGroupedFp8:
+    """The kernel for ``fast_accum`` (with the SwiGLU epilogue when ``swiglu``), built (or found in the cache),
+    self-tested on this device model in a child process (once per machine; ``tester`` replaces the child, for
+    tests) and loaded; raises with the reason."""
+    cfg = (SWIGLU_CONFIGS if swiglu else CONFIGS)[fast_accum]
     library = build(cfg, nvcc, include)
     device = torch.cuda.current_device()
     passed = library.with_name(f"{library.stem}.ok-{device_tag(device)}")
@@ -240,6 +257,12 @@ def test_in_child(library: Path, config: str, device: int, timeout_s: float = 30
         raise RuntimeError(f"the self-test of {config} failed in a child process (exit {done.returncode}):\n{tail}")
 
 
+def swiglu_pairs(p_RN: torch.Tensor) -> torch.Tensor:
+    """What the SwiGLU epilogue computes from the fp32 product: ``x1 * silu(x2)`` of each column pair (2j, 2j+1)."""
+    x1, x2 = p_RN[:, 0::2], p_RN[:, 1::2]
+    return x1 * torch.nn.functional.silu(x2)
+
+
 def self_test(kernel: CutlassGroupedFp8) -> None:
     """Two small groups on the current device against the fp32 product: an object that cannot run here (another
     driver, another chip) fails at build time, where ``auto`` can still fall back, not in the first request."""
@@ -250,6 +273,7 @@ def self_test(kernel: CutlassGroupedFp8) -> None:
     offs = torch.tensor([48, 80], dtype=torch.int32, device=dev)
     y = kernel(x, torch.ones(80, device=dev), w, torch.ones(2, 128, device=dev), offs).float()
     ref = torch.cat([x[:48].float() @ w[0].float().T, x[48:].float() @ w[1].float().T])
+    ref = swiglu_pairs(ref) if kernel.swiglu else ref
     err = ((y - ref).norm() / ref.norm()).item()  # .item() waits for the kernel: a launch fault surfaces here
     if not err < 1e-2:
         raise RuntimeError(f"{kernel.name}: self-test against the fp32 product failed (relative error {err:.3g})")

@@ -246,12 +246,14 @@ class ScaledGroupedMM:
             return self.scaled(*quant.quantize_fp8(x, per_row=True), w, offs)
         return self.group_quantized(x, w, offs)
 
-    def scaled(self, xq_RI, xs_R1, w: PreparedWeight, offs_E) -> torch.Tensor:
-        """e4m3 rows with their ``[R, 1]`` scales times the prepared experts, bf16 ``[R, O]``."""
+    def scaled(self, xq_RI, xs_R1, w: PreparedWeight, offs_E, kernel=None) -> torch.Tensor:
+        """e4m3 rows with their ``[R, 1]`` scales times the prepared experts, bf16 ``[R, O]``; ``kernel``: another
+        build of ours with the same operands (the MoE's SwiGLU epilogue, which returns ``[R, O / 2]``)."""
         e, o = w.data.shape[:2]
-        if self.kernel is not None:
-            return self.kernel(xq_RI.contiguous(), xs_R1.reshape(-1).float().contiguous(), w.data,
-                               w.scale.view(e, o), offs_E.to(torch.int32).contiguous())
+        kernel = kernel or self.kernel
+        if kernel is not None:
+            return kernel(xq_RI.contiguous(), xs_R1.reshape(-1).float().contiguous(), w.data,
+                          w.scale.view(e, o), offs_E.to(torch.int32).contiguous())
         return torch._scaled_grouped_mm(xq_RI, w.data.transpose(-2, -1), xs_R1.reshape(-1), w.scale.view(e, o),
                                         offs=offs_E, out_dtype=torch.bfloat16, use_fast_accum=self.spec.fast_accum)
 
@@ -322,13 +324,23 @@ def grouped_fp8_kernel(spec, caps: Caps):
     return reason
 
 
+def grouped_swiglu_kernel(spec, caps: Caps):
+    """Our CUTLASS grouped kernel with the SwiGLU epilogue for the MoE ``spec`` (``fp8_row`` on our kernel), or
+    None: a build that fails costs only the fusion (logged once), the MoE then runs its separate SwiGLU pass."""
+    kernel = _load_cutlass(spec.fast_accum, caps.nvcc, caps.cutlass_include, True)
+    if isinstance(kernel, str):
+        _log_once(f"cuda-moe: the SwiGLU epilogue is off, the MoE runs a separate SwiGLU pass: {kernel}")
+        return None
+    return kernel
+
+
 @functools.lru_cache(maxsize=None)
-def _load_cutlass(fast_accum: bool, nvcc: str, include: str):
+def _load_cutlass(fast_accum: bool, nvcc: str, include: str, swiglu: bool = False):
     """One build and one ctypes load per process and configuration; a failure is kept as its reason (no retry)."""
     from .cutlass_grouped import load
 
     try:
-        return load(fast_accum, nvcc, include)
+        return load(fast_accum, nvcc, include, swiglu=swiglu)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
         return f"building or loading it failed: {type(err).__name__}: {err}"
 

@@ -10,7 +10,9 @@ the host, so the whole layer is capturable.
                 rows a glue kernel quantized already (``RowQuantized``), a gather of the e4m3 rows and scales
     GEMM 1      torch._grouped_mm / our CUTLASS grouped fp8 kernel (kernels.grouped_fp8) or
                 torch._scaled_grouped_mm over the expert groups -> h [R, 2I] bf16
-    SwiGLU      x1 * silu(x2) (SiLU on the SECOND half), fused with the per-row e4m3 quantization (Triton)
+    SwiGLU      x1 * silu(x2) (SiLU on the SECOND half), fused with the per-row e4m3 quantization (Triton);
+                on our CUTLASS kernel (fp8_row) GEMM 1's epilogue computes it instead (a [R, I] bf16,
+                half of h) and a quantization pass follows
     GEMM 2      as GEMM 1 -> y [R, D] bf16
     combine     out[t] = sum(addends)[t] + sum_j w[t, j] * y[row of (t, j)], fp32 accumulate, one pass (Triton);
                 the model passes the shared expert's output and the residual as addends (``accepts_addends``)
@@ -25,6 +27,15 @@ checkpoint's prepared experts are the same either way.
 ``fp8_tensor`` (one activation scale per expert group) quantizes after the
 gather with the group scales of ``gemm.group_tensor_scales``; ``fp8_row`` is
 the fast path.
+
+The SwiGLU epilogue (``paired``, our CUTLASS build with ``swiglu``) needs
+each output pair (x1_j, x2_j) in adjacent columns, so with it this MoE keeps
+the prepared ``w13`` (data ``[E, 2I, D]`` and scales ``[E, 2I, 1]``) with its
+rows in pairs: row 2j is the first half's row j, row 2j + 1 the second
+half's (``pair_rows``). That is this kernel's documented layout
+(``PreparedWeight``); only this MoE reads it. Its roundings differ from the
+separate pass: x1 and x2 stay fp32 (no bf16 ``h``) and the product is
+rounded to bf16 before the e4m3 quantization (docs/quality.md).
 """
 from __future__ import annotations
 
@@ -37,7 +48,7 @@ from omni.moe import add_terms, sort_by_expert, swiglu as torch_swiglu, weighted
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
-from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8_grouped_choice
+from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8_grouped_choice, grouped_swiglu_kernel
 
 FP8 = ("fp8_row", "fp8_tensor")
 
@@ -89,11 +100,19 @@ def memory_kernels(choice: str, reject):
     return TritonKernels()
 
 
-class CudaMoE:
-    """Routed experts over ``torch._grouped_mm`` or the fp8 grouped kernel ``resolve_moe`` chose (module docstring)."""
+def pair_rows(w: PreparedWeight) -> PreparedWeight:
+    """``[E, 2I, ...]`` rows in halves -> in (first half's j, second half's j) pairs, scales alike."""
+    half = w.data.shape[1] // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1).to(w.data.device)
+    return PreparedWeight(w.data.index_select(1, order), w.scale.index_select(1, order.to(w.scale.device)))
 
-    def __init__(self, spec: MoESpec, kernels, grouped_kernel=None):
-        self.spec, self.kernels = spec, kernels
+
+class CudaMoE:
+    """Routed experts over ``torch._grouped_mm`` or the fp8 grouped kernel ``resolve_moe`` chose (module docstring);
+    ``paired``: our CUTLASS build with the SwiGLU epilogue (``fp8_row`` only), which pairs ``w13``'s rows."""
+
+    def __init__(self, spec: MoESpec, kernels, grouped_kernel=None, paired=None):
+        self.spec, self.kernels, self.paired = spec, kernels, paired
         self.accepts_row_quantized = spec.quant == "fp8_row"  # rows the glue quantized: gathered, not requantized
         self.accepts_addends = True  # the combine kernel adds the shared expert and the residual (no extra pass)
         kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant, fast_accum=spec.fast_accum,
@@ -106,14 +125,18 @@ class CudaMoE:
             self.gemm13, self.gemm2 = GroupedMM(g13), GroupedMM(g2)
         fast = fast_accum_tag(spec) if spec.quant in FP8 else ""
         impl = f",{grouped_kernel.config}" if grouped_kernel is not None else ""
-        self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}{fast}{impl}]"
+        epi = ",swiglu-epilogue" if paired is not None else ""
+        self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}{fast}{impl}{epi}]"
 
     def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
-        return PreparedMoE(self.gemm13.prepare_weight(w13_EOI), self.gemm2.prepare_weight(w2_EOI))
+        return self._layout(self.gemm13.prepare_weight(w13_EOI), self.gemm2.prepare_weight(w2_EOI))
 
     def prepare_quantized_weights(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
         """Pre-quantized e4m3 experts (reference scale layouts) -> this kernel's row-scale layout."""
-        return PreparedMoE(ScaledGroupedMM.prepare_quantized(w13), ScaledGroupedMM.prepare_quantized(w2))
+        return self._layout(ScaledGroupedMM.prepare_quantized(w13), ScaledGroupedMM.prepare_quantized(w2))
+
+    def _layout(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
+        return PreparedMoE(pair_rows(w13) if self.paired is not None else w13, w2)
 
     def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE, addends: tuple = ()) -> torch.Tensor:
         """``x_TD``: rows, or (``fp8_row``) their ``RowQuantized`` form, whose e4m3 rows are gathered as they are;
@@ -125,8 +148,10 @@ class CudaMoE:
         if self.spec.quant == "fp8_row":
             xq, xs = (self.kernels.gather_rows(rows.q_TI, rows.scale_T1, token_R) if rows is not None
                       else self.kernels.quant_gather(x, token_R))
-            h = self.gemm13.scaled(xq, xs, prepared.w13, offs)
-            aq, as_ = self.kernels.swiglu(h, quantize=True)
+            if self.paired is not None:  # SwiGLU in GEMM 1's epilogue (paired rows), then the quantization
+                aq, as_ = self.kernels.quant_rows(self.gemm13.scaled(xq, xs, prepared.w13, offs, kernel=self.paired))
+            else:
+                aq, as_ = self.kernels.swiglu(self.gemm13.scaled(xq, xs, prepared.w13, offs), quantize=True)
             y = self.gemm2.scaled(aq, as_, prepared.w2, offs)
         elif self.spec.quant == "fp8_tensor":
             h = self.gemm13.group_quantized(x[token_R], prepared.w13, offs)
@@ -157,4 +182,7 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
         if spec.hidden % 8 or spec.inner % 8:
             return reject(f"cuda-moe: torch._grouped_mm needs 16-byte aligned rows, got {spec.hidden}/{spec.inner}")
     kernels = memory_kernels(spec.memory_bound, reject)
-    return None if kernels is None else CudaMoE(spec, kernels, grouped_kernel)
+    if kernels is None:
+        return None
+    paired = grouped_swiglu_kernel(spec, caps) if grouped_kernel is not None and spec.quant == "fp8_row" else None
+    return CudaMoE(spec, kernels, grouped_kernel, paired)

@@ -32,11 +32,12 @@ MOE = MoESpec(num_experts=4, topk=2, hidden=64, inner=32, dtype=torch.bfloat16, 
 
 
 class Fp32GroupedDouble:
-    """Stands in for the loaded kernel: records each call and computes its documented product in fp32."""
+    """Stands in for the loaded kernel: records each call and computes its documented product in fp32 (with the
+    SwiGLU epilogue: ``x1 * silu(x2)`` of each column pair of it, ``cg.swiglu_pairs``)."""
 
-    def __init__(self, fast_accum: bool):
-        self.config, self.calls = cg.CONFIGS[fast_accum].name, []
-        self.name = f"double[{self.config}]"
+    def __init__(self, fast_accum: bool, swiglu: bool = False):
+        self.config, self.calls = (cg.SWIGLU_CONFIGS if swiglu else cg.CONFIGS)[fast_accum].name, []
+        self.name, self.swiglu = f"double[{self.config}]", swiglu
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E):
         self.calls.append(dict(x=(xq_RK.dtype, tuple(xq_RK.shape), xq_RK.is_contiguous()), xs=tuple(xs_R.shape),
@@ -46,17 +47,17 @@ class Fp32GroupedDouble:
             a = xq_RK[start:end].float() * xs_R[start:end, None]
             out[start:end] = a @ (wq_ENK[e].float() * ws_EN[e][:, None]).T
             start = end
-        return out.bfloat16()
+        return (cg.swiglu_pairs(out) if self.swiglu else out).bfloat16()
 
 
 @pytest.fixture
 def loaded(monkeypatch):
-    """The build-and-load step answered by a double (what gemm resolves with), keyed by fast_accum."""
-    doubles: dict[bool, Fp32GroupedDouble] = {}
+    """The build-and-load step answered by a double (what gemm resolves with), keyed by (fast_accum, swiglu)."""
+    doubles: dict[tuple[bool, bool], Fp32GroupedDouble] = {}
 
-    def load(fast_accum, nvcc, include):
+    def load(fast_accum, nvcc, include, swiglu=False):
         assert (nvcc, include) == (H200.nvcc, H200.cutlass_include)
-        return doubles.setdefault(fast_accum, Fp32GroupedDouble(fast_accum))
+        return doubles.setdefault((fast_accum, swiglu), Fp32GroupedDouble(fast_accum, swiglu))
     monkeypatch.setattr(gemm, "_load_cutlass", load)
     return doubles
 
@@ -69,8 +70,9 @@ def test_auto_and_a_demand_take_our_kernel_where_it_builds(loaded, choice):
     impl = gemm.resolve_grouped(dataclasses.replace(GROUPED, grouped_fp8=choice), H200, pytest.fail)
     fused = moe.resolve_moe(dataclasses.replace(MOE, grouped_fp8=choice), H200, pytest.fail)
     assert impl.name == "cuda-scaled-grouped-mm[fp8_row,fast-accum,pong_128x128_c1x2_fast]"
-    assert fused.name == "cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact]"  # MOE leaves fast_accum off
-    assert fused.gemm13.kernel is fused.gemm2.kernel is loaded[False]
+    assert fused.name == "cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact,swiglu-epilogue]"  # no fast_accum
+    assert fused.gemm13.kernel is fused.gemm2.kernel is loaded[False, False]
+    assert fused.paired is loaded[False, True] and fused.paired.config == "coop_128x128_c1x2_exact_swiglu"
 
 
 def test_torch_choice_never_builds(loaded):
@@ -128,7 +130,7 @@ def test_scaled_grouped_mm_hands_the_kernel_the_documented_operands(loaded):
     y = impl(x, impl.prepare_weight(w), offsets)
     ref = naive_grouped(GROUPED, x, w, offsets)
     assert float((y.double() - ref).norm() / ref.norm()) < 0.01  # bf16 output of the same e4m3 product
-    call = loaded[True].calls[0]
+    call = loaded[True, False].calls[0]
     assert call == dict(x=(torch.float8_e4m3fn, (25, 64), True), xs=(25,), w=(4, 48, 64), ws=(4, 48),
                         offs=torch.int32)
 
@@ -154,6 +156,59 @@ def test_fused_moe_gathers_rows_the_glue_quantized_as_they_are(loaded):
     assert plain.abs().max() > 0 and zeros.abs().max() == 0
     bf16 = moe.resolve_moe(dataclasses.replace(MOE, quant="none"), H200, pytest.fail)
     assert not bf16.accepts_row_quantized
+
+
+def _moe_operands(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(37, 64, generator=g).bfloat16()
+    w, ids = torch.rand(37, 4, generator=g).softmax(-1).topk(2, -1)
+    return x, w, ids, torch.randn(4, 64, 64, generator=g).bfloat16(), torch.randn(4, 64, 32, generator=g).bfloat16()
+
+
+def test_the_swiglu_epilogue_pairs_w13_rows_and_keeps_the_moe_s_function(loaded):
+    """With the SwiGLU epilogue the prepared w13 holds its rows in (x1, x2) pairs, GEMM 1 returns ``[R, I]``,
+    and the layer gives the separate pass's result to within its roundings (bf16 h and e4m3 requantization)."""
+    fused = moe.resolve_moe(MOE, H200, pytest.fail)
+    separate = moe.CudaMoE(MOE, fused.kernels, fused.gemm13.kernel)  # the same kernels, no epilogue
+    x, w, ids, w13, w2 = _moe_operands(2)
+    paired, halves = fused.prepare_weights(w13, w2), separate.prepare_weights(w13, w2)
+    assert torch.equal(paired.w13.data[:, 0::2], halves.w13.data[:, :32])  # row 2j: the first half's row j
+    assert torch.equal(paired.w13.data[:, 1::2], halves.w13.data[:, 32:])  # row 2j + 1: the second half's
+    assert torch.equal(paired.w13.scale[:, 1::2], halves.w13.scale[:, 32:]) and paired.w13.scale.shape == (4, 64, 1)
+    assert paired.w2.data is not None and torch.equal(paired.w2.data, halves.w2.data)
+    y, y_separate = fused(x, w, ids, paired), separate(x, w, ids, halves)
+    rel = float((y.float() - y_separate.float()).norm() / y_separate.float().norm())
+    assert 0 < rel < 0.03, rel  # not bit-equal (other roundings), within e4m3's step
+    [call] = loaded[False, True].calls
+    assert call["w"] == (4, 64, 64) and call["x"] == (torch.float8_e4m3fn, (74, 64), True)
+    ref = naive_moe(x, w, ids, w13, w2)
+    err, err_separate = (float((v.float() - ref).norm() / ref.norm()) for v in (y, y_separate))
+    assert err < 1.1 * err_separate, (err, err_separate)  # no further from the oracle (e4m3 weights: ~5.5% both)
+
+
+def naive_moe(x, weights, ids, w13, w2):
+    """The layer's function in fp32 from bf16 weights: ``sum_j w_j * (x1 * silu(x2)) @ w2[e_j].T``."""
+    out = torch.zeros(x.shape[0], w2.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            x1, x2 = (x[t].float() @ w13[e].float().T).chunk(2)
+            out[t] += float(weights[t, j]) * ((x1 * torch.nn.functional.silu(x2)) @ w2[e].float().T)
+    return out
+
+
+def test_a_swiglu_build_that_fails_costs_only_the_fusion(loaded, monkeypatch):
+    """The epilogue's build failing leaves the MoE on our plain kernel with its separate SwiGLU pass."""
+    double = gemm._load_cutlass
+    monkeypatch.setattr(gemm, "_load_cutlass", lambda fast, nvcc, include, swiglu=False: (
+        "building or loading it failed: RuntimeError: nvcc failed" if swiglu else double(fast, nvcc, include)))
+    fused = moe.resolve_moe(MOE, H200, pytest.fail)
+    assert fused.paired is None and fused.name == "cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact]"
+    x, w, ids, w13, w2 = _moe_operands(3)
+    prepared = fused.prepare_weights(w13, w2)
+    assert torch.equal(prepared.w13.data.float(), gemm.quant.prepare_weight(w13, "fp8_row").data.float())  # halves
+    ref = naive_moe(x, w, ids, w13, w2)
+    assert float((fused(x, w, ids, prepared).float() - ref).norm() / ref.norm()) < 0.08  # e4m3 weights: ~0.06
 
 
 # ----------------------------------------------------------------- the build
@@ -217,6 +272,17 @@ def loading(fake_nvcc, tmp_path, monkeypatch):
     return str(nvcc), str(include), opened, tmp_path / "kcache"
 
 
+def test_the_swiglu_epilogue_is_its_own_object_and_self_test(loading):
+    nvcc, include, opened, cache = loading
+    tested = []
+    assert cg.load(True, nvcc, include, tester=lambda *a: tested.append(a), swiglu=True) == \
+        "pong_128x128_c1x2_fast_swiglu"
+    cg.load(True, nvcc, include, tester=lambda *a: tested.append(a))
+    assert [(lib.name.split("_")[-2], cfg) for lib, cfg, _ in tested] == [
+        ("swiglu", "pong_128x128_c1x2_fast_swiglu"), ("fast", "pong_128x128_c1x2_fast")]
+    assert len(list(cache.glob("*.ok-*"))) == 2
+
+
 def test_the_self_test_runs_once_per_device_model_before_the_object_is_opened(loading):
     nvcc, include, opened, cache = loading
     tested = []
@@ -264,9 +330,11 @@ def test_exported_configurations_are_read_from_the_symbols(tmp_path):
 
 
 def test_configs_name_their_template_arguments():
-    assert cg.CONFIGS[True].export_line() == "OMNI_GG_EXPORT(pong_128x128_c1x2_fast, 128, 128, 128, 1, 2, true, true)"
+    assert cg.CONFIGS[True].export_line() == "OMNI_GG_EXPORT(pong_128x128_c1x2_fast, 128, 128, 128, 1, 2, true, true, 0)"
     assert cg.CONFIGS[False].name == "coop_128x128_c1x2_exact"
-    assert "OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST)" in cg.SOURCE.read_text()
+    assert cg.SWIGLU_CONFIGS[True].export_line() == \
+        "OMNI_GG_EXPORT(pong_128x128_c1x2_fast_swiglu, 128, 128, 128, 1, 2, true, true, 1)"
+    assert "OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST, EPI)" in cg.SOURCE.read_text()
 
 
 def test_finding_the_compiler_and_the_headers(fake_nvcc, monkeypatch, tmp_path):

@@ -83,17 +83,53 @@ def test_replays_from_a_captured_graph_with_new_routing(platform):
     torch.testing.assert_close(y, gemm(x, pw, offs), rtol=0, atol=0)
 
 
-def test_fused_moe_on_our_kernel_equals_torch_kernel(platform):
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "exact"])
+def test_swiglu_epilogue_against_fp64(platform, fast):
+    """The SwiGLU epilogue: ``x1 * silu(x2)`` of each column pair of the scaled product, bf16 ``[R, N/2]``, at
+    every group shape of COUNTS (empty, one row, partial tiles); within bf16's rounding of the fp64 value."""
+    from omni.platforms.cuda import cutlass_grouped as cg
+    from omni.platforms.cuda.gemm import grouped_swiglu_kernel
+    from omni.platforms.cuda.capabilities import detect_caps
+
+    spec = MoESpec(num_experts=E, topk=2, hidden=K, inner=N // 2, dtype=torch.bfloat16, quant="fp8_row",
+                   fast_accum=fast, grouped_fp8="cutlass")
+    kernel = grouped_swiglu_kernel(spec, detect_caps(0))
+    assert kernel is not None and kernel.swiglu and kernel.config == cg.SWIGLU_CONFIGS[fast].name
+    x, w, offs = _operands(4)
+    pw = quant.prepare_weight(w, "fp8_row")
+    xq, xs = quant.quantize_fp8(x, per_row=True)
+    y = kernel(xq, xs.reshape(-1).float(), pw.data, pw.scale.view(E, N), offs)
+    assert y.dtype == torch.bfloat16 and y.shape == (sum(COUNTS), N // 2)
+    p = torch.cat([(xq[a:b].double() * xs[a:b].double()) @ (pw.data[e].double() * pw.scale[e].double()).T
+                   for e, (a, b) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
+    exact = cg.swiglu_pairs(p)
+    rel = float((y.double() - exact).norm() / exact.norm())
+    assert rel < 4e-3, rel  # the bf16 rounding of the product (the fp32 accumulation is far below it)
+    worst = ((y.double() - exact).abs() / (exact.abs() + 1e-3 * exact.abs().max())).max()
+    assert worst < 0.02, float(worst)  # every element, not only the norm: a misplaced pair shows here
+
+
+def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
+    """Ours (the SwiGLU epilogue, paired w13) against torch's kernel with the separate pass: the same function to
+    within the e4m3 requantization, and no further from the fp64 layer."""
     kw = dict(num_experts=E, topk=2, hidden=K, inner=N // 2, dtype=torch.bfloat16, quant="fp8_row", fast_accum=True)
     ours, stock = platform.moe(MoESpec(grouped_fp8="cutlass", **kw)), platform.moe(MoESpec(grouped_fp8="torch", **kw))
+    assert ours.paired is not None and stock.paired is None, (ours.name, stock.name)
     g = torch.Generator(device="cuda").manual_seed(2)
     w13 = torch.randn(E, N, K, device="cuda", generator=g).bfloat16()
     w2 = torch.randn(E, K, N // 2, device="cuda", generator=g).bfloat16()
     x = torch.randn(333, K, device="cuda", generator=g).bfloat16()
     weights, ids = torch.rand(333, E, device="cuda", generator=g).softmax(-1).topk(2, -1)
-    prepared = ours.prepare_weights(w13, w2)
-    y, y_torch = ours(x, weights, ids, prepared), stock(x, weights, ids, prepared)
-    assert "pong_128x128_c1x2_fast" in ours.name and float((y - y_torch).float().norm() / y_torch.float().norm()) < 1e-3
+    y, y_torch = ours(x, weights, ids, ours.prepare_weights(w13, w2)), stock(x, weights, ids, stock.prepare_weights(w13, w2))
+    assert "pong_128x128_c1x2_fast" in ours.name and "swiglu-epilogue" in ours.name
+    assert float((y - y_torch).float().norm() / y_torch.float().norm()) < 0.03
+    h = torch.einsum("tk,ekn->ten", x.double(), w13.double())  # every expert for every token, then pick
+    x1, x2 = h.chunk(2, dim=-1)
+    a = x1 * torch.nn.functional.silu(x2)
+    full = torch.einsum("tei,edi->ted", a, w2.double())
+    ref = (full.gather(1, ids[..., None].expand(-1, -1, K)) * weights[..., None].double()).sum(1)
+    err, err_torch = (float((v.double() - ref).norm() / ref.norm()) for v in (y, y_torch))
+    assert err < 1.1 * err_torch, (err, err_torch)
 
 
 def test_a_fresh_machine_self_tests_in_a_child_and_keeps_the_verdict(platform, tmp_path, monkeypatch):

@@ -2,6 +2,14 @@
 //
 //   D[rows of group g] = (A[rows of g] @ B[g]^T) * scale_a[row] * scale_b[g, col]   -> bf16
 //
+// or, with the SwiGLU epilogue (EPI 1), for B's rows stored in pairs (row 2j = x1's row j, row 2j + 1 =
+// x2's row j, so each pair of adjacent output columns is one (x1, x2)):
+//
+//   a[r, j] = bf16(x1 * silu(x2)),  x1 = P[r, 2j], x2 = P[r, 2j + 1],  P = the scaled product above in fp32
+//
+// written as the two bytes of each bf16 into an 8-bit D of N columns: the same memory as a bf16 [R, N/2]
+// row-major. That halves the GEMM's output and removes the separate SwiGLU pass over it.
+//
 // A [R, K] e4m3 row-major (the routed rows, grouped by expert), B [G, N, K] e4m3
 // row-major (each expert's weight, the platform's documented [E, O, I] layout),
 // scale_a [R] fp32, scale_b [G, N] fp32, offs [G] int32 cumulative group ends (on the
@@ -35,11 +43,44 @@ namespace omni {
 
 using ElemA = cutlass::float_e4m3_t;
 using ElemB = cutlass::float_e4m3_t;
-using ElemD = cutlass::bfloat16_t;
 using Problem = cutlass::gemm::GroupProblemShape<Shape<int32_t, int32_t, int32_t>>;
 
-template <class Tile, class Cluster, bool Pingpong, bool FastAccum>
+// The SwiGLU epilogue's last node: adjacent fp32 values (x1, x2) of one row -> the two bytes of
+// bf16(x1 * silu(x2)). It relies on the accumulator fragment holding adjacent columns of one row at even and
+// odd positions, as the wgmma accumulator layout does (two consecutive columns per thread, in order); the GPU
+// test checks every output against the fp32 product.
+struct SwiGluPack : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
+  using cutlass::epilogue::fusion::Sm90VisitorImpl<>::Sm90VisitorImpl;
+
+  struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE cutlass::Array<uint8_t, FragmentSize> visit(
+        cutlass::Array<ElementAccumulator, FragmentSize> const&, int, int, int,
+        cutlass::Array<ElementInput, FragmentSize> const& frg) {
+      static_assert(FragmentSize % 2 == 0, "the SwiGLU epilogue needs column pairs in one fragment");
+      cutlass::Array<uint8_t, FragmentSize> out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < FragmentSize; i += 2) {
+        float x1 = static_cast<float>(frg[i]), x2 = static_cast<float>(frg[i + 1]);
+        uint16_t bits = cutlass::bfloat16_t(x1 * (x2 / (1.0f + __expf(-x2)))).raw();  // round to nearest even
+        out[i] = static_cast<uint8_t>(bits & 0xff);  // little-endian: the low byte first
+        out[i + 1] = static_cast<uint8_t>(bits >> 8);
+      }
+      return out;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const&) {
+    return ConsumerStoreCallbacks();
+  }
+};
+
+// EPI 0: bf16 D of the scaled product; EPI 1: SwiGLU of column pairs, packed bf16 in an 8-bit D (above).
+template <class Tile, class Cluster, bool Pingpong, bool FastAccum, int Epi>
 struct GroupedFp8 {
+  using ElemD = cute::conditional_t<Epi == 1, uint8_t, cutlass::bfloat16_t>;
+  static constexpr int Align = 16 / sizeof(ElemD);  // elements per 16 bytes (TMA)
   using MainSchedule = cute::conditional_t<
       Pingpong,
       cute::conditional_t<FastAccum, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum,
@@ -54,15 +95,16 @@ struct GroupedFp8 {
   using ScaleCol = cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, float*, float, Stride<_0, _1, _0>>;
   using Mul = cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
                                                      cutlass::FloatRoundStyle::round_to_nearest>;
-  using ToBf16 = cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, ElemD, float,
+  using ToBf16 = cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, cutlass::bfloat16_t, float,
                                                         cutlass::FloatRoundStyle::round_to_nearest>;
   using RowScaled = cutlass::epilogue::fusion::Sm90EVT<Mul, ScaleRow, cutlass::epilogue::fusion::Sm90AccFetch>;
-  using Evt = cutlass::epilogue::fusion::Sm90EVT<ToBf16, cutlass::epilogue::fusion::Sm90EVT<Mul, ScaleCol, RowScaled>>;
+  using Scaled = cutlass::epilogue::fusion::Sm90EVT<Mul, ScaleCol, RowScaled>;
+  using Evt = cutlass::epilogue::fusion::Sm90EVT<cute::conditional_t<Epi == 1, SwiGluPack, ToBf16>, Scaled>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElemD, cutlass::layout::RowMajor*, 8, ElemD,
-      cutlass::layout::RowMajor*, 8, EpiSchedule, Evt>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElemD, cutlass::layout::RowMajor*, Align, ElemD,
+      cutlass::layout::RowMajor*, Align, EpiSchedule, Evt>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElemA, cutlass::layout::RowMajor*, 16, ElemB,
       cutlass::layout::ColumnMajor*, 16, float, Tile, Cluster,
@@ -78,6 +120,7 @@ struct GroupedFp8 {
 // Per-group pointers, strides and shapes, laid out in one device buffer (the "args" buffer).
 template <class K>
 struct GroupArgs {
+  using ElemD = typename K::ElemD;
   const ElemA** a;
   const ElemB** b;
   ElemD** d;
@@ -110,7 +153,8 @@ struct GroupArgs {
 
 // One thread per group: the group's row range from the cumulative ends, then its pointers.
 template <class K>
-__global__ void fill_group_args(GroupArgs<K> g, const ElemA* A, const ElemB* B, ElemD* D, float* sa, float* sb,
+__global__ void fill_group_args(GroupArgs<K> g, const ElemA* A, const ElemB* B, typename K::ElemD* D, float* sa,
+                                float* sb,
                                 const int32_t* offs, int groups, int N, int Kdim) {
   int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= groups) return;
@@ -134,7 +178,8 @@ typename K::Gemm::Arguments make_args(GroupArgs<K> g, int groups, int sms, int r
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {groups, g.shape, nullptr},
       {g.a, g.stride_a, g.b, g.stride_b},
-      {{{{g.sb}, {{g.sa}, {}, {}}, {}}, {}}, const_cast<const ElemD**>(g.d), g.stride_d, g.d, g.stride_d}};
+      {{{{g.sb}, {{g.sa}, {}, {}}, {}}, {}}, const_cast<const typename K::ElemD**>(g.d), g.stride_d, g.d,
+       g.stride_d}};
   args.hw_info.sm_count = sms;
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
   args.scheduler.raster_order = raster == 1 ? Raster::AlongN : Raster::AlongM;
@@ -154,7 +199,7 @@ int run(const void* A, const void* B, void* D, const float* sa, const float* sb,
         int N, int Kdim, int sms, int raster, int swizzle, void* scratch, cudaStream_t stream) {
   GroupArgs<K> g(scratch, groups);
   fill_group_args<K><<<(groups + 127) / 128, 128, 0, stream>>>(
-      g, static_cast<const ElemA*>(A), static_cast<const ElemB*>(B), static_cast<ElemD*>(D),
+      g, static_cast<const ElemA*>(A), static_cast<const ElemB*>(B), static_cast<typename K::ElemD*>(D),
       const_cast<float*>(sa), const_cast<float*>(sb), offs, groups, N, Kdim);
   auto args = make_args<K>(g, groups, sms, raster, swizzle);
   typename K::Gemm gemm;
@@ -167,8 +212,8 @@ int run(const void* A, const void* B, void* D, const float* sa, const float* sb,
 
 }  // namespace omni
 
-#define OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST)                                                      \
-  using NAME##_t = omni::GroupedFp8<Shape<_##TM, _##TN, _##TK>, Shape<_##CM, _##CN, _1>, PONG, FAST>;              \
+#define OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST, EPI)                                                 \
+  using NAME##_t = omni::GroupedFp8<Shape<_##TM, _##TN, _##TK>, Shape<_##CM, _##CN, _1>, PONG, FAST, EPI>;         \
   extern "C" size_t omni_gg_##NAME##_scratch(int groups, int sms) { return omni::scratch_bytes<NAME##_t>(groups, sms); } \
   extern "C" int omni_gg_##NAME##_run(const void* A, const void* B, void* D, const float* sa, const float* sb,  \
                                       const int32_t* offs, int groups, int N, int K, int sms, int raster,        \
@@ -177,6 +222,6 @@ int run(const void* A, const void* B, void* D, const float* sa, const float* sb,
   }
 
 #ifndef OMNI_GG_CONFIGS
-#error "define OMNI_GG_CONFIGS as OMNI_GG_EXPORT(name, tile_m, tile_n, tile_k, cluster_m, cluster_n, pingpong, fast) lines"
+#error "define OMNI_GG_CONFIGS as OMNI_GG_EXPORT(name, tile_m, tile_n, tile_k, cluster_m, cluster_n, pingpong, fast, epi) lines"
 #endif
 OMNI_GG_CONFIGS
