@@ -105,8 +105,10 @@ def test_swiglu_epilogue_against_fp64(platform, fast):
     exact = cg.swiglu_pairs(p)
     rel = float((y.double() - exact).norm() / exact.norm())
     assert rel < 4e-3, rel  # the bf16 rounding of the product (the fp32 accumulation is far below it)
-    worst = ((y.double() - exact).abs() / (exact.abs() + 1e-3 * exact.abs().max())).max()
-    assert worst < 0.02, float(worst)  # every element, not only the norm: a misplaced pair shows here
+    # every element, not only the norm: a misplaced pair is off by about the values' RMS; the fp32 accumulation's
+    # error is absolute (a near-zero x1 has a large relative error), hence a floor of 5% of the RMS
+    bound = 0.01 * exact.abs() + 0.05 * exact.pow(2).mean().sqrt()
+    assert ((y.double() - exact).abs() <= bound).all(), float(((y.double() - exact).abs() - bound).max())
 
 
 def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
@@ -123,7 +125,7 @@ def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
     y, y_torch = ours(x, weights, ids, ours.prepare_weights(w13, w2)), stock(x, weights, ids, stock.prepare_weights(w13, w2))
     assert "pong_128x128_c1x2_fast" in ours.name and "swiglu-epilogue" in ours.name
     assert float((y - y_torch).float().norm() / y_torch.float().norm()) < 0.03
-    h = torch.einsum("tk,ekn->ten", x.double(), w13.double())  # every expert for every token, then pick
+    h = torch.einsum("tk,enk->ten", x.double(), w13.double())  # every expert for every token, then pick
     x1, x2 = h.chunk(2, dim=-1)
     a = x1 * torch.nn.functional.silu(x2)
     full = torch.einsum("tei,edi->ted", a, w2.double())
