@@ -136,7 +136,7 @@ class Setup:
         L = self.P + self.n_block
         self.pool = KVPool(num_layers=a.layers, num_pages=self.rows * (L // 256 + 2), page_size=256,
                            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=torch.bfloat16,
-                           device=device)
+                           device=device, store_gather=self.model.kv_store_gather)  # as build_pipeline's pool
         self.pages = [tuple(self.pool.allocate(L)) for _ in range(self.rows)]
         pos = torch.tensor(rope_positions(L + 1, self.P + 1, self.th, self.tw), device=device)
         self.cos, self.sin = (t.to(torch.bfloat16) for t in rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta))

@@ -397,6 +397,17 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
     - ``route(logits_TE) -> (weights_Tk fp32, ids_Tk int64)``: softmax over
       ``E`` in fp32, the ``spec.topk`` largest (descending), renormalised to
       sum 1.
+    - optional, ``store_gather_kv(k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T,
+      gather_S, fresh_S) -> (k_SKH, v_SKH)``: a forward's K/V stored in one
+      layer's flat pool (``[slots, K, H]``, modified in place) at the int64
+      slots ``write_T``, then the key table ``pool[gather_S]`` returned, as
+      ``omni.reference_glue.store_gather_kv`` does with two torch ops each;
+      bit-exact (copies only). ``fresh_S[s]`` is the row of ``k_TKH`` stored
+      at slot ``gather_S[s]`` in this call, or -1 (``omni.kv_pool.fresh_rows``),
+      so a one-pass kernel reads those keys from the new rows, never a slot
+      it is writing. The model hands it to the KV pool
+      (``KVPool.store_gather``), which calls it for gathered key tables;
+      without it the pool runs the two torch ops.
 
     ``T`` may be 0 (a sequence-parallel rank with no tokens). Results match
     the reference within the activation dtype's rounding (a fused kernel
@@ -409,7 +420,7 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
     Default implementation: ``omni.reference_glue.ReferenceGlue``, plain torch
     ops that run on any device (the fallback of every platform without fused
     glue; it refuses ``memory_bound="triton"``).
-    Versions: 0.1.
+    Versions: 0.2 (``store_gather_kv``).
     """
 
 

@@ -26,16 +26,22 @@ class KVPoolExhausted(RuntimeError):
 
 
 class KVPool:
-    """Fixed-size paged K/V memory for ``num_layers`` layers."""
+    """Fixed-size paged K/V memory for ``num_layers`` layers.
+
+    ``store_gather``: a fused kernel for the gathered (not paged) layout, the
+    ``store_gather_kv`` of the platform's glue (``omni_glue_impl``): it stores
+    a forward's K/V and returns its key table in one pass. None: two torch
+    ops each (``index_copy_``, then an index).
+    """
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, store_gather=None):
         if num_pages < 1:
             raise ValueError("KV pool budget too small for a single page; raise kv_cache.budget_bytes")
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.page_size, self.num_pages = page_size, num_pages
+        self.page_size, self.num_pages, self.store_gather = page_size, num_pages, store_gather
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
 
     @staticmethod
@@ -44,7 +50,8 @@ class KVPool:
 
     @classmethod
     def from_budget(cls, budget_bytes: int, **kw) -> "KVPool":
-        per_page = cls.bytes_per_page(**{k: kw[k] for k in ("num_layers", "page_size", "num_kv_heads", "head_dim", "dtype")})
+        per_page = cls.bytes_per_page(**{k: kw[k] for k in ("num_layers", "page_size", "num_kv_heads", "head_dim",
+                                                            "dtype")})
         return cls(num_pages=budget_bytes // per_page, **kw)
 
     @property
@@ -105,19 +112,36 @@ class PoolContext:
         forwards of other prompt lengths have tables of the same shapes (a captured step replays them)."""
         self.pool, self.mask, self.paged = pool, mask, paged
         written = [pool.slots(list(r.pages), r.q_start, r.q_end) for r in runs if r.write]
-        self.write_slots = torch.cat(written).to(device) if written else None
-        self.gather_S = None if paged else _padded(torch.cat([pool.slots(list(r.pages), 0, r.k_end) for r in runs]),
-                                                   keys_to).to(device)
+        write_T = torch.cat(written) if written else None
+        gather_S = None if paged else _padded(torch.cat([pool.slots(list(r.pages), 0, r.k_end) for r in runs]), keys_to)
+        self.write_slots = None if write_T is None else write_T.to(device)
+        self.gather_S = None if gather_S is None else gather_S.to(device)
+        fused = pool.store_gather is not None and write_T is not None and gather_S is not None
+        self.fresh_S = fresh_rows(write_T, gather_S).to(device) if fused else None
         self.meta = _meta(runs, paged, device, keys_to, pool.page_size)
 
     def keys_values(self, layer: int, k_TKH: torch.Tensor, v_TKH: torch.Tensor):
         kp, vp = self.pool.k[layer], self.pool.v[layer]
+        if self.fresh_S is not None:  # store and gather in one pass (the platform's kernel)
+            k_SKH, v_SKH = self.pool.store_gather(kp.view(-1, *kp.shape[2:]), vp.view(-1, *vp.shape[2:]), k_TKH, v_TKH,
+                                                  self.write_slots, self.gather_S, self.fresh_S)
+            return k_SKH, v_SKH, self.meta
         if self.write_slots is not None:
             kp.view(-1, *kp.shape[2:]).index_copy_(0, self.write_slots, k_TKH.to(kp.dtype))
             vp.view(-1, *vp.shape[2:]).index_copy_(0, self.write_slots, v_TKH.to(vp.dtype))
         if self.paged:
             return kp, vp, self.meta
         return kp.view(-1, *kp.shape[2:])[self.gather_S], vp.view(-1, *vp.shape[2:])[self.gather_S], self.meta
+
+
+def fresh_rows(write_T: torch.Tensor, gather_S: torch.Tensor) -> torch.Tensor:
+    """For each gathered slot, the row of this forward's K/V that is stored there, or -1 (a slot written
+    before): a fused kernel reads those keys from the new rows instead of the pool it is writing."""
+    order = torch.argsort(write_T)
+    sorted_T = write_T[order]
+    at = torch.searchsorted(sorted_T, gather_S).clamp_max(max(sorted_T.numel() - 1, 0))
+    hit = sorted_T[at] == gather_S
+    return torch.where(hit, order[at], torch.full_like(gather_S, -1))
 
 
 def _cumsum(lengths: list[int]) -> tuple[int, ...]:

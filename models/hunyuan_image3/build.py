@@ -218,7 +218,8 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
                               page_size=recipe.kv_cache.page_tokens,
                               num_kv_heads=runtime.pool_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads),
-                              head_dim=cfg.head_dim, dtype=DTYPES[recipe.model.dtype], device=services.device)
+                              head_dim=cfg.head_dim, dtype=DTYPES[recipe.model.dtype], device=services.device,
+                              store_gather=model.kv_store_gather)
     log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages, pool.page_size)
     kw = dict(transformer=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"), config=cfg,
               device=services.device, vae_dtype=DTYPES[recipe.model.vae_dtype])

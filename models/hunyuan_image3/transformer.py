@@ -288,6 +288,8 @@ class HunyuanImage3Transformer(nn.Module):
         self.patch_embed = UNetDown(C, hidden, D, patch_size=cfg.patch_size, **kw)
         self.final_layer = UNetUp(D, hidden, C, patch_size=cfg.patch_size, **kw)
         self.channels_last = "channels_last" in platform.info.capabilities  # NHWC conv weights at finalize()
+        # the KV pool's fused store + gather (gathered keys), where the platform's glue has one
+        self.kv_store_gather = getattr(platform.glue(glue_spec(cfg, 0, opts)), "store_gather_kv", None)
         self.requires_grad_(False)
 
     # ------------------------------------------------------------ token stream

@@ -7,6 +7,7 @@ none reads the host, so all of it is capturable:
     rope_qk_norm              split of the packed qkv, RoPE and the per-head QK-norm of q and k (one pass)
     swiglu                    x1 * silu(x2) and its fp8 row quantization (the MoE's SwiGLU kernel)
     route                     softmax, top-k and renormalisation of the router logits (one pass)
+    store_gather_kv           a forward's K/V into the pool and its key table out of it (one launch)
 
 ``spec.memory_bound`` picks as for the GEMMs: ``auto`` Triton when it
 imports, ``torch`` the reference's ops (``omni.reference_glue``), ``triton``
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from omni.reference_glue import ReferenceGlue
+from omni.reference_glue import ReferenceGlue, store_gather_kv
 from omni.specs import GlueSpec, RowQuantized
 
 from .capabilities import Caps
@@ -104,6 +105,20 @@ class TritonGlue:
                 x, w, ids, T, E, TOPK=k, BLOCK_T=tile.rows, BLOCK_E=self.triton.next_power_of_2(E),
                 KPAD=self.triton.next_power_of_2(k), num_warps=tile.warps)
         return w, ids
+
+
+    def store_gather_kv(self, k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fresh_S):
+        same = k_TKH.dtype == k_pool_PKH.dtype and v_TKH.dtype == v_pool_PKH.dtype
+        if not (k_TKH.is_cuda and same and k_pool_PKH.is_contiguous() and v_pool_PKH.is_contiguous()):
+            return store_gather_kv(k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fresh_S)
+        k, v = k_TKH.contiguous(), v_TKH.contiguous()
+        S, T, W = gather_S.numel(), write_T.numel(), k_pool_PKH[0].numel()
+        ko = torch.empty((S, *k_pool_PKH.shape[1:]), dtype=k.dtype, device=k.device)
+        vo = torch.empty_like(ko)
+        if S + T:
+            self.k.kv_kernel[(S + T,)](k_pool_PKH, v_pool_PKH, k, v, write_T, gather_S, fresh_S, ko, vo, S, W,
+                                       BLOCK=self.triton.next_power_of_2(W), num_warps=4)
+        return ko, vo
 
 
 def resolve_glue(spec: GlueSpec, caps: Caps, reject):

@@ -11,6 +11,8 @@ is ``omni.quant``'s (absmax / 448 from the rounded row, clamp, round).
     rope_norm_kernel per (block of tokens, KV group): the group's q heads and its k head rotated
                      (rotate-half) and RMSNormed over H; q, k and v written contiguously
     route_kernel     per block of tokens: fp32 softmax over E, top-k by repeated arg-max, renormalised
+    kv_kernel        a forward's K/V stored at their pool slots and the key table gathered, in one launch:
+                     key rows written in this forward are read from the new rows, not the pool
 
 Each program takes ``ROWS`` rows (tokens) at once; ``TILES`` holds the rows per program and warps the
 platform launches with, chosen by ``bench/bench_row_kernels.py`` on an H200 (BENCHMARKS.md).
@@ -135,3 +137,29 @@ def route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, TOPK: tl.constexpr, BLOCK_T: 
     off = rows[:, None].to(tl.int64) * TOPK + kcols[None, :]
     tl.store(w_ptr + off, wk, mask=km)
     tl.store(ids_ptr + off, ik.to(tl.int64), mask=km)
+
+
+@triton.jit
+def kv_kernel(kp_ptr, vp_ptr, k_ptr, v_ptr, write_ptr, gather_ptr, fresh_ptr, ko_ptr, vo_ptr, S, W,
+              BLOCK: tl.constexpr):
+    """Programs [0, S): key-table row s from the new row ``fresh[s]`` or else pool slot ``gather[s]``;
+    programs [S, S + T): new row t stored at pool slot ``write[t]``. Rows are ``W`` (kv heads x head dim) wide."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < W
+    if pid < S:
+        s = pid.to(tl.int64)
+        t = tl.load(fresh_ptr + s)
+        new = t >= 0
+        slot = tl.load(gather_ptr + s)
+        src_new = t * W + cols
+        src_pool = slot * W + cols
+        k = tl.where(new, tl.load(k_ptr + src_new, mask=m & new), tl.load(kp_ptr + src_pool, mask=m & (t < 0)))
+        v = tl.where(new, tl.load(v_ptr + src_new, mask=m & new), tl.load(vp_ptr + src_pool, mask=m & (t < 0)))
+        tl.store(ko_ptr + s * W + cols, k, mask=m)
+        tl.store(vo_ptr + s * W + cols, v, mask=m)
+    else:
+        t = (pid - S).to(tl.int64)
+        slot = tl.load(write_ptr + t)
+        tl.store(kp_ptr + slot * W + cols, tl.load(k_ptr + t * W + cols, mask=m), mask=m)
+        tl.store(vp_ptr + slot * W + cols, tl.load(v_ptr + t * W + cols, mask=m), mask=m)

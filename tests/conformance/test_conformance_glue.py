@@ -146,6 +146,28 @@ def test_no_tokens_is_fine(platform_name):
     assert glue.route(torch.zeros(0, E, device=dev))[1].shape == (0, k)
 
 
+def test_store_gather_kv_stores_then_gathers(platform_name):
+    """``store_gather_kv`` (where a glue has it): the pool holds the new K/V at their slots afterwards and the
+    table is the pool's rows after the store, bit for bit: new rows (also repeated), older rows, padding."""
+    from omni.kv_pool import fresh_rows
+
+    glue = get_platform(platform_name).glue(_spec("small", torch.bfloat16))
+    if not hasattr(glue, "store_gather_kv"):
+        pytest.skip(f"{glue.name} has no store_gather_kv (the KV pool stores and gathers with torch ops)")
+    dev, K, H = device_of(platform_name), 2, 64
+    kp, vp = (_rand(40, K, H, seed=s).to(torch.bfloat16).to(dev) for s in (20, 21))
+    k, v = (_rand(6, K, H, seed=s).to(torch.bfloat16).to(dev) for s in (22, 23))
+    write = torch.tensor([7, 8, 9, 30, 31, 3])
+    gather = torch.tensor([0, 1, 2, 7, 8, 9, 3, 30, 31, 5, 0, 0, 9])  # older, new, new again, padding (slot 0)
+    want_kp, want_vp = kp.clone(), vp.clone()
+    want_kp[write.to(dev)], want_vp[write.to(dev)] = k, v
+    fresh = fresh_rows(write, gather)
+    assert fresh.tolist() == [-1, -1, -1, 0, 1, 2, 5, 3, 4, -1, -1, -1, 2]
+    ko, vo = glue.store_gather_kv(kp, vp, k, v, write.to(dev), gather.to(dev), fresh.to(dev))
+    assert torch.equal(kp, want_kp) and torch.equal(vp, want_vp)
+    assert torch.equal(ko, want_kp[gather.to(dev)]) and torch.equal(vo, want_vp[gather.to(dev)])
+
+
 def test_an_fp8_row_linear_takes_quantized_rows_as_they_are(platform_name):
     """``accepts_row_quantized``: the product of pre-quantized rows equals quantizing inside the linear."""
     dev = device_of(platform_name)
