@@ -106,7 +106,6 @@ class TritonGlue:
                 KPAD=self.triton.next_power_of_2(k), num_warps=tile.warps)
         return w, ids
 
-
     def store_gather_kv(self, k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fresh_S):
         same = k_TKH.dtype == k_pool_PKH.dtype and v_TKH.dtype == v_pool_PKH.dtype
         if not (k_TKH.is_cuda and same and k_pool_PKH.is_contiguous() and v_pool_PKH.is_contiguous()):
