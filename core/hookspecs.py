@@ -407,7 +407,8 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
       so a one-pass kernel reads those keys from the new rows, never a slot
       it is writing. The model hands it to the KV pool
       (``KVPool.store_gather``), which calls it for gathered key tables;
-      without it the pool runs the two torch ops.
+      without it (the reference glue has none) the pool runs the two torch
+      ops and computes no ``fresh_S``.
 
     ``T`` may be 0 (a sequence-parallel rank with no tokens). Results match
     the reference within the activation dtype's rounding (a fused kernel

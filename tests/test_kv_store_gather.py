@@ -1,19 +1,32 @@
 """The KV pool's fused store + gather (``KVPool.store_gather``, the glue's ``store_gather_kv``) on the CPU.
 
-A context whose pool has the fused kernel must leave the pool and return the
-key tables exactly as the two torch ops do (``index_copy_``, then an index):
-several rows, a run that does not write, a padded key table. The cuda
-platform's Triton kernel is held to the same by the conformance suite
-(tests/conformance/test_conformance_glue.py, on the device).
+A context whose pool has a fused kernel must leave the pool and return the
+key tables exactly as the pool's own two torch ops do (``index_copy_``, then
+an index): several rows, a run that does not write, a padded key table. The
+kernel here is the one-pass semantics in torch (``one_pass``: keys written
+now come from the new rows, as ``fresh_S`` says), so a wrong ``fresh_S``
+shows as a wrong key table. The cuda platform's Triton kernel is held to the
+same by the conformance suite (tests/conformance/test_conformance_glue.py,
+on the device).
 """
 from __future__ import annotations
 
 import torch
 
 from omni.kv_pool import KVPool, PoolContext, Run, fresh_rows
-from omni.reference_glue import ReferenceGlue
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 2, 2, 8, 4
+
+
+def one_pass(k_pool, v_pool, k_TKH, v_TKH, write_T, gather_S, fresh_S):
+    """The fused kernel's semantics: each table row from the new row ``fresh_S`` names, else from the pool as it
+    was; then the new rows stored."""
+    new = (fresh_S >= 0)[:, None, None]
+    k_SKH = torch.where(new, k_TKH[fresh_S.clamp_min(0)], k_pool[gather_S])
+    v_SKH = torch.where(new, v_TKH[fresh_S.clamp_min(0)], v_pool[gather_S])
+    k_pool.index_copy_(0, write_T, k_TKH)
+    v_pool.index_copy_(0, write_T, v_TKH)
+    return k_SKH, v_SKH
 
 
 def _pool(store_gather=None) -> KVPool:
@@ -31,7 +44,7 @@ def _runs(pool: KVPool) -> list[Run]:
 
 
 def test_a_fused_pool_stores_and_gathers_as_the_torch_ops_do():
-    plain, fused = _pool(), _pool(ReferenceGlue.store_gather_kv)
+    plain, fused = _pool(), _pool(one_pass)
     runs = _runs(plain)
     assert _runs(fused) == runs  # the same pages in both pools
     T = sum(r.q_len for r in runs if r.write)
@@ -56,7 +69,7 @@ def test_fresh_rows_name_the_new_row_of_each_slot_written_now():
 
 
 def test_a_forward_that_writes_nothing_or_a_paged_pool_takes_the_torch_ops():
-    pool = _pool(ReferenceGlue.store_gather_kv)
+    pool = _pool(one_pass)
     pages = pool.allocate(8)
     reader = PoolContext(pool, [Run(tuple(pages), 6, 8, 8, write=False)], mask="none", paged=False, device="cpu")
     paged = PoolContext(pool, [Run(tuple(pages), 6, 8, 8)], mask="none", paged=True, device="cpu")
