@@ -2,7 +2,8 @@
 
 One 1024x1024 CFG step routes T = 8194 tokens (2 rows x (1 + 4096)) to 8 of
 64 experts: 65,552 rows, hidden 4096, expert width 3072. Two ways, in the same
-run, both on our CUTLASS grouped kernel with fast accumulation:
+run, both on our CUTLASS grouped kernel with fast accumulation (``--exact``: the exact-accumulation build,
+what recipes without ``kernels.fp8_fast_accum`` run):
 
     separate   GEMM 1 -> h [R, 6144] bf16, then the Triton SwiGLU + e4m3 row quantization (one pass)
     epilogue   GEMM 1 with the SwiGLU epilogue (w13 rows in pairs) -> a [R, 3072] bf16, then the row
@@ -84,12 +85,13 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--chain", type=int, default=16, help="calls per captured graph")
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--exact", action="store_true", help="exact accumulation (the cooperative builds)")
     a = p.parse_args()
     commit = git_commit()
     platform = select("cuda")
     platform.device_services(0)
     spec = MoESpec(num_experts=E, topk=TOPK, hidden=D, inner=I, dtype=torch.bfloat16, quant="fp8_row",
-                   fast_accum=True, grouped_fp8="cutlass")
+                   fast_accum=not a.exact, grouped_fp8="cutlass")
     fused = platform.moe(spec)
     if fused.paired is None:
         raise SystemExit(f"the SwiGLU epilogue did not build here: {fused.name}")
