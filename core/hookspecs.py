@@ -401,7 +401,7 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
       gather_S, fresh_S) -> (k_SKH, v_SKH)``: a forward's K/V stored in one
       layer's flat pool (``[slots, K, H]``, modified in place) at the int64
       slots ``write_T``, then the key table ``pool[gather_S]`` returned, as
-      ``omni.reference_glue.store_gather_kv`` does with two torch ops each;
+      ``omni.kv_pool.store_gather_kv`` does with two torch ops each;
       bit-exact (copies only). ``fresh_S[s]`` is the row of ``k_TKH`` stored
       at slot ``gather_S[s]`` in this call, or -1 (``omni.kv_pool.fresh_rows``),
       so a one-pass kernel reads those keys from the new rows, never a slot

@@ -44,6 +44,11 @@ class KVPool:
         self.page_size, self.num_pages, self.store_gather = page_size, num_pages, store_gather
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
 
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V as ``[slots, kv heads, head dim]`` views (a slot: ``page * page_size + j``)."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
     @staticmethod
     def bytes_per_page(*, num_layers, page_size, num_kv_heads, head_dim, dtype) -> int:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -121,17 +126,29 @@ class PoolContext:
         self.meta = _meta(runs, paged, device, keys_to, pool.page_size)
 
     def keys_values(self, layer: int, k_TKH: torch.Tensor, v_TKH: torch.Tensor):
-        kp, vp = self.pool.k[layer], self.pool.v[layer]
-        if self.fresh_S is not None:  # store and gather in one pass (the platform's kernel)
-            k_SKH, v_SKH = self.pool.store_gather(kp.view(-1, *kp.shape[2:]), vp.view(-1, *vp.shape[2:]), k_TKH, v_TKH,
-                                                  self.write_slots, self.gather_S, self.fresh_S)
-            return k_SKH, v_SKH, self.meta
-        if self.write_slots is not None:
-            kp.view(-1, *kp.shape[2:]).index_copy_(0, self.write_slots, k_TKH.to(kp.dtype))
-            vp.view(-1, *vp.shape[2:]).index_copy_(0, self.write_slots, v_TKH.to(vp.dtype))
+        k_pool, v_pool = self.pool.flat(layer)
         if self.paged:
-            return kp, vp, self.meta
-        return kp.view(-1, *kp.shape[2:])[self.gather_S], vp.view(-1, *vp.shape[2:])[self.gather_S], self.meta
+            if self.write_slots is not None:
+                store_kv(k_pool, v_pool, k_TKH, v_TKH, self.write_slots)
+            return self.pool.k[layer], self.pool.v[layer], self.meta
+        if self.write_slots is None:
+            return k_pool[self.gather_S], v_pool[self.gather_S], self.meta
+        store_gather = self.pool.store_gather or store_gather_kv  # the platform's one pass, or two torch ops
+        return (*store_gather(k_pool, v_pool, k_TKH, v_TKH, self.write_slots, self.gather_S, self.fresh_S), self.meta)
+
+
+def store_kv(k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T) -> None:
+    """A forward's K/V into one layer's flat pool (``KVPool.flat``) at the slots ``write_T``."""
+    k_pool_PKH.index_copy_(0, write_T, k_TKH.to(k_pool_PKH.dtype))
+    v_pool_PKH.index_copy_(0, write_T, v_TKH.to(v_pool_PKH.dtype))
+
+
+def store_gather_kv(k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fresh_S=None):
+    """What the glue's optional ``store_gather_kv`` computes, as two torch ops each: ``store_kv``, then the key
+    table ``pool[gather_S]``. ``fresh_S`` (``fresh_rows``) only tells a one-pass kernel which keys it may read
+    from the new rows; the pool computes it only when it has such a kernel."""
+    store_kv(k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T)
+    return k_pool_PKH[gather_S], v_pool_PKH[gather_S]
 
 
 def fresh_rows(write_T: torch.Tensor, gather_S: torch.Tensor) -> torch.Tensor:

@@ -83,12 +83,3 @@ class ReferenceGlue:
         weights_Tk, experts_Tk = probs_TE.topk(self.spec.topk, dim=-1)
         return weights_Tk / weights_Tk.sum(dim=-1, keepdim=True), experts_Tk
 
-
-def store_gather_kv(k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fresh_S):
-    """What the glue's optional ``store_gather_kv`` computes, as the KV pool's two torch ops: store a forward's
-    K/V at its slots, then gather the key table, ``pool[write_T] = new``, ``out = pool[gather_S]``
-    (``fresh_S`` only tells a fused kernel which keys it may read from the new rows). ``ReferenceGlue`` does
-    not offer it: without a fused kernel the pool runs these ops itself and skips computing ``fresh_S``."""
-    k_pool_PKH.index_copy_(0, write_T, k_TKH.to(k_pool_PKH.dtype))
-    v_pool_PKH.index_copy_(0, write_T, v_TKH.to(v_pool_PKH.dtype))
-    return k_pool_PKH[gather_S], v_pool_PKH[gather_S]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from omni.attention_context import dense_meta
+from omni.kv_pool import store_kv
 
 from .mesh import MeshError
 
@@ -100,13 +101,11 @@ class RingContext:
         keep = slots >= 0
         if not bool(keep.any()):
             return
-        kp, vp = self.pool.k[self.layer], self.pool.v[self.layer]
-        kp.view(-1, *kp.shape[2:]).index_copy_(0, slots[keep], k_CKH[keep].to(kp.dtype))
-        vp.view(-1, *vp.shape[2:]).index_copy_(0, slots[keep], v_CKH[keep].to(vp.dtype))
+        store_kv(*self.pool.flat(self.layer), k_CKH[keep], v_CKH[keep], slots[keep])
 
     def stale_keys(self):
-        kp, vp = self.pool.k[self.layer], self.pool.v[self.layer]
-        return kp.view(-1, *kp.shape[2:])[self.stale_slots], vp.view(-1, *vp.shape[2:])[self.stale_slots]
+        k_pool, v_pool = self.pool.flat(self.layer)
+        return k_pool[self.stale_slots], v_pool[self.stale_slots]
 
     def mask_for(self, krow_C: torch.Tensor, kpos_C: torch.Tensor) -> torch.Tensor:
         """``[L, C]`` True where my queries see those keys."""

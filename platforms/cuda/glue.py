@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from omni.reference_glue import ReferenceGlue, store_gather_kv
+from omni.kv_pool import store_gather_kv
+from omni.reference_glue import ReferenceGlue
 from omni.specs import GlueSpec, RowQuantized
 
 from .capabilities import Caps
