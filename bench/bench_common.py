@@ -61,3 +61,34 @@ def cuda_event_median(fn: Callable[[], object], iters: int = 30, warmup: int = 3
         b.synchronize()
         out.append(a.elapsed_time(b) / 1e3)
     return statistics.median(out)
+
+
+def round_robin(fns: dict, rounds: int, burn: int = 200, iters: int = 10) -> dict:
+    """Median seconds of each function over ``rounds`` rounds in which every one is timed in turn (CUDA events,
+    ``iters`` calls each), after ``burn`` calls of the first: under a power cap the clock drifts as a run heats
+    up, so no function may own the cool start or the hot end."""
+    import statistics
+
+    first = next(iter(fns.values()))
+    for _ in range(burn):  # reach the power cap's steady clock before anything is timed
+        first()
+    per = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            per[name].append(cuda_event_median(fn, iters=iters, warmup=1))
+    return {name: statistics.median(ts) for name, ts in per.items()}
+
+
+def captured(fn: Callable[[], object], chain: int = 1) -> torch.cuda.CUDAGraph:
+    """``fn`` called ``chain`` times back to back, captured into one CUDA graph (after a warm call on a side
+    stream, as the engine captures), so its kernels run without launch gaps, as in a captured step."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(chain):
+            fn()
+    return graph

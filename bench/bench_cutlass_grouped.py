@@ -17,14 +17,13 @@ in turn, after a warm-up burn, and the median over the rounds is reported.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import cuda_event_median, emit, git_commit  # noqa: E402
+from bench_common import emit, git_commit, round_robin  # noqa: E402
 
 from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
 
@@ -36,18 +35,6 @@ def call(kernel: CutlassGroupedFp8, xq, xs, wq, ws, offs, raster: int, swizzle: 
     """A no-argument call of one configuration, writing one output that starts as NaN (unwritten stays NaN)."""
     out = torch.full((xq.shape[0], wq.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
     return lambda: kernel(xq, xs, wq, ws, offs, out=out, raster=raster, swizzle=swizzle)
-
-
-def round_robin(fns: dict, rounds: int) -> dict:
-    """Median seconds of each function over ``rounds`` rounds in which every one is timed in turn."""
-    burn = next(iter(fns.values()))
-    for _ in range(200):  # reach the power cap's steady clock before anything is timed
-        burn()
-    per = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            per[name].append(cuda_event_median(fn, iters=10, warmup=1))
-    return {name: statistics.median(ts) for name, ts in per.items()}
 
 
 def fp8(x):

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import captured  # noqa: E402
 from random_fullsize import random_init_, released_layers  # noqa: E402
 
 from omni import quant as Q  # noqa: E402
@@ -405,11 +406,7 @@ def sustained_floor(kernels: dict, steps: int) -> dict:
     """The floor's kernels of one layer captured into one graph and replayed back to back, 32 layers a step,
     as the engine runs them: the clocks of sustained running under the power cap, which the kernels timed
     alone (a short burst each) do not see. Same kernels, same operands; only the running conditions differ."""
-    graph = torch.cuda.CUDAGraph()
-    sync()
-    with torch.cuda.graph(graph):
-        for fn in kernels.values():
-            fn()
+    graph = captured(lambda: [fn() for fn in kernels.values()])
     layer_s = timed(lambda: [graph.replay() for _ in range(RELEASED_LAYERS)], steps, warmup=3) / RELEASED_LAYERS
     print(f"[floor sustained] per layer {layer_s*1e3:.2f} ms (one graph of {len(kernels)} kernels, replayed "
           f"{RELEASED_LAYERS} times a step)", flush=True)

@@ -11,8 +11,8 @@ what recipes without ``kernels.fp8_fast_accum`` run):
 
 Each is captured into a CUDA graph of ``--chain`` calls and replayed, so the
 kernels run back to back at the clocks of sustained running under the power
-cap (the step's condition); the two alternate over ``--rounds`` rounds and
-the medians are reported, also for the whole routed-expert layer (sort,
+cap (the step's condition); they take turns over ``--rounds`` rounds
+(``bench_common.round_robin``) and the medians are reported, also for the whole routed-expert layer (sort,
 gather, both GEMMs, combine). Errors are against the fp64 layer.
 
     python bench/bench_swiglu_epilogue.py --json out.json
@@ -20,14 +20,13 @@ gather, both GEMMs, combine). Errors are against the fp64 layer.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import emit, git_commit  # noqa: E402
+from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
 
 from omni.platform_manager import select  # noqa: E402
 from omni.platforms.cuda import moe as cuda_moe  # noqa: E402
@@ -36,39 +35,11 @@ from omni.specs import MoESpec  # noqa: E402
 T, D, I, E, TOPK = 8194, 4096, 3072, 64, 8
 
 
-def graph_of(fn, chain: int) -> torch.cuda.CUDAGraph:
-    """``fn`` called ``chain`` times, captured (after a warm call on a side stream, as the engine does)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(chain):
-            fn()
-    return graph
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, chain: int) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    graph.replay()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / chain
-
-
-def alternate(graphs: dict, chain: int, rounds: int) -> dict:
-    """Median ms per call of each graph over ``rounds`` rounds in which every one replays in turn."""
-    for _ in range(3):  # reach the power cap's steady clock before anything is timed
-        for g in graphs.values():
-            g.replay()
-    per = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, g in graphs.items():
-            per[name].append(replay_ms(g, chain))
-    return {name: round(statistics.median(ts), 4) for name, ts in per.items()}
+def per_call_ms(fns: dict, chain: int, rounds: int) -> dict:
+    """ms per call of each function, captured ``chain`` calls to a graph and replayed round robin."""
+    graphs = {name: captured(fn, chain) for name, fn in fns.items()}
+    t = round_robin({name: g.replay for name, g in graphs.items()}, rounds, burn=3 * len(graphs), iters=3)
+    return {name: round(sec * 1e3 / chain, 4) for name, sec in t.items()}
 
 
 def operands(g):
@@ -109,8 +80,8 @@ def main() -> int:
         "gemm1_epilogue_alone": lambda: fused.gemm13.scaled(xq, xs, pf.w13, offs, kernel=fused.paired),
     }
     layers = {"separate": lambda: separate(x, weights, ids, ps), "epilogue": lambda: fused(x, weights, ids, pf)}
-    part_ms = alternate({n: graph_of(f, a.chain) for n, f in parts.items()}, a.chain, a.rounds)
-    layer_ms = alternate({n: graph_of(f, a.chain) for n, f in layers.items()}, a.chain, a.rounds)
+    part_ms = per_call_ms(parts, a.chain, a.rounds)
+    layer_ms = per_call_ms(layers, a.chain, a.rounds)
     ys, yf = separate(x, weights, ids, ps).double(), fused(x, weights, ids, pf).double()
     ref = reference(x, weights, ids, w13, w2)
     rel = lambda y: round(float((y - ref).norm() / ref.norm()), 5)  # noqa: E731
