@@ -43,6 +43,13 @@ def _operands(seed: int = 0):
     return x, w, offs
 
 
+def fp64_product(xq, xs, pw, offs):
+    """The scaled product of each expert group in fp64 (e4m3 rows and weights with their row scales)."""
+    ends = offs.tolist()
+    return torch.cat([(xq[a:b].double() * xs[a:b].double()) @ (pw.data[e].double() * pw.scale[e].double()).T
+                      for e, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "exact"])
 def test_matches_torch_kernel_and_fp64(platform, fast):
     spec = GroupedGemmSpec(num_experts=E, in_features=K, out_features=N, dtype=torch.bfloat16, quant="fp8_row",
@@ -54,8 +61,7 @@ def test_matches_torch_kernel_and_fp64(platform, fast):
     pw = ours.prepare_weight(w)
     y, y_torch = ours(x, pw, offs), stock(x, pw, offs)
     xq, xs = quant.quantize_fp8(x, per_row=True)
-    exact = torch.cat([(xq[a:b].double() * xs[a:b].double()) @ (pw.data[e].double() * pw.scale[e].double()).T
-                       for e, (a, b) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
+    exact = fp64_product(xq, xs, pw, offs)
     rel = float((y.double() - exact).norm() / exact.norm())
     rel_torch = float((y_torch.double() - exact).norm() / exact.norm())
     assert rel < 4e-3, rel  # bf16 output rounding and the tensor cores' accumulation
@@ -100,9 +106,7 @@ def test_swiglu_epilogue_against_fp64(platform, fast):
     xq, xs = quant.quantize_fp8(x, per_row=True)
     y = kernel(xq, xs.reshape(-1).float(), pw.data, pw.scale.view(E, N), offs)
     assert y.dtype == torch.bfloat16 and y.shape == (sum(COUNTS), N // 2)
-    p = torch.cat([(xq[a:b].double() * xs[a:b].double()) @ (pw.data[e].double() * pw.scale[e].double()).T
-                   for e, (a, b) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
-    exact = cg.swiglu_pairs(p)
+    exact = cg.swiglu_pairs(fp64_product(xq, xs, pw, offs))
     rel = float((y.double() - exact).norm() / exact.norm())
     assert rel < 4e-3, rel  # the bf16 rounding of the product (the fp32 accumulation is far below it)
     # every element, not only the norm: a misplaced pair is off by about the values' RMS; the fp32 accumulation's
