@@ -22,10 +22,11 @@ from collections import defaultdict
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from omni import platform_manager
 from omni.reference import ReferenceAttention, ReferenceGroupedGemm, ReferenceLinear
-from omni.specs import AttentionSpec, GemmSpec, GroupedGemmSpec, VarlenMeta
+from omni.specs import AttentionSpec, GemmSpec, GroupedGemmSpec, MoESpec, VarlenMeta
 
 FP8_MAX = 448.0  # OCP e4m3, written out here on purpose (independent of omni.quant)
 
@@ -235,6 +236,27 @@ def naive_grouped(spec: GroupedGemmSpec, x_TI, w_EOI, offsets_E) -> torch.Tensor
         y[start:end] = xe.double() @ we.double().T
         start = end
     return y
+
+
+def naive_moe(spec: MoESpec, x_TD, w_Tk, ids_Tk, w13, w2) -> torch.Tensor:
+    """The routed experts in float64, one expert at a time: rows, weights and the SwiGLU output quantized as
+    ``spec.quant`` says (per token / per row for fp8_row, per tensor for fp8_tensor), SiLU on the second half."""
+    x, w13, w2 = x_TD.cpu().to(spec.dtype), w13.cpu(), w2.cpu()
+    ids, wts = ids_Tk.cpu(), w_Tk.cpu().double()
+    out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float64)
+    q, per_row = spec.quant != "none", spec.quant == "fp8_row"
+    for e in range(spec.num_experts):
+        t_idx, j_idx = (ids == e).nonzero(as_tuple=True)
+        if t_idx.numel() == 0:
+            continue
+        xe = naive_fp8(x[t_idx], per_row) if q else x[t_idx].double()
+        we13 = naive_fp8(w13[e], per_row) if q else w13[e].double()
+        h = xe @ we13.T
+        a = h[:, :spec.inner] * F.silu(h[:, spec.inner:])
+        a = naive_fp8(a.to(spec.dtype), per_row) if q else a
+        we2 = naive_fp8(w2[e], per_row) if q else w2[e].double()
+        out.index_add_(0, t_idx, (a @ we2.T) * wts[t_idx, j_idx][:, None])
+    return out
 
 
 def reference_linear(spec: GemmSpec, x, w_OI, bias_O) -> torch.Tensor:

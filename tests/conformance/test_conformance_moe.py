@@ -17,9 +17,8 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conformance_cases import DTYPES, FP8_MAX, RESOLVED, device_of, get_platform
+from conformance_cases import DTYPES, RESOLVED, device_of, get_platform, naive_moe
 from omni.specs import MoESpec
 
 QUANTS = ("none", "fp8_tensor", "fp8_row")
@@ -27,34 +26,6 @@ SHAPES = {"E4-k2-64x48": (4, 2, 64, 48), "E8-k3-32x16": (8, 3, 32, 16)}  # (expe
 ROUTINGS = ("random", "one-busy", "k1")
 GRID = list(itertools.product(("fp32", "bf16"), QUANTS, SHAPES, ROUTINGS))
 REL = {("fp32", "none"): 1e-5, ("bf16", "none"): 1.5e-2}  # fp8: 3e-2 (rounding flips of intermediates)
-
-
-def _fp8_dq(x: torch.Tensor, per_row: bool) -> torch.Tensor:
-    x32 = x.float()
-    amax = x32.abs().amax(dim=-1, keepdim=True) if per_row else x32.abs().amax()
-    scale = (amax / FP8_MAX).clamp_min(1e-12)
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * scale.double()
-
-
-def naive_moe(spec: MoESpec, x_TD, w_Tk, ids_Tk, w13, w2) -> torch.Tensor:
-    x, w13, w2 = x_TD.cpu().to(spec.dtype), w13.cpu(), w2.cpu()
-    ids, wts = ids_Tk.cpu(), w_Tk.cpu().double()
-    out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float64)
-    q = spec.quant != "none"
-    per_row = spec.quant == "fp8_row"
-    for e in range(spec.num_experts):
-        t_idx, j_idx = (ids == e).nonzero(as_tuple=True)
-        if t_idx.numel() == 0:
-            continue
-        xe = x[t_idx]
-        xe = _fp8_dq(xe, per_row) if q else xe.double()
-        we13 = _fp8_dq(w13[e], per_row) if q else w13[e].double()
-        h = xe @ we13.T
-        a = h[:, :spec.inner] * F.silu(h[:, spec.inner:])
-        a = _fp8_dq(a.to(spec.dtype), per_row) if q else a
-        we2 = _fp8_dq(w2[e], per_row) if q else w2[e].double()
-        out.index_add_(0, t_idx, (a @ we2.T) * wts[t_idx, j_idx][:, None])
-    return out
 
 
 def _rand(*shape, seed, scale=1.0):

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conformance_cases import naive_grouped
+from conformance_cases import naive_grouped, naive_moe
+from omni import quant
 from omni.platforms.cuda import cutlass_grouped as cg
 from omni.platforms.cuda import gemm, moe
 from omni.platforms.cuda.capabilities import Caps
@@ -138,7 +139,6 @@ def test_scaled_grouped_mm_hands_the_kernel_the_documented_operands(loaded):
 def test_fused_moe_gathers_rows_the_glue_quantized_as_they_are(loaded):
     """fp8_row: ``RowQuantized`` rows are gathered, not quantized again: the same numbers as plain rows, and the
     e4m3 rows handed in are the ones the experts multiply (a zeroed copy gives zeros)."""
-    from omni import quant
     from omni.specs import RowQuantized
 
     fused = moe.resolve_moe(MOE, H200, pytest.fail)
@@ -175,26 +175,17 @@ def test_the_swiglu_epilogue_pairs_w13_rows_and_keeps_the_moe_s_function(loaded)
     assert torch.equal(paired.w13.data[:, 0::2], halves.w13.data[:, :32])  # row 2j: the first half's row j
     assert torch.equal(paired.w13.data[:, 1::2], halves.w13.data[:, 32:])  # row 2j + 1: the second half's
     assert torch.equal(paired.w13.scale[:, 1::2], halves.w13.scale[:, 32:]) and paired.w13.scale.shape == (4, 64, 1)
-    assert paired.w2.data is not None and torch.equal(paired.w2.data, halves.w2.data)
+    assert torch.equal(paired.w2.data, halves.w2.data)  # w2 keeps its layout
     y, y_separate = fused(x, w, ids, paired), separate(x, w, ids, halves)
     rel = float((y.float() - y_separate.float()).norm() / y_separate.float().norm())
     assert 0 < rel < 0.03, rel  # not bit-equal (other roundings), within e4m3's step
     [call] = loaded[False, True].calls
     assert call["w"] == (4, 64, 64) and call["x"] == (torch.float8_e4m3fn, (74, 64), True)
-    ref = naive_moe(x, w, ids, w13, w2)
+    ref = naive_moe(MOE, x, w, ids, w13, w2)
     err, err_separate = (float((v.float() - ref).norm() / ref.norm()) for v in (y, y_separate))
-    assert err < 1.1 * err_separate, (err, err_separate)  # no further from the oracle (e4m3 weights: ~5.5% both)
-
-
-def naive_moe(x, weights, ids, w13, w2):
-    """The layer's function in fp32 from bf16 weights: ``sum_j w_j * (x1 * silu(x2)) @ w2[e_j].T``."""
-    out = torch.zeros(x.shape[0], w2.shape[1])
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            x1, x2 = (x[t].float() @ w13[e].float().T).chunk(2)
-            out[t] += float(weights[t, j]) * ((x1 * torch.nn.functional.silu(x2)) @ w2[e].float().T)
-    return out
+    # the fp8 oracle rounds as the epilogue does (no bf16 h; the product rounded before the e4m3 quantization):
+    # 0.0023-0.0025 over seeds 2-9, the separate pass 0.006-0.016
+    assert err < 0.005 and err < err_separate, (err, err_separate)
 
 
 def test_a_swiglu_build_that_fails_costs_only_the_fusion(loaded, monkeypatch):
@@ -206,9 +197,9 @@ def test_a_swiglu_build_that_fails_costs_only_the_fusion(loaded, monkeypatch):
     assert fused.paired is None and fused.name == "cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact]"
     x, w, ids, w13, w2 = _moe_operands(3)
     prepared = fused.prepare_weights(w13, w2)
-    assert torch.equal(prepared.w13.data.float(), gemm.quant.prepare_weight(w13, "fp8_row").data.float())  # halves
-    ref = naive_moe(x, w, ids, w13, w2)
-    assert float((fused(x, w, ids, prepared).float() - ref).norm() / ref.norm()) < 0.08  # e4m3 weights: ~0.06
+    assert torch.equal(prepared.w13.data.float(), quant.prepare_weight(w13, "fp8_row").data.float())  # halves
+    ref = naive_moe(MOE, x, w, ids, w13, w2)
+    assert float((fused(x, w, ids, prepared).float() - ref).norm() / ref.norm()) < 0.03  # 0.006-0.016 measured
 
 
 # ----------------------------------------------------------------- the build
