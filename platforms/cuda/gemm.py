@@ -246,14 +246,13 @@ class ScaledGroupedMM:
             return self.scaled(*quant.quantize_fp8(x, per_row=True), w, offs)
         return self.group_quantized(x, w, offs)
 
-    def scaled(self, xq_RI, xs_R1, w: PreparedWeight, offs_E, kernel=None) -> torch.Tensor:
-        """e4m3 rows with their ``[R, 1]`` scales times the prepared experts, bf16 ``[R, O]``; ``kernel``: another
-        build of ours with the same operands (the MoE's SwiGLU epilogue, which returns ``[R, O / 2]``)."""
+    def scaled(self, xq_RI, xs_R1, w: PreparedWeight, offs_E) -> torch.Tensor:
+        """e4m3 rows with their ``[R, 1]`` scales times the prepared experts, bf16 ``[R, O]`` (``[R, O / 2]``
+        when ``kernel`` is our build with the SwiGLU epilogue, which the cuda MoE gives its GEMM 1)."""
         e, o = w.data.shape[:2]
-        kernel = kernel or self.kernel
-        if kernel is not None:
-            return kernel(xq_RI.contiguous(), xs_R1.reshape(-1).float().contiguous(), w.data,
-                          w.scale.view(e, o), offs_E.to(torch.int32).contiguous())
+        if self.kernel is not None:
+            return self.kernel(xq_RI.contiguous(), xs_R1.reshape(-1).float().contiguous(), w.data,
+                               w.scale.view(e, o), offs_E.to(torch.int32).contiguous())
         return torch._scaled_grouped_mm(xq_RI, w.data.transpose(-2, -1), xs_R1.reshape(-1), w.scale.view(e, o),
                                         offs=offs_E, out_dtype=torch.bfloat16, use_fast_accum=self.spec.fast_accum)
 

@@ -120,7 +120,9 @@ class CudaMoE:
         g13 = GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw)
         g2 = GroupedGemmSpec(in_features=spec.inner, out_features=spec.hidden, **kw)
         if spec.quant in FP8:  # both expert GEMMs on one kernel: ours (grouped_kernel) or torch's (None)
-            self.gemm13, self.gemm2 = ScaledGroupedMM(g13, grouped_kernel), ScaledGroupedMM(g2, grouped_kernel)
+            # with the SwiGLU epilogue, GEMM 1 runs that build (its output: a = x1 * silu(x2), [R, I])
+            self.gemm13 = ScaledGroupedMM(g13, paired or grouped_kernel)
+            self.gemm2 = ScaledGroupedMM(g2, grouped_kernel)
         else:
             self.gemm13, self.gemm2 = GroupedMM(g13), GroupedMM(g2)
         fast = fast_accum_tag(spec) if spec.quant in FP8 else ""
@@ -148,10 +150,8 @@ class CudaMoE:
         if self.spec.quant == "fp8_row":
             xq, xs = (self.kernels.gather_rows(rows.q_TI, rows.scale_T1, token_R) if rows is not None
                       else self.kernels.quant_gather(x, token_R))
-            if self.paired is not None:  # SwiGLU in GEMM 1's epilogue (paired rows), then the quantization
-                aq, as_ = self.kernels.quant_rows(self.gemm13.scaled(xq, xs, prepared.w13, offs, kernel=self.paired))
-            else:
-                aq, as_ = self.kernels.swiglu(self.gemm13.scaled(xq, xs, prepared.w13, offs), quantize=True)
+            h = self.gemm13.scaled(xq, xs, prepared.w13, offs)  # with the epilogue: the SwiGLU already
+            aq, as_ = self.kernels.quant_rows(h) if self.paired is not None else self.kernels.swiglu(h, quantize=True)
             y = self.gemm2.scaled(aq, as_, prepared.w2, offs)
         elif self.spec.quant == "fp8_tensor":
             h = self.gemm13.group_quantized(x[token_R], prepared.w13, offs)

@@ -72,8 +72,9 @@ def test_auto_and_a_demand_take_our_kernel_where_it_builds(loaded, choice):
     fused = moe.resolve_moe(dataclasses.replace(MOE, grouped_fp8=choice), H200, pytest.fail)
     assert impl.name == "cuda-scaled-grouped-mm[fp8_row,fast-accum,pong_128x128_c1x2_fast]"
     assert fused.name == "cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact,swiglu-epilogue]"  # no fast_accum
-    assert fused.gemm13.kernel is fused.gemm2.kernel is loaded[False, False]
-    assert fused.paired is loaded[False, True] and fused.paired.config == "coop_128x128_c1x2_exact_swiglu"
+    assert fused.gemm2.kernel is loaded[False, False]  # GEMM 1 runs the build with the SwiGLU epilogue
+    assert fused.gemm13.kernel is fused.paired is loaded[False, True]
+    assert fused.paired.config == "coop_128x128_c1x2_exact_swiglu"
 
 
 def test_torch_choice_never_builds(loaded):
@@ -169,7 +170,7 @@ def test_the_swiglu_epilogue_pairs_w13_rows_and_keeps_the_moe_s_function(loaded)
     """With the SwiGLU epilogue the prepared w13 holds its rows in (x1, x2) pairs, GEMM 1 returns ``[R, I]``,
     and the layer gives the separate pass's result to within its roundings (bf16 h and e4m3 requantization)."""
     fused = moe.resolve_moe(MOE, H200, pytest.fail)
-    separate = moe.CudaMoE(MOE, fused.kernels, fused.gemm13.kernel)  # the same kernels, no epilogue
+    separate = moe.CudaMoE(MOE, fused.kernels, fused.gemm2.kernel)  # our plain kernel, no epilogue
     x, w, ids, w13, w2 = _moe_operands(2)
     paired, halves = fused.prepare_weights(w13, w2), separate.prepare_weights(w13, w2)
     assert torch.equal(paired.w13.data[:, 0::2], halves.w13.data[:, :32])  # row 2j: the first half's row j
