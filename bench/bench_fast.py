@@ -554,6 +554,7 @@ def vae_decode(s: Setup, out, per_image: str):
     with torch.device(s.device):
         vae = AutoencoderKLConv3D(VAEConfig.from_dict(s.cfg.vae)).eval()
     random_init_(vae, 0)
+    vae.prepare(channels_last=s.model.channels_last, group_norm_kernel=s.model.group_norm_kernel)  # as the engine
     lat = s.latents.float()
     ref = to_pixels(vae.decode_image(lat, dtype=torch.float32))
     res = {}

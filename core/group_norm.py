@@ -18,6 +18,13 @@ list) it runs the parallel form on fp32 inputs and weights and returns fp32,
 as the policy would (torch's own kernel took 0.16 s of moments per
 1024x1024 decode); elsewhere it calls ``F.group_norm`` under autocast. A
 channels-last input is reduced in place and the result keeps its layout.
+
+``group_norm_act`` is the definition of the GroupNorm the image paths chain
+with a FiLM modulation and SiLU (the image heads' ResBlocks, the VAE's
+"GN, swish"): the optional glue method ``group_norm`` of a platform computes
+exactly this in one pass over the activations (``omni_glue_impl``).
+``FusableGroupNorm`` modules take that kernel at build (``use_group_norm_kernel``)
+and keep these torch ops when the platform has none.
 """
 from __future__ import annotations
 
@@ -60,7 +67,47 @@ def _group_moments(x: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.var_mean(x.reshape(B, G, -1), dim=-1, correction=0)
 
 
-class GroupNorm(nn.GroupNorm):
+def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float, *,
+                   norm_dtype: torch.dtype, out_dtype: torch.dtype, silu: bool = False,
+                   scale_BC: torch.Tensor | None = None, shift_BC: torch.Tensor | None = None) -> torch.Tensor:
+    """GroupNorm of ``x`` ``[B, C, *]`` in fp32, rounded to ``norm_dtype``, then in ``norm_dtype``
+    ``y * (1 + scale) + shift`` (FiLM, ``[B, C]``, when given) and SiLU, then rounded to ``out_dtype``.
+
+    Each torch op here rounds to ``norm_dtype``; a fused kernel must round at the same places (the image
+    heads' bf16 chain is ADM's GroupNorm32 followed by bf16 ops; the VAE's fp32 chain under fp16 autocast is
+    one rounding to fp16 where the next convolution casts its input).
+    """
+    y = group_norm(x.float(), num_groups, weight.float(), bias.float(), eps).to(norm_dtype)
+    if scale_BC is not None:
+        per_channel = scale_BC.shape + (1,) * (x.dim() - 2)
+        y = y * (1 + scale_BC.to(norm_dtype).view(per_channel)) + shift_BC.to(norm_dtype).view(per_channel)
+    return (F.silu(y) if silu else y).to(out_dtype)
+
+
+class FusableGroupNorm(nn.GroupNorm):
+    """An ``nn.GroupNorm`` whose "norm [, FiLM], SiLU" chain may run as the platform's fused kernel.
+
+    ``kernel`` is the glue's ``group_norm`` (same arguments and result as ``group_norm_act``), set once at
+    build by ``use_group_norm_kernel``; None keeps each subclass's own torch ops.
+    """
+
+    kernel = None
+
+    def fused(self, x: torch.Tensor, *, norm_dtype: torch.dtype, out_dtype: torch.dtype, silu: bool,
+              scale_BC: torch.Tensor | None = None, shift_BC: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel(x, self.num_groups, self.weight, self.bias, self.eps, norm_dtype=norm_dtype,
+                           out_dtype=out_dtype, silu=silu, scale_BC=scale_BC, shift_BC=shift_BC)
+
+
+def use_group_norm_kernel(kernel, *modules: nn.Module) -> int:
+    """Give every ``FusableGroupNorm`` inside ``modules`` the platform's fused ``kernel``; returns how many."""
+    norms = [m for module in modules for m in module.modules() if isinstance(m, FusableGroupNorm)]
+    for m in norms:
+        m.kernel = kernel
+    return len(norms)
+
+
+class GroupNorm(FusableGroupNorm):
     """``nn.GroupNorm`` (same parameters and state-dict names) computed by ``group_norm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +117,19 @@ class GroupNorm(nn.GroupNorm):
             return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         with torch.autocast(x.device.type, enabled=False):  # the float32 policy, made explicit
             return group_norm(x.float(), self.num_groups, _fp32(self.weight), _fp32(self.bias), self.eps)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        """``F.silu(self(x))``, rounded to the dtype the next convolution computes in (autocast's, or the
+        result's). With a kernel: one pass where the norm's dtype is float32 (autocast's CUDA policy, or a
+        float32 ``x`` outside autocast), the same roundings as the two ops and the convolution's cast."""
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if self.kernel is not None and autocast and autocast_dtype_of_group_norm(x) == torch.float32:
+            with torch.autocast(x.device.type, enabled=False):
+                return self.fused(x, norm_dtype=torch.float32, silu=True,
+                                  out_dtype=torch.get_autocast_dtype(x.device.type))
+        if self.kernel is not None and not autocast and x.dtype == torch.float32:
+            return self.fused(x, norm_dtype=torch.float32, out_dtype=torch.float32, silu=True)
+        return F.silu(self(x))
 
 
 _POLICY: dict[tuple, torch.dtype] = {}

@@ -409,6 +409,17 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
       (``KVPool.store_gather``), which calls it for gathered key tables;
       without it (the reference glue has none) the pool runs the two torch
       ops and computes no ``fresh_S``.
+    - optional, ``group_norm(x, num_groups, weight, bias, eps, *, norm_dtype,
+      out_dtype, silu=False, scale_BC=None, shift_BC=None) -> y``: exactly
+      ``omni.group_norm.group_norm_act``: GroupNorm of ``x`` ``[B, C, *]``
+      (contiguous or channels-last; ``y`` keeps the layout) with fp32
+      statistics, rounded to ``norm_dtype``, then FiLM ``y * (1 + scale) +
+      shift`` (``[B, C]``) and SiLU, each rounded to ``norm_dtype`` as the
+      torch ops round, then ``out_dtype``. The image heads (bf16 chain with
+      FiLM) and the VAE ("GroupNorm, swish": fp32 math, rounded once to the
+      next convolution's autocast dtype) take it at build
+      (``omni.group_norm.use_group_norm_kernel``); without it (the reference
+      glue has none) they keep their torch ops.
 
     ``T`` may be 0 (a sequence-parallel rank with no tokens). Results match
     the reference within the activation dtype's rounding (a fused kernel
@@ -421,7 +432,7 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
     Default implementation: ``omni.reference_glue.ReferenceGlue``, plain torch
     ops that run on any device (the fallback of every platform without fused
     glue; it refuses ``memory_bound="triton"``).
-    Versions: 0.2 (``store_gather_kv``).
+    Versions: 0.3 (``group_norm``); 0.2 (``store_gather_kv``).
     """
 
 

@@ -244,7 +244,8 @@ class GlueSpec:
 
 class GlueImpl(Protocol):
     """The fused glue of ``omni_glue_impl`` (every method capturable where the platform captures); a glue may
-    also have ``store_gather_kv`` (the KV pool's one-pass store + gather, documented there)."""
+    also have ``store_gather_kv`` (the KV pool's one-pass store + gather) and ``group_norm`` (the image paths'
+    one-pass GroupNorm [+ FiLM] + SiLU), both documented there."""
 
     name: str
 

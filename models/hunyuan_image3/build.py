@@ -146,6 +146,8 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
             materialize_meta_(m, dev)
     finish()
     model.finalize()
+    if vae is not None:
+        vae.prepare(channels_last=model.channels_last, group_norm_kernel=model.group_norm_kernel)
     if vision is not None:
         vision.finalize()
     return model, vae, vision, _offloaders(recipe, model, vae, services)

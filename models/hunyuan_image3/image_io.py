@@ -25,8 +25,9 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from omni.group_norm import group_norm
+from omni.group_norm import FusableGroupNorm, group_norm
 from omni.layers import Linear
 
 FREQUENCY_DIM = 256
@@ -55,7 +56,7 @@ class TimestepEmbedder(nn.Module):
         return self.mlp(timestep_sinusoid(t_B).to(self.dtype))
 
 
-class GroupNorm32(nn.GroupNorm):
+class GroupNorm32(FusableGroupNorm):
     """GroupNorm(32, eps 1e-5) computed in fp32 and cast back (ADM's GroupNorm32)."""
 
     def __init__(self, channels: int, dtype: torch.dtype):
@@ -64,6 +65,17 @@ class GroupNorm32(nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = group_norm(x.float(), self.num_groups, self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
+
+    def silu(self, x: torch.Tensor, scale_BC: torch.Tensor | None = None,
+             shift_BC: torch.Tensor | None = None) -> torch.Tensor:
+        """``SiLU(GN(x) * (1 + scale) + shift)`` in x's dtype: the platform's one pass, or the torch ops."""
+        if self.kernel is not None:
+            return self.fused(x, norm_dtype=x.dtype, out_dtype=x.dtype, silu=True, scale_BC=scale_BC,
+                              shift_BC=shift_BC)
+        h = self(x)
+        if scale_BC is not None:
+            h = h * (1 + scale_BC[..., None, None]) + shift_BC[..., None, None]
+        return F.silu(h)
 
 
 def conv3(c_in: int, c_out: int, dtype: torch.dtype) -> nn.Conv2d:
@@ -82,10 +94,11 @@ class ResBlock(nn.Module):
         self.skip_connection = nn.Conv2d(c_in, c_out, 1, dtype=dtype) if c_in != c_out else nn.Identity()
 
     def forward(self, x_BCHW: torch.Tensor, emb_BE: torch.Tensor) -> torch.Tensor:
-        h = self.in_layers(x_BCHW)
+        norm_in, _, conv_in = self.in_layers
+        h = conv_in(norm_in.silu(x_BCHW))
         scale_BC, shift_BC = self.emb_layers(emb_BE).to(h.dtype).chunk(2, dim=-1)
-        h = self.out_layers[0](h) * (1 + scale_BC[..., None, None]) + shift_BC[..., None, None]
-        return self.skip_connection(x_BCHW) + self.out_layers[1:](h)
+        norm_out, conv_out = self.out_layers[0], self.out_layers[3]
+        return self.skip_connection(x_BCHW) + conv_out(norm_out.silu(h, scale_BC, shift_BC))
 
 
 def _require_patch_size_1(patch_size: int) -> None:
@@ -136,4 +149,5 @@ class UNetUp(nn.Module):
     def forward(self, x_BhwD: torch.Tensor, emb_BD: torch.Tensor, h: int, w: int) -> torch.Tensor:
         resblock, head = self.model
         x_BDhw = x_BhwD.transpose(1, 2).reshape(x_BhwD.shape[0], -1, h, w)  # a view: channels-last strides
-        return head(resblock(x_BDhw, emb_BD)).contiguous()  # the sampler's NCHW latents (C is only 32)
+        norm, _, conv = head
+        return conv(norm.silu(resblock(x_BDhw, emb_BD))).contiguous()  # the sampler's NCHW latents (C is only 32)

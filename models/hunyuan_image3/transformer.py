@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from omni.build_options import BuildOptions
+from omni.group_norm import use_group_norm_kernel
 from omni.weights import LoadTarget, load_state_dict
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
                          finalize_experts, unhooked)
@@ -288,8 +289,11 @@ class HunyuanImage3Transformer(nn.Module):
         self.patch_embed = UNetDown(C, hidden, D, patch_size=cfg.patch_size, **kw)
         self.final_layer = UNetUp(D, hidden, C, patch_size=cfg.patch_size, **kw)
         self.channels_last = "channels_last" in platform.info.capabilities  # NHWC conv weights at finalize()
-        # the KV pool's fused store + gather (gathered keys), where the platform's glue has one
-        self.kv_store_gather = getattr(platform.glue(glue_spec(cfg, 0, opts)), "store_gather_kv", None)
+        # the glue's optional kernels, where the platform has them: the KV pool's fused store + gather (gathered
+        # keys), and the one-pass "GroupNorm [, FiLM], SiLU" of the image heads and the VAE
+        glue = platform.glue(glue_spec(cfg, 0, opts))
+        self.kv_store_gather = getattr(glue, "store_gather_kv", None)
+        self.group_norm_kernel = getattr(glue, "group_norm", None)
         self.requires_grad_(False)
 
     # ------------------------------------------------------------ token stream
@@ -362,6 +366,8 @@ class HunyuanImage3Transformer(nn.Module):
         finalize_all(self)
         if self.channels_last:
             to_channels_last(self.patch_embed, self.final_layer)
+        if self.group_norm_kernel is not None:
+            use_group_norm_kernel(self.group_norm_kernel, self.patch_embed, self.final_layer)
 
 
 def _has_param(module: nn.Module, name: str) -> bool:

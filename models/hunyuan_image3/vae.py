@@ -11,6 +11,10 @@ down, the shortcut averages groups of channels; going up, it repeats channels.
 The encoder's ``conv_out`` and the decoder's ``conv_in`` get the same kind of
 shortcut. All convolutions are zero-padded and symmetric in T (not causal).
 
+On a platform with the ``channels_last`` capability the decoder runs channels-last
+(``Decoder.use_channels_last``), and its "GroupNorm, swish" pairs run as the
+platform's one-pass kernel where it has one (``omni.group_norm.use_group_norm_kernel``).
+
 Module and parameter names follow the official code, so ``state_dict()`` keys
 equal the checkpoint's ``vae.*`` keys without the ``vae.`` prefix.
 
@@ -26,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni.group_norm import GroupNorm
+from omni.group_norm import GroupNorm, use_group_norm_kernel
 
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 _IGNORED_KEYS = ("_class_name", "_diffusers_version", "sample_size", "sample_tsize")
@@ -121,10 +125,25 @@ def space_to_channels(x_BCTHW: torch.Tensor, rt: int) -> torch.Tensor:
     return x.reshape(B, rt * 4 * C, T // rt, H // 2, W // 2)
 
 
+def is_channels_last(x: torch.Tensor) -> bool:
+    """Whether a 5-D ``x`` lies in memory as ``[B, T, H, W, C]`` (``torch.channels_last_3d``) and not as NCTHW."""
+    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
+
+
+def repeat_channels(x_BCTHW: torch.Tensor, repeats: int) -> torch.Tensor:
+    """``x.repeat_interleave(repeats, dim=1)``, keeping a channels-last layout."""
+    if not is_channels_last(x_BCTHW):
+        return x_BCTHW.repeat_interleave(repeats, dim=1)
+    return x_BCTHW.permute(0, 2, 3, 4, 1).repeat_interleave(repeats, dim=-1).permute(0, 4, 1, 2, 3)
+
+
 def channels_to_space(x_BCThw: torch.Tensor, rt: int) -> torch.Tensor:
-    """Inverse of :func:`space_to_channels`."""
+    """Inverse of :func:`space_to_channels`; a channels-last input gives a channels-last output (one copy)."""
     B, C4, T, h, w = x_BCThw.shape
     C = C4 // (rt * 4)
+    if is_channels_last(x_BCThw):
+        x = x_BCThw.permute(0, 2, 3, 4, 1).view(B, T, h, w, rt, 2, 2, C).permute(0, 1, 4, 2, 5, 3, 6, 7)
+        return x.reshape(B, T * rt, h * 2, w * 2, C).permute(0, 4, 1, 2, 3)
     x = x_BCThw.view(B, rt, 2, 2, C, T, h, w)
     x = x.permute(0, 4, 5, 1, 6, 2, 7, 3)
     return x.reshape(B, C, T * rt, h * 2, w * 2)
@@ -140,8 +159,8 @@ class ResnetBlock(nn.Module):
         self.nin_shortcut = _conv1(c_in, c_out) if c_in != c_out else None
 
     def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x_BCTHW)))
-        h = self.conv2(F.silu(self.norm2(h)))
+        h = self.conv1(self.norm1.silu(x_BCTHW))
+        h = self.conv2(self.norm2.silu(h))
         skip = x_BCTHW if self.nin_shortcut is None else self.nin_shortcut(x_BCTHW)
         return skip + h
 
@@ -208,7 +227,7 @@ class UpsampleDCAE(nn.Module):
 
     def forward(self, x_BCTHW: torch.Tensor) -> torch.Tensor:
         h = channels_to_space(self.conv(x_BCTHW), self.rt)
-        skip = channels_to_space(x_BCTHW.repeat_interleave(self.repeats, dim=1), self.rt)
+        skip = channels_to_space(repeat_channels(x_BCTHW, self.repeats), self.rt)
         return h + skip
 
 
@@ -280,7 +299,7 @@ class Encoder(nn.Module):
         h = self.mid(h)
         B, C, T, H, W = h.shape
         skip = h.view(B, C // self.out_group, self.out_group, T, H, W).mean(dim=2)
-        return self.conv_out(F.silu(self.norm_out(h))) + skip
+        return self.conv_out(self.norm_out.silu(h)) + skip
 
 
 class Decoder(nn.Module):
@@ -303,13 +322,28 @@ class Decoder(nn.Module):
             c = chs[i + 1] if spatial else ch
         self.norm_out = _group_norm(c)
         self.conv_out = _conv3(c, cfg.out_channels)
+        self.channels_last = False  # NTHWC activations and conv weights (``use_channels_last``)
+
+    def use_channels_last(self) -> None:
+        """Keep every conv weight, and so every activation, channels-last (``torch.channels_last_3d``).
+
+        cuDNN's 3-D convolutions compute in NDHWC: with NCDHW tensors it converts the layout around each one
+        (27.7 of the 280 ms of a 1024x1024 fp16 decode on an H200, BENCHMARKS.md "Seventh session").
+        The values are the same; only the memory order changes.
+        """
+        for conv in self.modules():
+            if isinstance(conv, nn.Conv3d):
+                conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
+        self.channels_last = True
 
     def forward(self, z_BCThw: torch.Tensor) -> torch.Tensor:
-        h = self.conv_in(z_BCThw) + z_BCThw.repeat_interleave(self.in_repeats, dim=1)
+        if self.channels_last:
+            z_BCThw = z_BCThw.contiguous(memory_format=torch.channels_last_3d)
+        h = self.conv_in(z_BCThw) + repeat_channels(z_BCThw, self.in_repeats)
         h = self.mid(h)
         for level in self.up:
             h = level(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(self.norm_out.silu(h))
 
 
 class AutoencoderKLConv3D(nn.Module):
@@ -327,6 +361,14 @@ class AutoencoderKLConv3D(nn.Module):
         self.cfg = cfg
         self.encoder = Encoder(cfg) if with_encoder else None
         self.decoder = None if cfg.only_encoder else Decoder(cfg)
+
+    def prepare(self, *, channels_last: bool, group_norm_kernel=None) -> None:
+        """Once, after loading: a channels-last decoder (the platform's ``channels_last`` capability) and the
+        platform's one-pass GroupNorm + SiLU (its glue's ``group_norm``) in every block, where they exist."""
+        if channels_last and self.decoder is not None:
+            self.decoder.use_channels_last()
+        if group_norm_kernel is not None:
+            use_group_norm_kernel(group_norm_kernel, self)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the posterior ``(mean, logvar)``, with logvar clamped to [-30, 20].

@@ -8,6 +8,7 @@ none reads the host, so all of it is capturable:
     swiglu                    x1 * silu(x2) and its fp8 row quantization (the MoE's SwiGLU kernel)
     route                     softmax, top-k and renormalisation of the router logits (one pass)
     store_gather_kv           a forward's K/V into the pool and its key table out of it (one launch)
+    group_norm                GroupNorm [+ FiLM] [+ SiLU] of the image heads and the VAE (``group_norm_triton``)
 
 ``spec.memory_bound`` picks as for the GEMMs: ``auto`` Triton when it
 imports, ``torch`` the reference's ops (``omni.reference_glue``), ``triton``
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from omni.group_norm import group_norm_act
 from omni.kv_pool import store_gather_kv
 from omni.reference_glue import ReferenceGlue
 from omni.specs import GlueSpec, RowQuantized
@@ -106,6 +108,14 @@ class TritonGlue:
                 x, w, ids, T, E, TOPK=k, BLOCK_T=tile.rows, BLOCK_E=self.triton.next_power_of_2(E),
                 KPAD=self.triton.next_power_of_2(k), num_warps=tile.warps)
         return w, ids
+
+    def group_norm(self, x, num_groups, weight, bias, eps, **chain):
+        """``omni.group_norm.group_norm_act`` (``chain``: its keyword arguments) in three launches."""
+        if not x.is_cuda:
+            return group_norm_act(x, num_groups, weight, bias, eps, **chain)
+        from .group_norm_triton import group_norm_act as fused
+
+        return fused(x, num_groups, weight, bias, eps, **chain)
 
     def store_gather_kv(self, k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fresh_S):
         same = k_TKH.dtype == k_pool_PKH.dtype and v_TKH.dtype == v_pool_PKH.dtype
