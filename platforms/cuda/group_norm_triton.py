@@ -105,14 +105,29 @@ def finalize_kernel(mean_ptr, m2_ptr, cnt_ptr, mu_ptr, rstd_ptr, K, eps, BLOCK_K
 
 
 @triton.jit
+def _rnd(y, NORM_DT: tl.constexpr):
+    """fp32 ``y`` rounded to NORM_DT (nearest, ties to even) and kept in fp32. bf16 is spelled in integer ops
+    (add half an ulp, with the tie going to the even side, then drop 16 bits) so that no compiler pass can
+    fold the narrowing and widening into nothing; infinities stay, finite values past bf16's range round
+    to infinity as a conversion does."""
+    if NORM_DT == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True)
+    elif NORM_DT == tl.float16:
+        y = y.to(tl.float16).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _act(x, a, b, scale, shift, NORM_DT: tl.constexpr, FILM: tl.constexpr, SILU: tl.constexpr):
     """The reference's chain on fp32 values, rounding to NORM_DT after each torch op it mirrors."""
-    y = (x * a + b).to(NORM_DT).to(tl.float32)
+    y = _rnd(x * a + b, NORM_DT)
     if FILM:
-        y = (y * (1.0 + scale).to(NORM_DT).to(tl.float32)).to(NORM_DT).to(tl.float32)
-        y = (y + shift).to(NORM_DT).to(tl.float32)
+        y = _rnd(y * _rnd(1.0 + scale, NORM_DT), NORM_DT)
+        y = _rnd(y + shift, NORM_DT)
     if SILU:
-        y = (y / (1.0 + tl.exp(-y))).to(NORM_DT).to(tl.float32)
+        y = _rnd(y / (1.0 + tl.exp(-y)), NORM_DT)
     return y
 
 
