@@ -3,7 +3,7 @@
 Each Triton kernel of the glue (``glue_triton``) and the MoE SwiGLU (``moe_triton``) takes ``ROWS`` rows
 (tokens) per program and runs with some warps; ``TILES`` / ``TritonKernels.swiglu_tile`` hold what the
 platform launches. This sweeps (rows, warps) for every kernel through the platform's own launch code
-(``TritonGlue`` and ``TritonKernels`` with their tile set per try), times CUDA-event medians, and compares
+(``TritonGlue`` and ``TritonKernels`` with their tile set per try; ``quant_tile`` for the row quantization), times CUDA-event medians, and compares
 every output bit for bit with the platform's current tile's. Bits can differ: a row's sum reduces in an
 order that depends on the launch shape (a rounding of the activation dtype at most; the conformance tests
 hold every shape the platform launches to the oracle).
@@ -35,12 +35,14 @@ SWEEP = {
     "swiglu": [(r, w) for r in (1, 2, 4) for w in (4, 8, 16)],
 }
 SWEEP["moe_swiglu"] = SWEEP["swiglu"]
+SWEEP["quant"] = [(r, w) for r in (1, 2, 4, 8) for w in (4, 8, 16)]
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", type=Path)
+    p.add_argument("--keys", default=",".join(SWEEP), help="tile keys to sweep (default: all of them)")
     return p.parse_args()
 
 
@@ -69,6 +71,7 @@ def cases(glue, moe):
     logits = torch.randn(T, E, device="cuda", generator=g)
     h_shared = torch.randn(T, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
     h_routed = torch.randn(R, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
+    h_epilogue = torch.randn(R, I, device="cuda", generator=g, dtype=torch.bfloat16)
     b16 = 2
     return [
         ("rms_norm + fp8 rows", "norm", lambda: glue.rms_norm(x, w, True), T * D * (2 + 2 + 1)),
@@ -79,6 +82,9 @@ def cases(glue, moe):
         ("shared swiglu + fp8 rows", "swiglu", lambda: glue.swiglu(h_shared, True), T * I * (2 * b16 + 1)),
         ("moe swiglu + fp8 rows (65,552 rows)", "moe_swiglu", lambda: moe.swiglu(h_routed, quantize=True),
          R * I * (2 * b16 + 1)),
+        ("fp8 rows of the epilogue's h (65,552 x 3072)", "quant", lambda: moe.quant_rows(h_epilogue),
+         R * I * (b16 + 1)),
+        ("fp8 rows of o_proj's input (8194 x 4096)", "quant", lambda: moe.quant_rows(x), T * D * (b16 + 1)),
     ]
 
 
@@ -86,12 +92,14 @@ def set_tile(glue, moe, key: str, tile) -> None:
     """``moe_swiglu``: the routed rows' SwiGLU; ``swiglu``: the shared expert's (the same kernel, its own tile)."""
     if key == "moe_swiglu":
         moe.swiglu_tile = tile
+    elif key == "quant":
+        moe.quant_tile = tile
     else:
         glue.tiles[key] = tile
 
 
 def current_tile(glue, moe, key: str):
-    return moe.swiglu_tile if key == "moe_swiglu" else glue.tiles[key]
+    return {"moe_swiglu": moe.swiglu_tile, "quant": moe.quant_tile}.get(key) or glue.tiles[key]
 
 
 def main() -> int:
@@ -109,6 +117,8 @@ def main() -> int:
     out = {"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "copy_bandwidth_TBps": copy_bw / 1e12, "rows": []}
     for name, key, fn, nbytes in cases(glue, moe):
+        if key not in a.keys.split(","):
+            continue
         base_tile = current_tile(glue, moe, key)
         want = [t.clone() for t in outputs(fn())]
         row = {"step": name, "tile_key": key, "current": [base_tile.rows, base_tile.warps],

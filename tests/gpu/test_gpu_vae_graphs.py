@@ -150,3 +150,28 @@ def test_nhwc_image_heads_on_cuda_match_nchw():
     torch.testing.assert_close(tokens_cl.float(), tokens.float(), atol=2e-2 * scale, rtol=0)
     torch.testing.assert_close(v_cl.float(), v.float(), atol=2e-2 * float(v.float().abs().max()), rtol=0)
     assert v_cl.is_contiguous()
+
+
+def test_a_prepared_vae_decodes_the_plain_pixels_and_captures():
+    """``prepare`` on cuda (channels-last decoder, the glue's one-pass GroupNorm + SiLU): the fp16 decode's
+    pixels are the plain decode's within one uint8 level, eager and replayed from a graph."""
+    from omni.platform_manager import select
+    from omni.specs import GlueSpec
+
+    platform = select("cuda")
+    platform.device_services(0)
+    kernel = platform.glue(GlueSpec(hidden=64, head_dim=16, eps=1e-5, dtype=torch.bfloat16)).group_norm
+    plain, prepared = small_vae(), small_vae()
+    prepared.prepare(channels_last=True, group_norm_kernel=kernel)
+    assert prepared.decoder.channels_last
+    z = torch.randn(1, 4, 32, 48, device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    levels = lambda x: ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round()  # noqa: E731
+    with torch.inference_mode():
+        want = levels(plain.decode_image(z, dtype=torch.float16))
+        eager = lambda z: prepared.decode_image(z, dtype=torch.float16)  # noqa: E731
+        graphs = StepGraphs(platform, "cuda", name="vae_decode")
+        for _ in range(2):  # capture, then replay
+            got = levels(graphs.run(((tuple(z.shape),), ()), z, eager, lambda: ()).clone())
+            assert (got - want).abs().max() <= 1 and (got != want).float().mean() < 0.01
+        assert torch.equal(got, levels(eager(z)))
+    assert graphs.captures == 1 and graphs.replays >= 1
