@@ -3,7 +3,8 @@
 Each Triton kernel of the glue (``glue_triton``) and the MoE SwiGLU (``moe_triton``) takes ``ROWS`` rows
 (tokens) per program and runs with some warps; ``TILES`` / ``TritonKernels.swiglu_tile`` hold what the
 platform launches. This sweeps (rows, warps) for every kernel through the platform's own launch code
-(``TritonGlue`` and ``TritonKernels`` with their tile set per try; ``quant_tile`` for the row quantization), times CUDA-event medians, and compares
+(``TritonGlue`` and ``TritonKernels`` with their tile set per try; ``quant_tiles`` per width for the row
+quantization), times CUDA-event medians, and compares
 every output bit for bit with the platform's current tile's. Bits can differ: a row's sum reduces in an
 order that depends on the launch shape (a rounding of the activation dtype at most; the conformance tests
 hold every shape the platform launches to the oracle).
@@ -35,7 +36,7 @@ SWEEP = {
     "swiglu": [(r, w) for r in (1, 2, 4) for w in (4, 8, 16)],
 }
 SWEEP["moe_swiglu"] = SWEEP["swiglu"]
-SWEEP["quant"] = [(r, w) for r in (1, 2, 4, 8) for w in (4, 8, 16)]
+SWEEP["quant_routed"] = SWEEP["quant_hidden"] = [(r, w) for r in (1, 2, 4, 8) for w in (4, 8, 16)]
 
 
 def parse() -> argparse.Namespace:
@@ -82,9 +83,9 @@ def cases(glue, moe):
         ("shared swiglu + fp8 rows", "swiglu", lambda: glue.swiglu(h_shared, True), T * I * (2 * b16 + 1)),
         ("moe swiglu + fp8 rows (65,552 rows)", "moe_swiglu", lambda: moe.swiglu(h_routed, quantize=True),
          R * I * (2 * b16 + 1)),
-        ("fp8 rows of the epilogue's h (65,552 x 3072)", "quant", lambda: moe.quant_rows(h_epilogue),
+        ("fp8 rows of the epilogue's h (65,552 x 3072)", "quant_routed", lambda: moe.quant_rows(h_epilogue),
          R * I * (b16 + 1)),
-        ("fp8 rows of o_proj's input (8194 x 4096)", "quant", lambda: moe.quant_rows(x), T * D * (b16 + 1)),
+        ("fp8 rows of o_proj's input (8194 x 4096)", "quant_hidden", lambda: moe.quant_rows(x), T * D * (b16 + 1)),
     ]
 
 
@@ -92,14 +93,15 @@ def set_tile(glue, moe, key: str, tile) -> None:
     """``moe_swiglu``: the routed rows' SwiGLU; ``swiglu``: the shared expert's (the same kernel, its own tile)."""
     if key == "moe_swiglu":
         moe.swiglu_tile = tile
-    elif key == "quant":
-        moe.quant_tile = tile
+    elif key.startswith("quant"):
+        moe.quant_tiles[I if key == "quant_routed" else D] = tile
     else:
         glue.tiles[key] = tile
 
 
 def current_tile(glue, moe, key: str):
-    return {"moe_swiglu": moe.swiglu_tile, "quant": moe.quant_tile}.get(key) or glue.tiles[key]
+    quant = {"quant_routed": moe.quant_tiles.get(I, moe.quant_tile), "quant_hidden": moe.quant_tiles.get(D, moe.quant_tile)}
+    return {"moe_swiglu": moe.swiglu_tile, **quant}.get(key) or glue.tiles[key]
 
 
 def main() -> int:

@@ -164,7 +164,10 @@ class TritonKernels:
 
         # the routed rows' SwiGLU (65,552 rows x 3072): 1 x 8 measured within 2-4% of the best of 9 shapes
         self.swiglu_tile = Tile(1, 8)
-        # quant_rows: the SwiGLU epilogue's h (65,552 rows x 3072) and the o_proj input (8194 x 4096)
+        # quant_rows' launch shape per row width; bench/bench_row_kernels.py on an H200 (BENCHMARKS.md, "Tenth
+        # session"): the SwiGLU epilogue's h (65,552 x 3072) 212.8 -> 172.5 us at 2 x 4, o_proj's input
+        # (8194 x 4096) 68.0 -> 56.7 us at 4 x 16 (the bytes floors: 143.5 and 23.9 us); other widths 1 x 8
+        self.quant_tiles = {3072: Tile(2, 4), 4096: Tile(4, 16)}
         self.quant_tile = Tile(1, 8)
 
     def quant_gather(self, x_TD: torch.Tensor, token_R: torch.Tensor):
@@ -196,7 +199,7 @@ class TritonKernels:
         q = torch.empty(T, D, dtype=torch.float8_e4m3fn, device=x.device)
         s = torch.empty(T, dtype=torch.float32, device=x.device)
         if T:
-            tile = self.quant_tile
+            tile = self.quant_tiles.get(D, self.quant_tile)
             _quant_rows_kernel[(triton.cdiv(T, tile.rows),)](x, q, s, T, D, BLOCK=triton.next_power_of_2(D),
                                                              ROWS=tile.rows, QMAX=FP8_MAX, num_warps=tile.warps)
         return q, s[:, None]
