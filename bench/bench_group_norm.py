@@ -49,7 +49,9 @@ def both(fn, iters):
             "max_abs_diff": float((y.float() - y_ref.float()).abs().max())}
 
 
-def heads(platform):
+def heads(platform, prepare=None):
+    """One CFG step's image heads at the released widths (random values); ``prepare(down, up)`` runs once after
+    the values are set (a benchmark's layout or kernel choice)."""
     cfg = HunyuanImage3Config()
     kw = dict(patch_size=1, platform=platform, dtype=torch.bfloat16)
     with torch.device("cuda"):
@@ -57,6 +59,8 @@ def heads(platform):
         up = image_io.UNetUp(cfg.hidden_size, cfg.patch_embed_hidden_dim, cfg.latent_channels, **kw)
     for m in (down, up):
         random_init_(m, 0)
+    if prepare is not None:
+        prepare(down, up)
     g = torch.Generator(device="cuda").manual_seed(0)
     lat = torch.randn(1, cfg.latent_channels, 64, 64, device="cuda", generator=g).bfloat16()
     emb1, emb2 = (torch.randn(n, cfg.hidden_size, device="cuda", generator=g).bfloat16() for n in (1, 2))

@@ -23,33 +23,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import cuda_event_median, emit, git_commit  # noqa: E402
+from bench_group_norm import heads  # noqa: E402
 from random_fullsize import random_init_  # noqa: E402
 
 from omni.group_norm import use_group_norm_kernel  # noqa: E402
 from omni.models.hunyuan_image3 import image_io  # noqa: E402
-from omni.models.hunyuan_image3.config import HunyuanImage3Config  # noqa: E402
 from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig  # noqa: E402
 from omni.platform_manager import select  # noqa: E402
 from omni.specs import GlueSpec  # noqa: E402
 
 
-def heads(platform, kernel):
-    """One step's image heads, built once per variant with the same random values."""
-    cfg = HunyuanImage3Config()
-    kw = dict(patch_size=1, platform=platform, dtype=torch.bfloat16)
-    with torch.device("cuda"):
-        down = image_io.UNetDown(cfg.latent_channels, cfg.patch_embed_hidden_dim, cfg.hidden_size, **kw)
-        up = image_io.UNetUp(cfg.hidden_size, cfg.patch_embed_hidden_dim, cfg.latent_channels, **kw)
-    for m in (down, up):
-        random_init_(m, 0)
-    image_io.to_channels_last(down, up)
-    if kernel is not None:
-        use_group_norm_kernel(kernel, down, up)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    lat = torch.randn(1, cfg.latent_channels, 64, 64, device="cuda", generator=g).bfloat16()
-    emb1, emb2 = (torch.randn(n, cfg.hidden_size, device="cuda", generator=g).bfloat16() for n in (1, 2))
-    h = torch.randn(2, 64 * 64, cfg.hidden_size, device="cuda", generator=g).bfloat16()
-    return lambda: torch.cat([down(lat, emb1).flatten(), up(h, emb2, 64, 64).flatten()])
+def heads_with(platform, kernel):
+    """One step's image heads (``bench_group_norm.heads``) with NHWC weights, as the model keeps them on cuda,
+    and ``kernel`` as their GroupNorm's (None: the torch ops)."""
+    def prepare(down, up):
+        image_io.to_channels_last(down, up)
+        if kernel is not None:
+            use_group_norm_kernel(kernel, down, up)
+    return heads(platform, prepare)
 
 
 def vae_variants(kernel) -> dict:
@@ -120,8 +111,8 @@ def main():
     kernel = platform.glue(GlueSpec(hidden=4096, head_dim=128, eps=1e-5, dtype=torch.bfloat16)).group_norm
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit()}
     with torch.inference_mode():
-        out["image_heads_one_cfg_step"] = compare({"torch ops": heads(platform, None),
-                                                   "kernel": heads(platform, kernel)}, 20, a.rounds, False)
+        out["image_heads_one_cfg_step"] = compare({"torch ops": heads_with(platform, None),
+                                                   "kernel": heads_with(platform, kernel)}, 20, a.rounds, False)
         print(json.dumps({"image heads": out["image_heads_one_cfg_step"]}), flush=True)
         fns = vae_variants(kernel)
         ref32 = fns.pop("fp32")()

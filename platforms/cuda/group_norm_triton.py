@@ -197,26 +197,31 @@ def _chunks(n: int, step: int, parts: int) -> tuple[int, int]:
 def group_norm_act(x, num_groups, weight, bias, eps, *, norm_dtype, out_dtype, silu=False, scale_BC=None,
                    shift_BC=None):
     """``omni.group_norm.group_norm_act`` in three launches; the result keeps ``x``'s layout."""
+    chain = dict(norm_dtype=norm_dtype, out_dtype=out_dtype, silu=silu, scale_BC=scale_BC, shift_BC=shift_BC)
     B, C, G = x.shape[0], x.shape[1], num_groups
-    S = x.numel() // max(B * C, 1)
     cl = channels_last(x) and _pow2(C) and _pow2(C // G) and C <= 4 * TILE
     if not cl and B * C > 65535:  # the contiguous apply puts (sample, channel) on the grid's second axis
-        return reference_act(x, num_groups, weight, bias, eps, norm_dtype=norm_dtype, out_dtype=out_dtype,
-                             silu=silu, scale_BC=scale_BC, shift_BC=shift_BC)
+        return reference_act(x, num_groups, weight, bias, eps, **chain)
     if not cl and channels_last(x):  # channels the kernels cannot tile: computed contiguous, handed back as given
         fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        return group_norm_act(x.contiguous(), num_groups, weight, bias, eps, norm_dtype=norm_dtype,
-                              out_dtype=out_dtype, silu=silu, scale_BC=scale_BC,
-                              shift_BC=shift_BC).contiguous(memory_format=fmt)
+        return group_norm_act(x.contiguous(), num_groups, weight, bias, eps, **chain).contiguous(memory_format=fmt)
     x = x if cl else x.contiguous()
     y = torch.empty_like(x, dtype=out_dtype)
-    if x.numel() == 0:
-        return y
-    film = scale_BC is not None
-    scale = scale_BC.to(norm_dtype).contiguous() if film else x
-    shift = shift_BC.to(norm_dtype).contiguous() if film else x
-    rows = max(1, TILE // C)
-    chunk, K = _chunks(S, rows, triton.cdiv(PROGRAMS, B)) if cl else _chunks(C // G * S, TILE, triton.cdiv(PROGRAMS, B * G))
+    if x.numel():
+        mu, rstd = _moments(x, G, eps, cl)
+        _apply(x, y, mu, rstd, weight, bias, G, cl, norm_dtype, silu, scale_BC, shift_BC)
+    return y
+
+
+def _moments(x, G: int, eps: float, cl: bool):
+    """Each (sample, group)'s mean and 1/sqrt(var + eps), fp32 ``[B * G]``: chunk summaries, then their merge."""
+    B, C = x.shape[:2]
+    S = x.numel() // (B * C)
+    if cl:
+        rows = max(1, TILE // C)
+        chunk, K = _chunks(S, rows, triton.cdiv(PROGRAMS, B))
+    else:
+        chunk, K = _chunks(C // G * S, TILE, triton.cdiv(PROGRAMS, B * G))
     part = torch.empty(3, B * G * K, dtype=torch.float32, device=x.device)
     if cl:
         stats_cl_kernel[(K, B)](x, part[0], part[1], part[2], S, chunk, K, C=C, G=G, ROWS=rows, num_warps=8)
@@ -224,12 +229,22 @@ def group_norm_act(x, num_groups, weight, bias, eps, *, norm_dtype, out_dtype, s
         stats_rows_kernel[(K, B * G)](x, part[0], part[1], part[2], C // G * S, chunk, K, BLOCK=TILE, num_warps=8)
     mu, rstd = torch.empty(2, B * G, dtype=torch.float32, device=x.device)
     finalize_kernel[(B * G,)](part[0], part[1], part[2], mu, rstd, K, eps, BLOCK_K=triton.next_power_of_2(K))
+    return mu, rstd
+
+
+def _apply(x, y, mu, rstd, weight, bias, G: int, cl: bool, norm_dtype, silu: bool, scale_BC, shift_BC) -> None:
+    """``y`` = the normalised, modulated, activated ``x`` (one pass)."""
+    B, C = x.shape[:2]
+    S = x.numel() // (B * C)
+    film = scale_BC is not None
+    scale = scale_BC.to(norm_dtype).contiguous() if film else x  # the reference rounds them to norm_dtype first
+    shift = shift_BC.to(norm_dtype).contiguous() if film else x
     flags = dict(NORM_DT=_DTYPES[norm_dtype], FILM=film, SILU=silu, num_warps=8)
     if cl:
+        rows = max(1, TILE // C)
         apply_cl_kernel[(triton.cdiv(S, rows), B)](x, y, mu, rstd, weight, bias, scale, shift, S, C=C, G=G,
                                                    ROWS=rows, **flags)
     else:
         block = min(2048, triton.next_power_of_2(S))
         apply_rows_kernel[(triton.cdiv(S, block), B * C)](x, y, mu, rstd, weight, bias, scale, shift, S, C, G,
                                                           BLOCK=block, **flags)
-    return y
