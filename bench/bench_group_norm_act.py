@@ -44,40 +44,23 @@ def heads_with(platform, kernel):
 
 
 def vae_variants(kernel) -> dict:
-    """(name -> decode function) over one random VAE: before, channels-last, kernel, both."""
-    with torch.device("cuda"):
-        vae = AutoencoderKLConv3D(VAEConfig(), with_encoder=False).eval()
-    random_init_(vae, 0)
+    """(name -> decode function): an fp32 decode, then before, channels-last, the kernel, both (fp16 autocast).
+    Two decoders with the same random values: one NCDHW, one channels-last (both resident)."""
+    ncdhw, cl = (AutoencoderKLConv3D(VAEConfig(), with_encoder=False).to("cuda").eval() for _ in range(2))
+    for vae in (ncdhw, cl):
+        random_init_(vae, 0)
+    cl.decoder.use_channels_last()
     lat = torch.randn(1, 32, 64, 64, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    dec = vae.decoder
 
-    def variant(channels_last: bool, fused: bool):
+    def decode(vae, fused: bool, dtype=torch.float16):
         def run():
-            dec.channels_last = channels_last
             use_group_norm_kernel(kernel if fused else None, vae)
-            return vae.decode_image(lat, dtype=torch.float16)
+            return vae.decode_image(lat, dtype=dtype)
         return run
 
-    ncdhw = {n: c.weight.data for n, c in dec.named_modules() if isinstance(c, torch.nn.Conv3d)}
-    dec.use_channels_last()
-    cl = {n: c.weight.data for n, c in dec.named_modules() if isinstance(c, torch.nn.Conv3d)}
-
-    def weights(which):  # swap the weight layout with the variant (both copies stay resident)
-        def wrap(fn):
-            def run():
-                for n, c in dec.named_modules():
-                    if isinstance(c, torch.nn.Conv3d):
-                        c.weight.data = which[n]
-                return fn()
-            return run
-        return wrap
-
-    fp32 = weights(ncdhw)(lambda: (setattr(dec, "channels_last", False), use_group_norm_kernel(None, vae),
-                                   vae.decode_image(lat, dtype=torch.float32))[-1])
-    return {"fp32": fp32, "before (NCDHW, torch ops)": weights(ncdhw)(variant(False, False)),
-            "channels-last only": weights(cl)(variant(True, False)),
-            "kernel only": weights(ncdhw)(variant(False, True)),
-            "channels-last + kernel (landed)": weights(cl)(variant(True, True))}
+    return {"fp32": decode(ncdhw, False, torch.float32), "before (NCDHW, torch ops)": decode(ncdhw, False),
+            "channels-last only": decode(cl, False), "kernel only": decode(ncdhw, True),
+            "channels-last + kernel (landed)": decode(cl, True)}
 
 
 def levels(x: torch.Tensor) -> torch.Tensor:

@@ -60,11 +60,19 @@ def parallel_group_norm(x: torch.Tensor, num_groups: int, weight: torch.Tensor |
 
 
 def _group_moments(x: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Biased variance and mean ``[B, G]`` per group; a channels-last ``x`` is read in place as ``[B, HW, G, C/G]``."""
+    """Biased variance and mean ``[B, G]`` per group; a channels-last ``x`` (4-D or 5-D) is read in place as
+    ``[B, positions, G, C/G]``."""
     B, C = x.shape[:2]
-    if x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
-        return torch.var_mean(x.permute(0, 2, 3, 1).reshape(B, -1, G, C // G), dim=(1, 3), correction=0)
+    if channels_last(x):
+        return torch.var_mean(x.movedim(1, -1).reshape(B, -1, G, C // G), dim=(1, 3), correction=0)
     return torch.var_mean(x.reshape(B, G, -1), dim=-1, correction=0)
+
+
+def channels_last(x: torch.Tensor) -> bool:
+    """Whether ``x`` lies in memory as ``[B, *positions, C]`` (``torch.channels_last`` for 4-D,
+    ``channels_last_3d`` for 5-D) and not also as ``[B, C, *positions]``."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt)
 
 
 def group_norm_act(x: torch.Tensor, num_groups: int, weight: torch.Tensor, bias: torch.Tensor, eps: float, *,

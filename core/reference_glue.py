@@ -82,4 +82,3 @@ class ReferenceGlue:
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         weights_Tk, experts_Tk = probs_TE.topk(self.spec.topk, dim=-1)
         return weights_Tk / weights_Tk.sum(dim=-1, keepdim=True), experts_Tk
-

@@ -51,13 +51,18 @@ def test_nhwc_heads_give_the_nchw_tokens_and_velocity(both):
     assert v_nhwc.is_contiguous()  # the sampler's latents stay NCHW
 
 
-def test_group_norm_reduces_a_channels_last_input_in_place_and_keeps_its_layout():
+@pytest.mark.parametrize("shape, fmt", [((2, 64, 6, 5), torch.channels_last),
+                                        ((2, 64, 3, 6, 5), torch.channels_last_3d)])  # heads; the VAE decoder
+def test_group_norm_reduces_a_channels_last_input_in_place_and_keeps_its_layout(monkeypatch, shape, fmt):
     g = torch.Generator().manual_seed(2)
-    x = (torch.randn(2, 64, 6, 5, generator=g, dtype=torch.float64) * 2 + 3).contiguous(memory_format=torch.channels_last)
+    x = (torch.randn(*shape, generator=g, dtype=torch.float64) * 2 + 3).contiguous(memory_format=fmt)
     w, b = torch.randn(64, generator=g, dtype=torch.float64), torch.randn(64, generator=g, dtype=torch.float64)
+    var_mean, reduced = torch.var_mean, []
+    monkeypatch.setattr(torch, "var_mean", lambda t, **kw: (reduced.append(t.data_ptr()), var_mean(t, **kw))[1])
     y = parallel_group_norm(x, 32, w, b, 1e-6)
+    assert reduced == [x.data_ptr()]  # the moments read x itself, not a reshaped copy
     torch.testing.assert_close(y, F.group_norm(x.contiguous(), 32, w, b, 1e-6), atol=1e-12, rtol=0)
-    assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+    assert y.is_contiguous(memory_format=fmt) and not y.is_contiguous()
 
 
 def test_a_float32_autocast_policy_runs_fp32_and_returns_fp32(monkeypatch):

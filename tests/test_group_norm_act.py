@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omni.group_norm import FusableGroupNorm, GroupNorm, group_norm_act, use_group_norm_kernel
+from omni.group_norm import FusableGroupNorm, GroupNorm, channels_last, group_norm_act, use_group_norm_kernel
 from omni.models.hunyuan_image3.image_io import GroupNorm32, ResBlock
-from omni.models.hunyuan_image3.vae import (AutoencoderKLConv3D, VAEConfig, channels_to_space, is_channels_last,
-                                            repeat_channels)
+from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig, channels_to_space, repeat_channels
 from omni.platform_manager import select
 
 from test_golden_vae import GOLDEN_JSON, GOLDEN_TENSORS, golden, vae_weights  # noqa: F401 (fixtures)
@@ -109,10 +108,10 @@ def test_fusable_norms_are_found_everywhere_in_a_vae():
 def test_channels_last_shuffles_are_the_nchw_ones(rt):
     x = _randn(2, 4 * rt * 3, 2, 3, 5, seed=15)
     cl = x.contiguous(memory_format=torch.channels_last_3d)
-    assert is_channels_last(cl) and not is_channels_last(x)
+    assert channels_last(cl) and not channels_last(x)
     for nchw, nhwc in ((channels_to_space(x, rt), channels_to_space(cl, rt)),
                        (repeat_channels(x, 4), repeat_channels(cl, 4))):
-        assert torch.equal(nhwc, nchw) and is_channels_last(nhwc)
+        assert torch.equal(nhwc, nchw) and channels_last(nhwc)
     assert torch.equal(repeat_channels(x, 4), x.repeat_interleave(4, dim=1))
 
 

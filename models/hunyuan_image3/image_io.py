@@ -124,16 +124,18 @@ class UNetDown(nn.Module):
 
 
 def to_channels_last(*modules: nn.Module) -> None:
-    """NHWC weights for every convolution of ``modules``.
+    """Channels-last weights for every convolution of ``modules`` (NHWC 2-D, NDHWC 3-D: the VAE's decoder).
 
     Image tokens are already ``[B, h, w, D]``, so the heads' activations are
     channels-last views; with NCHW weights cuDNN converts the layout around
     every convolution (1.26 ms of a 1024x1024 CFG step on an H200: BENCHMARKS.md, "Seventh session").
     """
+    formats = {nn.Conv2d: torch.channels_last, nn.Conv3d: torch.channels_last_3d}
     for module in modules:
         for conv in module.modules():
-            if isinstance(conv, nn.Conv2d):
-                conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
+            fmt = next((f for cls, f in formats.items() if isinstance(conv, cls)), None)
+            if fmt is not None:
+                conv.weight.data = conv.weight.data.contiguous(memory_format=fmt)
 
 
 class UNetUp(nn.Module):

@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni.group_norm import GroupNorm, use_group_norm_kernel
+from omni.group_norm import GroupNorm, channels_last, use_group_norm_kernel
+
+from .image_io import to_channels_last
 
 LOGVAR_MIN, LOGVAR_MAX = -30.0, 20.0
 _IGNORED_KEYS = ("_class_name", "_diffusers_version", "sample_size", "sample_tsize")
@@ -125,14 +127,9 @@ def space_to_channels(x_BCTHW: torch.Tensor, rt: int) -> torch.Tensor:
     return x.reshape(B, rt * 4 * C, T // rt, H // 2, W // 2)
 
 
-def is_channels_last(x: torch.Tensor) -> bool:
-    """Whether a 5-D ``x`` lies in memory as ``[B, T, H, W, C]`` (``torch.channels_last_3d``) and not as NCTHW."""
-    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
-
-
 def repeat_channels(x_BCTHW: torch.Tensor, repeats: int) -> torch.Tensor:
     """``x.repeat_interleave(repeats, dim=1)``, keeping a channels-last layout."""
-    if not is_channels_last(x_BCTHW):
+    if not channels_last(x_BCTHW):
         return x_BCTHW.repeat_interleave(repeats, dim=1)
     return x_BCTHW.permute(0, 2, 3, 4, 1).repeat_interleave(repeats, dim=-1).permute(0, 4, 1, 2, 3)
 
@@ -141,7 +138,7 @@ def channels_to_space(x_BCThw: torch.Tensor, rt: int) -> torch.Tensor:
     """Inverse of :func:`space_to_channels`; a channels-last input gives a channels-last output (one copy)."""
     B, C4, T, h, w = x_BCThw.shape
     C = C4 // (rt * 4)
-    if is_channels_last(x_BCThw):
+    if channels_last(x_BCThw):
         x = x_BCThw.permute(0, 2, 3, 4, 1).view(B, T, h, w, rt, 2, 2, C).permute(0, 1, 4, 2, 5, 3, 6, 7)
         return x.reshape(B, T * rt, h * 2, w * 2, C).permute(0, 4, 1, 2, 3)
     x = x_BCThw.view(B, rt, 2, 2, C, T, h, w)
@@ -331,9 +328,7 @@ class Decoder(nn.Module):
         (27.7 of the 280 ms of a 1024x1024 fp16 decode on an H200, BENCHMARKS.md "Seventh session").
         The values are the same; only the memory order changes.
         """
-        for conv in self.modules():
-            if isinstance(conv, nn.Conv3d):
-                conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
+        to_channels_last(self)
         self.channels_last = True
 
     def forward(self, z_BCThw: torch.Tensor) -> torch.Tensor:

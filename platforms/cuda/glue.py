@@ -38,9 +38,10 @@ class TritonGlue:
     def __init__(self, spec: GlueSpec, moe_kernels):
         import triton
 
-        from . import glue_triton
+        from . import glue_triton, group_norm_triton
 
         self.spec, self.k, self.swiglu_kernels, self.triton = spec, glue_triton, moe_kernels, triton
+        self.group_norm_kernels = group_norm_triton
         self.tiles = dict(glue_triton.TILES)  # launch shapes per kernel (a benchmark may try others)
         self.block = triton.next_power_of_2(spec.hidden)
         self.name = "cuda-triton-glue"
@@ -111,11 +112,8 @@ class TritonGlue:
 
     def group_norm(self, x, num_groups, weight, bias, eps, **chain):
         """``omni.group_norm.group_norm_act`` (``chain``: its keyword arguments) in three launches."""
-        if not x.is_cuda:
-            return group_norm_act(x, num_groups, weight, bias, eps, **chain)
-        from .group_norm_triton import group_norm_act as fused
-
-        return fused(x, num_groups, weight, bias, eps, **chain)
+        act = self.group_norm_kernels.group_norm_act if x.is_cuda else group_norm_act
+        return act(x, num_groups, weight, bias, eps, **chain)
 
     def store_gather_kv(self, k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fresh_S):
         same = k_TKH.dtype == k_pool_PKH.dtype and v_TKH.dtype == v_pool_PKH.dtype

@@ -21,7 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from omni.group_norm import group_norm_act as reference_act
+from omni.group_norm import channels_last, group_norm_act as reference_act
+
+from .glue import _pow2
 
 TILE = 8192  # values per program per loop trip (stats) or per program (apply)
 PROGRAMS = 1024  # stats programs to aim for: several per SM, few enough chunks for one finalize block
@@ -175,16 +177,6 @@ def apply_cl_kernel(x_ptr, y_ptr, mu_ptr, rstd_ptr, w_ptr, bias_ptr, scale_ptr, 
 
 
 _DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def channels_last(x: torch.Tensor) -> bool:
-    """Whether ``x`` lies in memory as ``[B, *spatial, C]`` (and not also as ``[B, C, *spatial]``)."""
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    return fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt)
 
 
 def _chunks(n: int, step: int, parts: int) -> tuple[int, int]:

@@ -26,34 +26,18 @@ FP8_MAX = 448.0
 
 
 @triton.jit
-def _quant_gather_kernel(x_ptr, token_ptr, q_ptr, s_ptr, D, BLOCK: tl.constexpr, QMAX: tl.constexpr,
-                         GATHER: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    if GATHER:
-        t = tl.load(token_ptr + r).to(tl.int64)
-    else:
-        t = r
-    cols = tl.arange(0, BLOCK)
-    m = cols < D
-    x = tl.load(x_ptr + t * D + cols, mask=m, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, 1e-12)
-    q = tl.minimum(tl.maximum(x / s, -QMAX), QMAX)
-    tl.store(q_ptr + r * D + cols, q.to(tl.float8e4nv), mask=m)
-    tl.store(s_ptr + r, s)
-
-
-@triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROWS: tl.constexpr, QMAX: tl.constexpr):
-    """``_quant_gather_kernel`` without the gather, ``ROWS`` rows per program."""
+def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                  QMAX: tl.constexpr, GATHER: tl.constexpr):
+    """Rows ``[ROWS]`` of the output: e4m3 of source row ``token[r]`` (``GATHER``) or ``r``, and its scale."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     rm = rows < T
     m = rm[:, None] & (cols < D)[None, :]
-    off = rows[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
+    src = tl.load(token_ptr + rows, mask=rm, other=0).to(tl.int64) if GATHER else rows
+    x = tl.load(x_ptr + src[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
     s = tl.maximum(tl.max(tl.abs(x), axis=1) / QMAX, 1e-12)
     q = tl.minimum(tl.maximum(x / s[:, None], -QMAX), QMAX)
-    tl.store(q_ptr + off, q.to(tl.float8e4nv), mask=m)
+    tl.store(q_ptr + rows[:, None] * D + cols[None, :], q.to(tl.float8e4nv), mask=m)
     tl.store(s_ptr + rows, s, mask=rm)
 
 
@@ -177,8 +161,8 @@ class TritonKernels:
         s = torch.empty(R, dtype=torch.float32, device=x.device)
         if R:
             block = triton.next_power_of_2(D)
-            _quant_gather_kernel[(R,)](x, token_R, q, s, D, BLOCK=block, QMAX=FP8_MAX, GATHER=True,
-                                       num_warps=_warps(block))
+            _quant_kernel[(R,)](x, token_R, q, s, R, D, BLOCK=block, ROWS=1, QMAX=FP8_MAX, GATHER=True,
+                                num_warps=_warps(block))
         return q, s[:, None]
 
     def gather_rows(self, q_TD: torch.Tensor, s_T1: torch.Tensor, token_R: torch.Tensor):
@@ -200,8 +184,9 @@ class TritonKernels:
         s = torch.empty(T, dtype=torch.float32, device=x.device)
         if T:
             tile = self.quant_tiles.get(D, self.quant_tile)
-            _quant_rows_kernel[(triton.cdiv(T, tile.rows),)](x, q, s, T, D, BLOCK=triton.next_power_of_2(D),
-                                                             ROWS=tile.rows, QMAX=FP8_MAX, num_warps=tile.warps)
+            _quant_kernel[(triton.cdiv(T, tile.rows),)](x, x, q, s, T, D, BLOCK=triton.next_power_of_2(D),
+                                                        ROWS=tile.rows, QMAX=FP8_MAX, GATHER=False,
+                                                        num_warps=tile.warps)
         return q, s[:, None]
 
     def swiglu(self, h_R2I: torch.Tensor, quantize: bool, tile=None):
