@@ -57,7 +57,7 @@ RELEASED_LAYERS = 32
 RANDOM_LAYERS_GATE = 0.12  # docs/quality.md: fp8_row vs bf16 backbone output, random full-size layers
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--size", default="1024x1024")
@@ -71,6 +71,8 @@ def parse():
                    help="fp8 GEMMs accumulate without fp32 promotion (kernels.fp8_fast_accum), engine and floor")
     p.add_argument("--grouped-fp8", choices=["auto", "torch", "cutlass"], default="auto",
                    help="kernel of the fp8 expert GEMMs (kernels.grouped_fp8), engine and floor")
+    p.add_argument("--shared-stream", action="store_true",
+                   help="the engine runs each layer's shared expert on a side stream (kernels.shared_expert_stream)")
     p.add_argument("--no-vae", action="store_true")
     p.add_argument("--vae-dtype", choices=["float32", "float16", "bfloat16"], default="float16",
                    help="the decode whose time enters the per-image figure (all three are timed and compared); "
@@ -80,7 +82,7 @@ def parse():
     p.add_argument("--platform", default="cuda", help="cpu with --config small: a dry run of the script")
     p.add_argument("--config", choices=["released", "small"], default="released",
                    help="small: hidden 256, 4 experts (dry runs only)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def bench_config(a):
@@ -130,7 +132,7 @@ class Setup:
             self.model = HunyuanImage3Transformer(cfg, platform, BuildOptions(
                 dtype=torch.bfloat16, quant=quant, capturable=platform.info.accelerator,
                 attn_fp8=a.attn_fp8 and quant != "none", fast_accum=a.fast_accum and quant != "none",
-                grouped_fp8=a.grouped_fp8))
+                grouped_fp8=a.grouped_fp8, shared_expert_stream=a.shared_stream))
         random_init_(self.model, seed=0)  # same seed: the bf16 and fp8 models share their bf16 weights
         self.model.finalize()
         self.model.eval()

@@ -36,6 +36,7 @@ class BuildOptions:
     attn_fp8: bool = False  # ``attention.fp8``: e4m3 Q/K/V in the attention products (docs/quality.md gates it)
     fast_accum: bool = False  # ``kernels.fp8_fast_accum``: fp8 GEMMs may skip fp32 promotion (docs/quality.md)
     grouped_fp8: str = "auto"  # ``kernels.grouped_fp8``: the fp8 expert GEMMs' kernel (``omni.specs.GROUPED_FP8``)
+    shared_expert_stream: bool = False  # ``kernels.shared_expert_stream``: the shared expert beside the routed path
 
     @classmethod
     def from_recipe(cls, recipe) -> BuildOptions:
@@ -44,7 +45,8 @@ class BuildOptions:
                    paged_kv=paged, page_size=recipe.kv_cache.page_tokens if paged else 0,
                    attn_backend=recipe.attention.backend, capturable=recipe.graph.mode == "capture",
                    memory_bound=recipe.kernels.memory_bound, attn_fp8=recipe.attention.fp8,
-                   fast_accum=recipe.kernels.fp8_fast_accum, grouped_fp8=recipe.kernels.grouped_fp8)
+                   fast_accum=recipe.kernels.fp8_fast_accum, grouped_fp8=recipe.kernels.grouped_fp8,
+                   shared_expert_stream=recipe.kernels.shared_expert_stream)
 
     def linear_kw(self, quant: str) -> dict:
         """The kernel choices every ``Linear`` of the model is built with, for the scheme ``quant``."""

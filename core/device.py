@@ -33,8 +33,9 @@ class DeviceServices:
         if self.device_type != "cpu":
             self._mod.synchronize(self.device)
 
-    def stream(self):
-        return self._mod.Stream(self.device) if self.device_type != "cpu" else None
+    def stream(self, priority: int = 0):
+        """A new stream of this device (None on the CPU); ``priority`` as ``torch.<device>.Stream`` takes it."""
+        return self._mod.Stream(self.device, priority=priority) if self.device_type != "cpu" else None
 
     def current_stream(self):
         return self._mod.current_stream(self.device) if self.device_type != "cpu" else None

@@ -348,7 +348,11 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     a parallel-plan hook sits on the experts (an expert dispatch must see the
     routed rows' own output), and the residual only where none sits on the
     MLP (its all-reduce must see the MLP's own output); without the attribute
-    it adds them itself in the official bf16 order.
+    it adds them itself in the official bf16 order. ``addends`` may also be a
+    zero-argument callable returning that tuple: the implementation calls it
+    once, right before the first op that reads the addends, and not before
+    its last op that does not (the model's shared expert runs on a side
+    stream, ``omni.streams``, and the callable joins it there).
 
     Capture safety: ``__call__`` must not read routing on the host (no
     ``.tolist()``, no ``bincount`` without a fixed size, no shape that depends
@@ -363,7 +367,8 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     and, for quantized schemes, ``grouped_fp8="cutlass"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.6 (``accepts_addends``); 0.5 (``grouped_fp8``, ``accepts_row_quantized``; 0.4 ``fast_accum``;
+    Versions: 0.7 (``addends`` as a callable); 0.6 (``accepts_addends``); 0.5 (``grouped_fp8``,
+    ``accepts_row_quantized``; 0.4 ``fast_accum``;
     0.3 ``memory_bound``).
     """
 

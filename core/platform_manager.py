@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 import pluggy
+import torch
 
 from . import hookspecs
 from .hookspecs import hookimpl
 from .reference import plugin as reference_plugin
+from .streams import INLINE, SideStream
 from .specs import (AttentionSpec, CaptureSpec, CollectiveSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec,
                     PlatformInfo, Reject)
 
@@ -195,6 +197,7 @@ class Platform:
         self.pm.register(_Attributed(reference_plugin, REFERENCE, self.pm), name=REFERENCE)
         self.pm.check_pending()
         self._cache: dict[tuple[str, object], object] = {}
+        self._side = None
 
     # -- build-time factories (cached per spec)
     def attention(self, spec: AttentionSpec):
@@ -248,6 +251,20 @@ class Platform:
         if hasattr(services, "index"):
             services.index = local_rank
         return services
+
+    def side_stream(self):
+        """The worker's side stream (``omni.streams.SideStream``, one per platform object), or ``omni.streams.INLINE``
+        on a device without streams (the CPU). Called at model build; the stream is created on first use, on the
+        device current then (``omni_platform_configure`` bound it)."""
+        if self._side is None:
+            services = self.pm.hook.omni_device_services(info=self.info)
+            if services.current_stream() is None:
+                self._side = INLINE
+            else:
+                if hasattr(services, "index"):  # the worker's device, bound before any model is built
+                    services.index = torch.accelerator.current_device_index()
+                self._side = SideStream(services)
+        return self._side
 
     def dist_backend(self) -> str:
         return self.pm.hook.omni_dist_backend(info=self.info)

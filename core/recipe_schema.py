@@ -134,6 +134,9 @@ class Kernels(_Validated):
                                     "~/.cache/omni-run/kernels; else the stock kernel); torch (torch's "
                                     "_scaled_grouped_mm); cutlass (demand the CUTLASS build: refused where absent)",
                             choices=GROUPED_FP8)
+    shared_expert_stream: bool = _opt(False, "run each MoE layer's shared expert on a side stream beside the routed "
+                                             "path (router, sort, gather, grouped GEMMs), joined at the combine; "
+                                             "the same numbers; devices without streams (the CPU) run it inline")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -42,6 +42,7 @@ from omni.weights import LoadTarget, load_state_dict
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
                          finalize_experts, unhooked)
 from omni.specs import GlueSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
+from omni.streams import INLINE
 
 from .config import HunyuanImage3Config
 from .image_io import TimestepEmbedder, UNetDown, UNetUp, to_channels_last
@@ -194,8 +195,9 @@ class RoutedExperts(KernelOwner):
         return getattr(self.moe, "accepts_addends", False) and unhooked(self)
 
     def forward(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, experts_Tk: torch.Tensor,
-                addends: tuple = ()) -> torch.Tensor:
-        """The routed experts' weighted sum; ``addends`` (only where ``takes_addends``) join its fp32 combine."""
+                addends=()) -> torch.Tensor:
+        """The routed experts' weighted sum; ``addends`` (only where ``takes_addends``; a tuple, or a callable the
+        kernel calls right before its combine reads them) join its fp32 combine."""
         g13, g2 = self.gate_and_up_proj, self.down_proj
         prepared = PreparedMoE(g13.prepared or PreparedWeight(g13.weight), g2.prepared or PreparedWeight(g2.weight))
         if addends:
@@ -216,21 +218,31 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(E, D, inner, platform=platform, topk=cfg.moe_topk[layer_idx],
                                      capturable=opts.capturable, grouped_fp8=opts.grouped_fp8,
                                      **opts.linear_kw(opts.quant))
+        self.side = platform.side_stream() if opts.shared_expert_stream else INLINE
 
     def forward(self, n_TD, residual_TD: torch.Tensor | None = None) -> torch.Tensor:
         """``n_TD``: the normed rows, or their ``RowQuantized`` form (the shared expert, and the routed experts
         where their kernel says so, take it as is). ``residual_TD``, if given, is added to the output: inside
         the routed experts' combine with the shared expert's output where the kernel takes addends."""
         x_TD = n_TD.x_TI if isinstance(n_TD, RowQuantized) else n_TD
+        shared = self._beside().run(self.shared_mlp, n_TD)  # joined where its output is first read
         weights_Tk, experts_Tk = self.gate(x_TD)
         routed_in = n_TD if isinstance(n_TD, RowQuantized) and self.experts.takes_rows else x_TD
-        terms = (self.shared_mlp(n_TD),) if residual_TD is None else (residual_TD, self.shared_mlp(n_TD))
+
+        def terms() -> tuple:
+            return (shared.join(),) if residual_TD is None else (residual_TD, shared.join())
+
         if self.experts.takes_addends:
             return self.experts(routed_in, weights_Tk, experts_Tk, addends=terms)
         y_TD = self.experts(routed_in, weights_Tk, experts_Tk)
-        for a in reversed(terms):  # h + (shared + routed): the official order of the adds
+        for a in reversed(terms()):  # h + (shared + routed): the official order of the adds
             y_TD = a + y_TD
         return y_TD
+
+    def _beside(self):
+        """Where the shared expert runs: the side stream (``kernels.shared_expert_stream``) unless a parallel plan
+        hooks it (its collectives keep to the current stream), else inline."""
+        return self.side if all(unhooked(m) for m in self.shared_mlp.modules()) else INLINE
 
 
 # ---------------------------------------------------------------- decoder

@@ -140,9 +140,10 @@ class CudaMoE:
     def _layout(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
         return PreparedMoE(pair_rows(w13) if self.paired is not None else w13, w2)
 
-    def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE, addends: tuple = ()) -> torch.Tensor:
+    def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE, addends=()) -> torch.Tensor:
         """``x_TD``: rows, or (``fp8_row``) their ``RowQuantized`` form, whose e4m3 rows are gathered as they are;
-        ``addends``: up to two ``[T, D]`` terms the combine adds in fp32 (``accepts_addends``)."""
+        ``addends``: up to two ``[T, D]`` terms the combine adds in fp32 (``accepts_addends``), or a callable
+        returning them, called right before the combine (the shared expert's side-stream join)."""
         token_R, inverse_R, offs = self.kernels.route_rows(topk_ids_Tk, prepared.w13.data.shape[0])
         rows = x_TD if isinstance(x_TD, RowQuantized) else None  # only fp8_row accepts them (accepts_row_quantized)
         out_dtype = self.spec.dtype if rows is not None else x_TD.dtype
@@ -159,7 +160,7 @@ class CudaMoE:
         else:  # GroupedMM
             h = self.gemm13(x[token_R], prepared.w13, offs)
             y = self.gemm2(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
-        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, addends)
+        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, addends() if callable(addends) else addends)
 
 
 def resolve_moe(spec: MoESpec, caps: Caps, reject):

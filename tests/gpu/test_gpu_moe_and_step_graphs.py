@@ -115,8 +115,9 @@ def _small_cfg():
                                moe_intermediate_size=(128,) * L, num_shared_expert=(1,) * L)
 
 
-@pytest.mark.parametrize("quant", ["none", "fp8_row"])
-def test_captured_step_equals_eager(platform, quant, capsys):
+@pytest.mark.parametrize("quant,side", [("none", False), ("fp8_row", False), ("fp8_row", True)])
+def test_captured_step_equals_eager(platform, quant, side, capsys):
+    """``side``: the shared expert on a side stream (``kernels.shared_expert_stream``), captured with it."""
     import sys
     from pathlib import Path
 
@@ -131,7 +132,7 @@ def test_captured_step_equals_eager(platform, quant, capsys):
 
     cfg = _small_cfg()
     with torch.device("cuda"):
-        opts = BuildOptions(dtype=torch.bfloat16, quant=quant, capturable=True)
+        opts = BuildOptions(dtype=torch.bfloat16, quant=quant, capturable=True, shared_expert_stream=side)
         model = HunyuanImage3Transformer(cfg, platform, opts)
     random_init_(model)
     model.finalize()
@@ -166,7 +167,42 @@ def test_captured_step_equals_eager(platform, quant, capsys):
                 want = model.backbone(x, *args(pages))
                 errs.append(_rel(got, want))
     with capsys.disabled():
-        print(f"\n[step graph {quant}] captures {graphs.captures}, rebinds {graphs.rebinds}, replays "
+        print(f"\n[step graph {quant}, side stream {side}] captures {graphs.captures}, rebinds {graphs.rebinds}, replays "
               f"{graphs.replays}; replay vs eager rel err {max(errs):.2e}")
     assert graphs.captures == 1 and graphs.rebinds == 1 and graphs.replays == 4
     assert max(errs) < 1e-3
+
+
+def test_shared_expert_stream_same_bits(platform):
+    """The shared expert on a side stream gives the inline model's output bit for bit (same kernels, same inputs),
+    on a prefill and a step whose experts' work overlaps it."""
+    import sys
+    from pathlib import Path
+
+    from omni.kv_pool import KVPool, PoolContext, Run
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.streams import SideStream
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from random_fullsize import random_init_
+
+    cfg = _small_cfg()
+    outs = []
+    for side in (False, True):
+        with torch.device("cuda"):
+            model = HunyuanImage3Transformer(cfg, platform, BuildOptions(dtype=torch.bfloat16, quant="fp8_row",
+                                                                         shared_expert_stream=side))
+        random_init_(model, seed=3)
+        model.finalize()
+        assert isinstance(model.model.layers[0].mlp.side, SideStream) == side
+        pool = KVPool(num_layers=cfg.num_hidden_layers, num_pages=4, page_size=64,
+                      num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+        pages = tuple(pool.allocate(200))
+        g = torch.Generator(device="cuda").manual_seed(5)
+        x = torch.randn(200, cfg.hidden_size, device="cuda", generator=g).bfloat16()
+        cos = torch.randn(200, cfg.head_dim, device="cuda", generator=g).bfloat16()
+        with torch.inference_mode():
+            ctx = PoolContext(pool, [Run(pages, 0, 200, 200)], "causal", False, "cuda")
+            outs.append(model.backbone(x, cos, cos.flip(0), ctx).clone())
+        torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])

@@ -1,0 +1,137 @@
+"""The shared expert beside the routed path (``kernels.shared_expert_stream``, ``omni.streams``).
+
+- ``SideStream`` against a recording device double: the side stream waits for the current one before the
+  work, the work is enqueued with the side stream current, and ``join`` makes the current stream wait for
+  the side one; one stream per ``SideStream``, made with the requested priority.
+- The CPU platform has no streams: ``side_stream()`` is ``INLINE`` and the recipe field changes no number.
+- The MoE kernel resolves callable addends right before its combine, after the routed experts' GEMMs
+  (the CUDA MoE on its torch kernels and torch's grouped GEMM, which run on CPU tensors), and once.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from omni.build_options import BuildOptions
+from omni.platform_manager import select
+from omni.streams import INLINE, SideStream
+
+
+class RecordingStream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+class RecordingServices:
+    """The ``DeviceServices`` surface ``SideStream`` uses, recording every call in order."""
+
+    def __init__(self):
+        self.log, self.made = [], []
+        self.current = RecordingStream("main", self.log)
+
+    def stream(self, priority=0):
+        self.made.append(priority)
+        return RecordingStream(f"side{len(self.made)}", self.log)
+
+    def current_stream(self):
+        return self.current
+
+    @contextlib.contextmanager
+    def use_stream(self, stream):
+        previous, self.current = self.current, stream
+        self.log.append(f"enter {stream.name}")
+        yield
+        self.current = previous
+        self.log.append(f"leave {stream.name}")
+
+
+def test_side_stream_forks_after_the_current_stream_and_joins_back():
+    services = RecordingServices()
+    side = SideStream(services, priority=-1)
+
+    def work(x):
+        services.log.append(f"work({x}) on {services.current_stream().name}")
+        return x * 2
+
+    forked = side.run(work, 21)
+    assert services.log == ["side1 waits main", "enter side1", "work(21) on side1", "leave side1"]
+    assert forked.join() == 42
+    assert services.log[-1] == "main waits side1"
+    side.run(work, 1).join()
+    assert services.made == [-1]  # one stream, created on first use, with the priority asked for
+
+
+def test_inline_runs_at_once():
+    calls = []
+    forked = INLINE.run(lambda x: calls.append(x) or x + 1, 4)
+    assert calls == [4] and forked.join() == 5
+
+
+def test_cpu_platform_has_no_side_stream_and_the_option_changes_nothing(golden_data):
+    from omni.models.hunyuan_image3.config import HunyuanImage3Config
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+
+    cpu = select("cpu")
+    assert cpu.side_stream() is INLINE
+    cfg = HunyuanImage3Config.from_json_dict(golden_data[0]["tiny_config"])
+    outs = []
+    for flag in (False, True):
+        m = HunyuanImage3Transformer(cfg, cpu, BuildOptions(dtype=torch.float32, shared_expert_stream=flag))
+        load_state(m, golden_data[2])
+        m.finalize()
+        assert m.model.layers[0].mlp.side is INLINE
+        n = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            outs.append(m.model.layers[0].mlp(n, residual_TD=n))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_recipe_field_reaches_the_build_options():
+    from omni.recipe import load_recipe
+
+    recipe = load_recipe("h200_fp8")
+    assert BuildOptions.from_recipe(recipe).shared_expert_stream == recipe.kernels.shared_expert_stream
+
+
+@pytest.mark.parametrize("addends_kind", ["callable", "tuple"])
+def test_moe_resolves_callable_addends_right_before_its_combine(addends_kind):
+    from omni.platforms.cuda.moe import CudaMoE, TorchKernels
+    from omni.specs import MoESpec
+
+    order = []
+
+    class Recording(TorchKernels):
+        def swiglu(self, h, quantize):
+            order.append("swiglu")
+            return super().swiglu(h, quantize)
+
+        def combine(self, y, inverse_R, w, dtype, addends=()):
+            order.append("combine")
+            return super().combine(y, inverse_R, w, dtype, addends)
+
+    E, k, D, inner, T = 4, 2, 32, 16, 9
+    moe = CudaMoE(MoESpec(num_experts=E, topk=k, hidden=D, inner=inner, dtype=torch.bfloat16), Recording())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    w, ids = torch.softmax(torch.randn(T, E, generator=g), -1).topk(k, -1)
+    prepared = moe.prepare_weights(torch.randn(E, 2 * inner, D, generator=g).bfloat16(),
+                                   torch.randn(E, D, inner, generator=g).bfloat16())
+    extra = (torch.randn(T, D, generator=g).bfloat16(),)
+    gemm2 = moe.gemm2
+    moe.gemm2 = lambda *args: order.append("gemm2") or gemm2(*args)  # the routed path's last GEMM
+
+    def late():
+        order.append("addends")
+        return extra
+
+    got = moe(x, w, ids, prepared, addends=late if addends_kind == "callable" else extra)
+    want = moe(x, w, ids, prepared, addends=extra)
+    assert torch.equal(got, want)
+    if addends_kind == "callable":
+        assert order[:4] == ["swiglu", "gemm2", "addends", "combine"]
+        assert order.count("addends") == 1
