@@ -37,6 +37,9 @@ SWEEP = {
 }
 SWEEP["moe_swiglu"] = SWEEP["swiglu"]
 SWEEP["quant_routed"] = SWEEP["quant_hidden"] = [(r, w) for r in (1, 2, 4, 8) for w in (4, 8, 16)]
+SWEEP["gather"] = [(r, w) for r in (1, 2, 4, 8) for w in (2, 4, 8, 16)]
+SWEEP["combine"] = [(r, w) for r in (1, 2, 4) for w in (2, 4, 8, 16)]
+MOE_TILES = {"moe_swiglu": "swiglu_tile", "gather": "gather_tile", "combine": "combine_tile"}
 
 
 def parse() -> argparse.Namespace:
@@ -73,6 +76,10 @@ def cases(glue, moe):
     h_shared = torch.randn(T, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
     h_routed = torch.randn(R, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
     h_epilogue = torch.randn(R, I, device="cuda", generator=g, dtype=torch.bfloat16)
+    xq, xs = moe.quant_rows(x)
+    token_R, inverse_R, _ = moe.route_rows(torch.randint(0, E, (T, TOPK), device="cuda", generator=g), E)
+    y_routed = torch.randn(R, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    w_Tk = torch.rand(T, TOPK, device="cuda", generator=g)
     b16 = 2
     return [
         ("rms_norm + fp8 rows", "norm", lambda: glue.rms_norm(x, w, True), T * D * (2 + 2 + 1)),
@@ -86,13 +93,17 @@ def cases(glue, moe):
         ("fp8 rows of the epilogue's h (65,552 x 3072)", "quant_routed", lambda: moe.quant_rows(h_epilogue),
          R * I * (b16 + 1)),
         ("fp8 rows of o_proj's input (8194 x 4096)", "quant_hidden", lambda: moe.quant_rows(x), T * D * (b16 + 1)),
+        ("gather of e4m3 rows (65,552 x 4096)", "gather", lambda: moe.gather_rows(xq, xs, token_R), R * D * 2),
+        ("combine of 8 rows + 2 addends (8194 x 4096)", "combine",
+         lambda: moe.combine(y_routed, inverse_R, w_Tk, torch.bfloat16, (x, d)), (R + 3 * T) * D * b16),
     ]
 
 
 def set_tile(glue, moe, key: str, tile) -> None:
-    """``moe_swiglu``: the routed rows' SwiGLU; ``swiglu``: the shared expert's (the same kernel, its own tile)."""
-    if key == "moe_swiglu":
-        moe.swiglu_tile = tile
+    """``moe_swiglu``: the routed rows' SwiGLU; ``swiglu``: the shared expert's (the same kernel, its own tile);
+    ``gather`` and ``combine``: the MoE's (``MOE_TILES``)."""
+    if key in MOE_TILES:
+        setattr(moe, MOE_TILES[key], tile)
     elif key.startswith("quant"):
         moe.quant_tiles[I if key == "quant_routed" else D] = tile
     else:
@@ -101,7 +112,7 @@ def set_tile(glue, moe, key: str, tile) -> None:
 
 def current_tile(glue, moe, key: str):
     quant = {"quant_routed": moe.quant_tiles.get(I, moe.quant_tile), "quant_hidden": moe.quant_tiles.get(D, moe.quant_tile)}
-    return {"moe_swiglu": moe.swiglu_tile, **quant}.get(key) or glue.tiles[key]
+    return {**{k: getattr(moe, attr) for k, attr in MOE_TILES.items()}, **quant}.get(key) or glue.tiles[key]
 
 
 def main() -> int:

@@ -42,14 +42,16 @@ def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROW
 
 
 @triton.jit
-def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, D, BLOCK: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    t = tl.load(token_ptr + r).to(tl.int64)
+def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    rm = rows < R
+    t = tl.load(token_ptr + rows, mask=rm, other=0).to(tl.int64)
     for start in tl.range(0, D, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        m = cols < D
-        tl.store(out_ptr + r * D + cols, tl.load(q_ptr + t * D + cols, mask=m), mask=m)
-    tl.store(out_s_ptr + r, tl.load(s_ptr + t))
+        m = rm[:, None] & (cols < D)[None, :]
+        row = tl.load(q_ptr + t[:, None] * D + cols[None, :], mask=m)
+        tl.store(out_ptr + rows[:, None] * D + cols[None, :], row, mask=m)
+    tl.store(out_s_ptr + rows, tl.load(s_ptr + t, mask=rm), mask=rm)
 
 
 @triton.jit
@@ -74,21 +76,23 @@ def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
-def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, D, K: tl.constexpr, ADDENDS: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.constexpr, ADDENDS: tl.constexpr,
+                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    m = d < D
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    tm = t < T
+    m = tm[:, None] & (d < D)[None, :]
+    td = t[:, None] * D + d[None, :]
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
     if ADDENDS >= 1:  # the addends first, in order (omni.moe.add_terms)
-        acc += tl.load(a0_ptr + t * D + d, mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(a0_ptr + td, mask=m, other=0.0).to(tl.float32)
     if ADDENDS >= 2:
-        acc += tl.load(a1_ptr + t * D + d, mask=m, other=0.0).to(tl.float32)
+        acc += tl.load(a1_ptr + td, mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(K):
-        r = tl.load(inv_ptr + t * K + j).to(tl.int64)
-        w = tl.load(w_ptr + t * K + j).to(tl.float32)
-        acc += tl.load(y_ptr + r * D + d, mask=m, other=0.0).to(tl.float32) * w
-    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=m)
+        r = tl.load(inv_ptr + t * K + j, mask=tm, other=0).to(tl.int64)
+        w = tl.load(w_ptr + t * K + j, mask=tm, other=0.0).to(tl.float32)
+        acc += tl.load(y_ptr + r[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32) * w[:, None]
+    tl.store(out_ptr + td, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -153,6 +157,10 @@ class TritonKernels:
         # (8194 x 4096) 68.0 -> 56.7 us at 4 x 16 (the bytes floors: 143.5 and 23.9 us); other widths 1 x 8
         self.quant_tiles = {3072: Tile(2, 4), 4096: Tile(4, 16)}
         self.quant_tile = Tile(1, 8)
+        # the e4m3 rows' gather (65,552 rows of 4096 from 8194) and the combine (8194 tokens x 8 rows of 4096
+        # + 2 addends): rows (tokens) per program and warps
+        self.gather_tile = Tile(1, 4)
+        self.combine_tile = Tile(1, 4)
 
     def quant_gather(self, x_TD: torch.Tensor, token_R: torch.Tensor):
         x = x_TD.contiguous()
@@ -172,8 +180,10 @@ class TritonKernels:
         out = torch.empty(R, D, dtype=q.dtype, device=q.device)
         out_s = torch.empty(R, dtype=torch.float32, device=q.device)
         if R:
-            _gather_rows_kernel[(R,)](q, s, token_R, out, out_s, D, BLOCK=min(4096, triton.next_power_of_2(D)),
-                                      num_warps=4)
+            tile = self.gather_tile
+            _gather_rows_kernel[(triton.cdiv(R, tile.rows),)](q, s, token_R, out, out_s, R, D,
+                                                               BLOCK=min(4096, triton.next_power_of_2(D)),
+                                                               ROWS=tile.rows, num_warps=tile.warps)
         return out, out_s[:, None]
 
     def quant_rows(self, x_TD: torch.Tensor):
@@ -212,10 +222,10 @@ class TritonKernels:
         out = torch.empty(T, D, dtype=dtype, device=y_RD.device)
         a = [t.reshape(T, D).contiguous() for t in addends] + [out] * (2 - len(addends))  # unread placeholders
         if T:
-            block = 1024
-            _combine_kernel[(T, triton.cdiv(D, block))](y_RD.contiguous(), inverse_R, w_Tk.float().contiguous(),
-                                                        a[0], a[1], out, D, K=k, ADDENDS=len(addends),
-                                                        BLOCK_D=block, num_warps=4)
+            tile, block = self.combine_tile, 1024
+            _combine_kernel[(triton.cdiv(T, tile.rows), triton.cdiv(D, block))](
+                y_RD.contiguous(), inverse_R, w_Tk.float().contiguous(), a[0], a[1], out, T, D, K=k,
+                ADDENDS=len(addends), BLOCK_D=block, ROWS=tile.rows, num_warps=tile.warps)
         return out
 
     def route_rows(self, ids_Tk: torch.Tensor, num_experts: int):
