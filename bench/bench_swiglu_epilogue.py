@@ -57,6 +57,9 @@ def main() -> int:
     p.add_argument("--chain", type=int, default=16, help="calls per captured graph")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--exact", action="store_true", help="exact accumulation (the cooperative builds)")
+    p.add_argument("--tiles", default="", help="other tile shapes MxN[cAxB] of the epilogue build to compare, e.g. "
+                                               "128x192 or 128x192c2x1 (cluster AxB; default the platform's; "
+                                               "the same schedule; built here)")
     a = p.parse_args()
     commit = git_commit()
     platform = select("cuda")
@@ -80,6 +83,10 @@ def main() -> int:
         "gemm1_epilogue_alone": lambda: fused.gemm13.scaled(xq, xs, pf.w13, offs),
     }
     layers = {"separate": lambda: separate(x, weights, ids, ps), "epilogue": lambda: fused(x, weights, ids, pf)}
+    others = {f"epilogue_{t}": other_tile(spec, fused, t) for t in a.tiles.split(",") if t}
+    for name, moe in others.items():
+        parts[name] = lambda moe=moe: k.quant_rows(moe.gemm13.scaled(xq, xs, pf.w13, offs))  # same paired weights
+        layers[name] = lambda moe=moe: moe(x, weights, ids, pf)
     part_ms = per_call_ms(parts, a.chain, a.rounds)
     layer_ms = per_call_ms(layers, a.chain, a.rounds)
     ys, yf = separate(x, weights, ids, ps).double(), fused(x, weights, ids, pf).double()
@@ -89,9 +96,28 @@ def main() -> int:
                rounds=a.rounds, moe=fused.name, part_ms=part_ms, layer_ms=layer_ms,
                part_ratio=round(part_ms["epilogue"] / part_ms["separate"], 4),
                layer_ratio=round(layer_ms["epilogue"] / layer_ms["separate"], 4),
-               rel_err_vs_fp64=dict(separate=rel(ys), epilogue=rel(yf)),
+               rel_err_vs_fp64=dict(separate=rel(ys), epilogue=rel(yf),
+                                    **{n: rel(m(x, weights, ids, pf).double()) for n, m in others.items()}),
+               other_tiles_equal_epilogue={n: bool(torch.equal(m(x, weights, ids, pf), fused(x, weights, ids, pf)))
+                                           for n, m in others.items()},
                rel_diff=round(float((yf - ys).norm() / ys.norm()), 5))
     return emit(out, a.json)
+
+
+def other_tile(spec, fused, tile: str):
+    """The platform's MoE with its epilogue build at another tile ``MxN`` and optionally cluster ``cAxB`` (K and
+    the schedule kept)."""
+    import dataclasses
+
+    from omni.platforms.cuda import cutlass_grouped as cg
+
+    shape, _, cluster = tile.partition("c")
+    m, n = (int(v) for v in shape.split("x"))
+    base = cg.SWIGLU_CONFIGS[spec.fast_accum]
+    cfg = dataclasses.replace(base, tile=(m, n, base.tile[2]),
+                              cluster=tuple(int(v) for v in cluster.split("x")) if cluster else base.cluster)
+    kernel = cg.CutlassGroupedFp8(cg.build(cfg, cg.find_nvcc(), cg.find_cutlass_include()), cfg.name)
+    return cuda_moe.CudaMoE(spec, fused.kernels, fused.gemm2.kernel, paired=kernel)
 
 
 def reference(x, weights, ids, w13, w2):

@@ -268,10 +268,10 @@ def test_the_swiglu_epilogue_is_its_own_object_and_self_test(loading):
     nvcc, include, opened, cache = loading
     tested = []
     assert cg.load(True, nvcc, include, tester=lambda *a: tested.append(a), swiglu=True) == \
-        "pong_128x128_c1x2_fast_swiglu"
+        "pong_128x192_c1x2_fast_swiglu"
     cg.load(True, nvcc, include, tester=lambda *a: tested.append(a))
     assert [(lib.name.split("_")[-2], cfg) for lib, cfg, _ in tested] == [
-        ("swiglu", "pong_128x128_c1x2_fast_swiglu"), ("fast", "pong_128x128_c1x2_fast")]
+        ("swiglu", "pong_128x192_c1x2_fast_swiglu"), ("fast", "pong_128x128_c1x2_fast")]
     assert len(list(cache.glob("*.ok-*"))) == 2
 
 
@@ -325,7 +325,7 @@ def test_configs_name_their_template_arguments():
     assert cg.CONFIGS[True].export_line() == "OMNI_GG_EXPORT(pong_128x128_c1x2_fast, 128, 128, 128, 1, 2, true, true, 0)"
     assert cg.CONFIGS[False].name == "coop_128x128_c1x2_exact"
     assert cg.SWIGLU_CONFIGS[True].export_line() == \
-        "OMNI_GG_EXPORT(pong_128x128_c1x2_fast_swiglu, 128, 128, 128, 1, 2, true, true, 1)"
+        "OMNI_GG_EXPORT(pong_128x192_c1x2_fast_swiglu, 128, 192, 128, 1, 2, true, true, 1)"
     assert "OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST, EPI)" in cg.SOURCE.read_text()
 
 

@@ -35,10 +35,10 @@ def platform():
     return p
 
 
-def _operands(seed: int = 0):
+def _operands(seed: int = 0, n: int = N):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(sum(COUNTS), K, device="cuda", generator=g).bfloat16()
-    w = torch.randn(E, N, K, device="cuda", generator=g).bfloat16()
+    w = torch.randn(E, n, K, device="cuda", generator=g).bfloat16()
     offs = torch.tensor(COUNTS, device="cuda").cumsum(0).to(torch.int32)
     return x, w, offs
 
@@ -89,23 +89,24 @@ def test_replays_from_a_captured_graph_with_new_routing(platform):
     torch.testing.assert_close(y, gemm(x, pw, offs), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "exact"])
-def test_swiglu_epilogue_against_fp64(platform, fast):
+@pytest.mark.parametrize("fast,n", [(True, N), (False, N), (True, 320)], ids=["fast", "exact", "fast-partial-n"])
+def test_swiglu_epilogue_against_fp64(platform, fast, n):
     """The SwiGLU epilogue: ``x1 * silu(x2)`` of each column pair of the scaled product, bf16 ``[R, N/2]``, at
-    every group shape of COUNTS (empty, one row, partial tiles); within bf16's rounding of the fp64 value."""
+    every group shape of COUNTS (empty, one row, partial tiles); within bf16's rounding of the fp64 value.
+    ``n`` 320: the fast build's 192-column tiles end in a partial one."""
     from omni.platforms.cuda import cutlass_grouped as cg
     from omni.platforms.cuda.gemm import grouped_swiglu_kernel
     from omni.platforms.cuda.capabilities import detect_caps
 
-    spec = MoESpec(num_experts=E, topk=2, hidden=K, inner=N // 2, dtype=torch.bfloat16, quant="fp8_row",
+    spec = MoESpec(num_experts=E, topk=2, hidden=K, inner=n // 2, dtype=torch.bfloat16, quant="fp8_row",
                    fast_accum=fast, grouped_fp8="cutlass")
     kernel = grouped_swiglu_kernel(spec, detect_caps(0))
     assert kernel is not None and kernel.swiglu and kernel.config == cg.SWIGLU_CONFIGS[fast].name
-    x, w, offs = _operands(4)
+    x, w, offs = _operands(4, n)
     pw = quant.prepare_weight(w, "fp8_row")
     xq, xs = quant.quantize_fp8(x, per_row=True)
-    y = kernel(xq, xs.reshape(-1).float(), pw.data, pw.scale.view(E, N), offs)
-    assert y.dtype == torch.bfloat16 and y.shape == (sum(COUNTS), N // 2)
+    y = kernel(xq, xs.reshape(-1).float(), pw.data, pw.scale.view(E, n), offs)
+    assert y.dtype == torch.bfloat16 and y.shape == (sum(COUNTS), n // 2)
     exact = cg.swiglu_pairs(fp64_product(xq, xs, pw, offs))
     rel = float((y.double() - exact).norm() / exact.norm())
     assert rel < 4e-3, rel  # the bf16 rounding of the product (the fp32 accumulation is far below it)
@@ -118,6 +119,8 @@ def test_swiglu_epilogue_against_fp64(platform, fast):
 def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
     """Ours (the SwiGLU epilogue, paired w13) against torch's kernel with the separate pass: the same function to
     within the e4m3 requantization, and no further from the fp64 layer."""
+    from omni.platforms.cuda import cutlass_grouped as cg
+
     kw = dict(num_experts=E, topk=2, hidden=K, inner=N // 2, dtype=torch.bfloat16, quant="fp8_row", fast_accum=True)
     ours, stock = platform.moe(MoESpec(grouped_fp8="cutlass", **kw)), platform.moe(MoESpec(grouped_fp8="torch", **kw))
     assert ours.paired is not None and stock.paired is None, (ours.name, stock.name)
@@ -127,7 +130,8 @@ def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
     x = torch.randn(333, K, device="cuda", generator=g).bfloat16()
     weights, ids = torch.rand(333, E, device="cuda", generator=g).softmax(-1).topk(2, -1)
     y, y_torch = ours(x, weights, ids, ours.prepare_weights(w13, w2)), stock(x, weights, ids, stock.prepare_weights(w13, w2))
-    assert "pong_128x128_c1x2_fast" in ours.name and "swiglu-epilogue" in ours.name
+    assert cg.CONFIGS[True].name in ours.name and "swiglu-epilogue" in ours.name
+    assert ours.paired.config == cg.SWIGLU_CONFIGS[True].name
     assert float((y - y_torch).float().norm() / y_torch.float().norm()) < 0.03
     h = torch.einsum("tk,enk->ten", x.double(), w13.double())  # every expert for every token, then pick
     x1, x2 = h.chunk(2, dim=-1)
