@@ -51,6 +51,24 @@ def test_nhwc_heads_give_the_nchw_tokens_and_velocity(both):
     assert v_nhwc.is_contiguous()  # the sampler's latents stay NCHW
 
 
+def test_the_velocity_of_packed_rows_feeds_every_conv_a_channels_last_tensor(both, monkeypatch):
+    """The rows are slices of the packed step (a timestep token between them): the head copies them once into one
+    channels-last tensor, so no convolution (cuDNN: NHWC) or GroupNorm makes a copy of its own."""
+    nchw, nhwc = both
+    g = torch.Generator().manual_seed(1)
+    D = nhwc.cfg.hidden_size
+    packed_TD = torch.randn(2 * 36, D, generator=g)
+    rows_BhwD = packed_TD.view(2, 36, D)[:, 1:]  # as the engine passes them: not contiguous
+    seen, conv2d = [], F.conv2d
+    monkeypatch.setattr(F, "conv2d", lambda x, *a, **k: seen.append(x.is_contiguous(memory_format=torch.channels_last))
+                        or conv2d(x, *a, **k))
+    v = nhwc.velocity(rows_BhwD, torch.tensor([700.0, 700.0]), 5, 7)
+    assert seen and all(seen), seen
+    monkeypatch.setattr(F, "conv2d", conv2d)
+    torch.testing.assert_close(v, nchw.velocity(rows_BhwD.contiguous(), torch.tensor([700.0, 700.0]), 5, 7),
+                               atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("shape, fmt", [((2, 64, 6, 5), torch.channels_last),
                                         ((2, 64, 3, 6, 5), torch.channels_last_3d)])  # heads; the VAE decoder
 def test_group_norm_reduces_a_channels_last_input_in_place_and_keeps_its_layout(monkeypatch, shape, fmt):

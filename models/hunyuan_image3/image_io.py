@@ -150,6 +150,10 @@ class UNetUp(nn.Module):
 
     def forward(self, x_BhwD: torch.Tensor, emb_BD: torch.Tensor, h: int, w: int) -> torch.Tensor:
         resblock, head = self.model
+        # The rows arrive as slices of the packed step (each row's timestep token lies between them): one copy
+        # makes them one channels-last tensor, which the convolutions and the GroupNorm then read in place (with
+        # the gaps they made copies of their own; BENCHMARKS.md, "Eleventh session")
+        x_BhwD = x_BhwD.contiguous()
         x_BDhw = x_BhwD.transpose(1, 2).reshape(x_BhwD.shape[0], -1, h, w)  # a view: channels-last strides
         norm, _, conv = head
         return conv(norm.silu(resblock(x_BDhw, emb_BD))).contiguous()  # the sampler's NCHW latents (C is only 32)
