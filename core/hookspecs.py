@@ -160,16 +160,20 @@ def omni_platform_configure(info: PlatformInfo, local_rank: int) -> bool | None:
 def omni_device_services(info: PlatformInfo) -> object | None:
     """Return the ``omni.device.DeviceServices`` object for this worker.
 
-    When called: once per worker after ``omni_platform_configure``.
+    When called: once per worker after ``omni_platform_configure``, and once
+    more by ``Platform.side_stream()`` when a model asks for its side stream.
     Result: first non-None wins; an object with ``device``, ``synchronize()``,
-    ``stream()``, ``event(enable_timing)``, ``memory_stats() -> dict``,
+    ``stream(priority=0)`` (a new stream; None where the device has none),
+    ``current_stream()``, ``use_stream(stream)`` (a context making it current),
+    ``event(enable_timing)``, ``memory_stats() -> dict``,
     ``max_memory_allocated() -> int``, ``reset_peak_memory()``,
-    ``pin(tensor) -> tensor`` and ``empty_cache()``.
+    ``pin(tensor) -> tensor`` and ``empty_cache()``. ``Platform.side_stream()``
+    builds the MoE's side stream (``omni.streams``) from it.
     Capture safety: ``synchronize`` and ``memory_stats`` must not be used
     inside a captured region.
     Default implementation: ``torch.accelerator``-based services, or the CPU
-    services (synchronize is a no-op, memory from the process RSS).
-    Versions: 0.1.
+    services (synchronize is a no-op, no streams, memory from the process RSS).
+    Versions: 0.2 (``stream(priority)``); 0.1.
     """
 
 
