@@ -91,13 +91,6 @@ def test_cpu_platform_has_no_side_stream_and_the_option_changes_nothing(golden_d
     assert torch.equal(outs[0], outs[1])
 
 
-def test_recipe_field_reaches_the_build_options():
-    from omni.recipe import load_recipe
-
-    recipe = load_recipe("h200_fp8")
-    assert BuildOptions.from_recipe(recipe).shared_expert_stream == recipe.kernels.shared_expert_stream
-
-
 @pytest.mark.parametrize("addends_kind", ["callable", "tuple"])
 def test_moe_resolves_callable_addends_right_before_its_combine(addends_kind):
     from omni.platforms.cuda.moe import CudaMoE, TorchKernels
