@@ -45,7 +45,7 @@ def variants(platform, priorities: list[int]) -> dict:
     services = platform.device_services(0)
     out = {"inline": INLINE}
     if services.current_stream() is not None:
-        out.update({f"side_p{p}": SideStream(services, priority=p) for p in priorities})
+        out.update({f"side_p{p}": SideStream(services, services.stream(priority=p)) for p in priorities})
     return out
 
 

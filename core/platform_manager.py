@@ -254,16 +254,14 @@ class Platform:
 
     def side_stream(self):
         """The worker's side stream (``omni.streams.SideStream``, one per platform object), or ``omni.streams.INLINE``
-        on a device without streams (the CPU). Called at model build; the stream is created on first use, on the
-        device current then (``omni_platform_configure`` bound it)."""
+        on a device without streams (the CPU). Called at model build, on the device ``omni_platform_configure``
+        bound."""
         if self._side is None:
             services = self.pm.hook.omni_device_services(info=self.info)
-            if services.current_stream() is None:
-                self._side = INLINE
-            else:
-                if hasattr(services, "index"):  # the worker's device, bound before any model is built
-                    services.index = torch.accelerator.current_device_index()
-                self._side = SideStream(services)
+            if hasattr(services, "index") and self.info.accelerator:  # the worker's device
+                services.index = torch.accelerator.current_device_index()
+            side = services.stream()
+            self._side = INLINE if side is None else SideStream(services, side)
         return self._side
 
     def dist_backend(self) -> str:

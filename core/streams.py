@@ -1,11 +1,13 @@
 """Work beside the current stream: fork it onto a side stream, join it where its result is read.
 
 A MoE layer's shared expert does not depend on the routed path (router,
-sort, gather, two grouped GEMMs), and the routed path's first kernels are
-memory-bound; run side by side, the shared expert's GEMMs fill the SMs those
-kernels leave idle (``kernels.shared_expert_stream``, BENCHMARKS.md).
+sort, gather, two grouped GEMMs), whose first kernels are memory-bound; run
+side by side, the shared expert's GEMMs could fill the SMs those kernels leave
+idle (``kernels.shared_expert_stream``). On one H200 it measured no gain
+(0.9994-0.9998x the step, BENCHMARKS.md "Eleventh session"), so recipes leave
+it off.
 
-``SideStream.run(fn, *args)`` enqueues ``fn(*args)`` on a side stream after
+``SideStream.run(fn, *args)`` enqueues ``fn(*args)`` on its stream after
 everything already enqueued on the current one and returns a ``Forked``;
 ``Forked.join()`` makes the current stream wait for it and returns the
 result. ``INLINE`` runs ``fn`` at once (the CPU, or the option off), so the
@@ -42,8 +44,6 @@ class Forked:
 class Inline:
     """Runs ``fn`` at once on the current stream (no side stream: the CPU, or the option off)."""
 
-    enabled = False
-
     def run(self, fn: Callable, *args) -> Forked:
         return Forked(fn(*args))
 
@@ -52,27 +52,13 @@ INLINE = Inline()
 
 
 class SideStream:
-    """One side stream of a device (``omni.device.DeviceServices``), created on first use.
+    """Work on ``side``, a stream of the device ``services`` (``omni.device.DeviceServices``) serves."""
 
-    ``priority`` is the stream priority torch takes (0 the default; lower is
-    more urgent on CUDA-like devices).
-    """
-
-    enabled = True
-
-    def __init__(self, services, priority: int = 0):
-        self.services, self.priority, self._side = services, priority, None
+    def __init__(self, services, side):
+        self.services, self.side = services, side
 
     def run(self, fn: Callable, *args) -> Forked:
-        side = self._stream()
-        if side is None:  # a device type without streams
-            return Forked(fn(*args))
-        side.wait_stream(self.services.current_stream())
-        with self.services.use_stream(side):
+        self.side.wait_stream(self.services.current_stream())
+        with self.services.use_stream(self.side):
             result = fn(*args)
-        return Forked(result, self.services, side)
-
-    def _stream(self):
-        if self._side is None:
-            self._side = self.services.stream(priority=self.priority)
-        return self._side
+        return Forked(result, self.services, self.side)

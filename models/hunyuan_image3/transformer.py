@@ -242,7 +242,9 @@ class MoE(nn.Module):
     def _beside(self):
         """Where the shared expert runs: the side stream (``kernels.shared_expert_stream``) unless a parallel plan
         hooks it (its collectives keep to the current stream), else inline."""
-        return self.side if all(unhooked(m) for m in self.shared_mlp.modules()) else INLINE
+        if self.side is INLINE or not all(unhooked(m) for m in self.shared_mlp.modules()):
+            return INLINE
+        return self.side
 
 
 # ---------------------------------------------------------------- decoder

@@ -127,7 +127,7 @@ class CudaMoE:
             self.gemm13, self.gemm2 = GroupedMM(g13), GroupedMM(g2)
         fast = fast_accum_tag(spec) if spec.quant in FP8 else ""
         impl = f",{grouped_kernel.config}" if grouped_kernel is not None else ""
-        epi = ",swiglu-epilogue" if paired is not None else ""
+        epi = f",swiglu-epilogue[{paired.config}]" if paired is not None else ""  # its own tiles (cutlass_grouped)
         self.name = f"cuda-fused-moe[{spec.quant},{self.kernels.name}{fast}{impl}{epi}]"
 
     def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:

@@ -71,7 +71,8 @@ def test_auto_and_a_demand_take_our_kernel_where_it_builds(loaded, choice):
     impl = gemm.resolve_grouped(dataclasses.replace(GROUPED, grouped_fp8=choice), H200, pytest.fail)
     fused = moe.resolve_moe(dataclasses.replace(MOE, grouped_fp8=choice), H200, pytest.fail)
     assert impl.name == "cuda-scaled-grouped-mm[fp8_row,fast-accum,pong_128x128_c1x2_fast]"
-    assert fused.name == "cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact,swiglu-epilogue]"  # no fast_accum
+    assert fused.name == ("cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact,"  # no fast_accum
+                          "swiglu-epilogue[coop_128x128_c1x2_exact_swiglu]]")
     assert fused.gemm2.kernel is loaded[False, False]  # GEMM 1 runs the build with the SwiGLU epilogue
     assert fused.gemm13.kernel is fused.paired is loaded[False, True]
     assert fused.paired.config == "coop_128x128_c1x2_exact_swiglu"
