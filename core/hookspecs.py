@@ -469,9 +469,14 @@ def omni_graph_runner_impl(spec: CaptureSpec, reject: Reject) -> GraphRunner | N
     Result: first non-None wins; ``runner.capture(fn)`` records ``fn()`` once
     (after warm-up done by the runner) and returns its static outputs;
     ``runner.replay()`` reruns the recorded work on the same buffers.
+    ``spec.collectives``: the ``torch.distributed`` backend whose collectives
+    ``fn`` issues (a tensor-parallel all-reduce; "" for none). A platform
+    rejects a backend it cannot record (gloo blocks the host; the CUDA
+    platform records NCCL); every rank captures the same regions in the same
+    order, so the recorded collectives pair up on replay.
     Default implementation: rejects ("the reference platform runs eagerly");
     a recipe that asks for capture on such a platform fails at startup.
-    Versions: 0.1.
+    Versions: 0.2 (``spec.collectives``).
     """
 
 

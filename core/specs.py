@@ -335,6 +335,10 @@ class CaptureSpec:
     device_type: str
     name: str  # e.g. "denoise_step[4096x2]"
     pool_id: int = 0  # regions with the same id may share a memory pool
+    # the torch.distributed backend whose collectives run inside the region ("nccl": a tensor-parallel
+    # all-reduce in the step); "" when the region exchanges nothing (one device, or CFG parallel, whose
+    # exchange runs between replays)
+    collectives: str = ""
 
 
 class GraphRunner(Protocol):

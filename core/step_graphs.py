@@ -116,15 +116,16 @@ class StepGraphs:
     """Captured step backbones per batch signature (see the module docstring)."""
 
     def __init__(self, platform, device_type: str, *, max_graphs: int = 4, strict: bool = True, name: str = "denoise_step",
-                 key_bucket: int = 0):
+                 key_bucket: int = 0, collectives: str = ""):
         self.platform, self.device_type, self.max_graphs, self.name = platform, device_type, max_graphs, name
+        self.collectives = collectives  # the backend of collectives inside the region (tp's all-reduces)
         self.key_bucket = key_bucket  # > 0: prompt lengths share graphs (``step_key``)
         self._graphs: OrderedDict[tuple, _Entry] = OrderedDict()
         self.pool_id = next(_POOL_IDS)  # one memory pool for all this object's graphs (see the module docstring)
         self.refusal: str | None = None
         self.captures = self.replays = self.rebinds = 0
         try:  # ask once, up front: a platform that cannot capture says why now, not at the first step
-            platform.graph_runner(CaptureSpec(device_type=device_type, name=f"{name}[probe]"))
+            platform.graph_runner(CaptureSpec(device_type=device_type, name=f"{name}[probe]", collectives=collectives))
         except NoImplementationError as err:
             if strict:
                 raise PlatformError(f"graph.mode=capture: {err}") from err
@@ -156,7 +157,7 @@ class StepGraphs:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)  # the graph and its pool go with the entry
         spec = CaptureSpec(device_type=self.device_type, name=f"{self.name}[{len(signature)} rows, {x_TD.shape[0]} tok]",
-                           pool_id=self.pool_id)
+                           pool_id=self.pool_id, collectives=self.collectives)
         runner = self.platform.graph_runner(spec)
         x, args = x_TD.clone(), make_args()
         out = runner.capture(lambda: forward(x, *args))

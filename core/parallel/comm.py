@@ -82,6 +82,15 @@ class Comm:
     def active(self) -> bool:
         return self.size > 1 and self.enabled
 
+    @property
+    def backend(self) -> str:
+        """The torch.distributed backend of this group ("nccl", "gloo"...); "" for a group of one."""
+        if self.size == 1:
+            return ""
+        import torch.distributed as dist
+
+        return str(dist.get_backend(self.group))
+
     def _timed(self):
         return self.stats.timed() if self.stats is not None and self.stats.enabled else contextlib.nullcontext()
 

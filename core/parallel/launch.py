@@ -64,6 +64,10 @@ class RankInfo:
     # "" = a TCP store at master_addr:master_port (rank 0 hosts it). Under torchrun: "env://", so torch joins
     # the store torchrun's agent already hosts on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE).
     init_method: str = ""
+    # the local device this rank binds (None: its local rank) and the torch.distributed backend ("": the
+    # platform's). Several ranks on one device is for tests on a one-GPU machine; NCCL refuses it, gloo not.
+    device_index: int | None = None
+    backend: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "RankInfo | None":
@@ -143,9 +147,9 @@ def run_worker(fn: Callable | str, info: RankInfo, degrees: Degrees, *, platform
     if info.world_size != degrees.world_size:
         raise ValueError(f"{degrees.label()} needs {degrees.world_size} ranks, the job has {info.world_size}")
     plat = select(platform)
-    services = plat.device_services(info.local_rank)
+    services = plat.device_services(info.local_rank if info.device_index is None else info.device_index)
     init = info.init_method or f"tcp://{info.master_addr}:{info.master_port}"
-    dist.init_process_group(plat.dist_backend(), init_method=init,
+    dist.init_process_group(info.backend or plat.dist_backend(), init_method=init,
                             rank=info.rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=dist_timeout_s))
     try:
@@ -216,8 +220,14 @@ def _child(fn, info: RankInfo, degrees: Degrees, platform: str, args: tuple, dis
 def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args: tuple = (),
            nproc_per_node: int | None = None, nnodes: int = 1, node_rank: int = 0,
            master_addr: str = "127.0.0.1", master_port: int | None = None, timeout_s: float | None = None,
-           dist_timeout_s: float = 300.0, cancel: threading.Event | None = None) -> list:
+           dist_timeout_s: float = 300.0, cancel: threading.Event | None = None, devices: int | None = None,
+           backend: str = "") -> list:
     """Spawn this node's workers, wait for all, return their results (local rank order).
+
+    ``devices``: local devices the workers bind, local rank modulo ``devices``
+    (None: one each). ``backend``: the torch.distributed backend ("" for the
+    platform's). Both exist for tests on a one-GPU machine: two ranks on one
+    device over gloo (NCCL refuses two ranks on one device).
 
     ``fn`` must be importable by name (a module-level function or
     ``"module:function"``): workers are fresh interpreters (spawn), never forks
@@ -241,7 +251,8 @@ def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args:
     procs, reports, lifelines = [], {}, []
     try:
         for local in range(nproc):
-            info = replace(base, rank=node_rank * nproc + local, local_rank=local)
+            info = replace(base, rank=node_rank * nproc + local, local_rank=local,
+                           device_index=None if devices is None else local % devices, backend=backend)
             recv, send = ctx.Pipe(duplex=False)
             life_r, life_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"omni-rank{info.rank}", daemon=False,

@@ -6,6 +6,8 @@ mesh (``ParallelRuntime``), so no caller branches on which it has:
 
     build time   shard_model(model, plan, ...)  -> PlanResult (ParallelRuntime only: apply the plan)
                  pool_kv_heads(K)               -> kv heads this rank's KV pool stores
+    build time   capture_refusal()              -> why the step cannot be recorded into a graph, or None
+                 step_collectives               -> the backend of the collectives inside a step ("" none)
     run time     cfg_rows(n)                    -> which rows of a request this rank computes
                  exchange_predictions(...)      -> every row's velocity after a step
                  run_backbone(...)              -> the backbone over one packed forward
@@ -34,6 +36,11 @@ class Runtime(Protocol):
 
     def pool_kv_heads(self, num_kv_heads: int, num_heads: int) -> int: ...
 
+    def capture_refusal(self) -> str | None: ...
+
+    @property
+    def step_collectives(self) -> str: ...
+
     def cfg_rows(self, num_rows: int) -> list[int]: ...
 
     def exchange_predictions(self, local: list, num_rows: list[int]) -> list: ...
@@ -47,9 +54,13 @@ class SingleDevice:
     """One worker alone: every row here, nothing to exchange, the backbone and the tiles in this process."""
 
     replica_size = 1
+    step_collectives = ""
 
     def __repr__(self) -> str:
         return "SingleDevice()"
+
+    def capture_refusal(self) -> str | None:
+        return None
 
     def pool_kv_heads(self, num_kv_heads: int, num_heads: int) -> int:
         return num_kv_heads
@@ -87,6 +98,29 @@ class ParallelRuntime:
         if self.mesh.sp_kind == "ulysses":
             return kv_heads_per_rank(num_heads // tp, local, self.mesh.size("ulysses"))
         return local
+
+    def capture_refusal(self) -> str | None:
+        """Why this layout's denoising step cannot be recorded into a device graph; None when it can.
+
+        Recordable: tp (its all-reduces have fixed shapes; ``step_collectives``
+        tells the platform which backend records them) and cfg (its exchange
+        runs between replays). Not: ep, whose dispatch reads routing counts on
+        the host, and sequence parallelism, whose runner splits each forward on
+        the host around the backbone the step graph records.
+        """
+        d = self.mesh.degrees
+        if d.ep > 1:
+            return f"parallel.ep={d.ep}: expert parallelism reads its routing counts on the host (omni.parallel.ep)"
+        if self.sp is not None:
+            kind = self.mesh.sp_kind
+            return (f"parallel.{kind}={getattr(d, kind)}: the sequence-parallel runner splits each forward on the "
+                    "host, outside the recorded backbone (omni.parallel.sequence)")
+        return None
+
+    @property
+    def step_collectives(self) -> str:
+        """The backend of the collectives inside a denoising step's backbone: tp's all-reduces ("" without tp)."""
+        return self.mesh.comm("tp").backend
 
     # ------------------------------------------------------------ run time
 

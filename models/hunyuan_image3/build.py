@@ -61,9 +61,9 @@ def build_transformer(cfg: HunyuanImage3Config, platform, opts: BuildOptions, *,
     ``parallel.py``, then allocated; its load target reads only this rank's
     slices of the checkpoint.
     """
-    if opts.capturable and parallel is not None:  # graph.mode: capture records the denoising step's attention
-        raise ValueError("graph.mode=capture with parallel degrees > 1 is not supported yet "
-                         "(collectives inside captured graphs are not validated); use graph.mode=eager")
+    refusal = parallel.capture_refusal() if opts.capturable and parallel is not None else None
+    if refusal:  # graph.mode: capture records the denoising step; tp and cfg layouts can, ep and sp cannot
+        raise ValueError(f"graph.mode=capture: {refusal}; use graph.mode=eager")
     if parallel is None:
         with torch.device(device):
             model = HunyuanImage3Transformer(cfg, platform, opts)
@@ -236,7 +236,8 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     return StepEngine(
         t2i, pool=pool, runtime=runtime, device=services.device, paged=recipe.kv_cache.mode == "paged",
         step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
-        step_graphs=StepGraphs(platform, services.device.type, key_bucket=key_bucket(model)) if capture else None,
+        step_graphs=StepGraphs(platform, services.device.type, key_bucket=key_bucket(model),
+                               collectives=runtime.step_collectives) if capture else None,
         synchronize=services.synchronize,
         vae_graphs=StepGraphs(platform, services.device.type, name="vae_decode",
                               max_graphs=2 * recipe.vae.streams) if capture else None,

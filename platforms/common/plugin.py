@@ -38,6 +38,9 @@ class DevicePlatform:
     """Hook implementations shared by the device platforms; a subclass sets the class attributes."""
 
     name: str  # the platform's name and the prefix of its refusal reasons
+    # torch.distributed backends whose collectives record into this device's graphs (a step graph with a
+    # tensor-parallel all-reduce inside); a platform lists one only where its vendor documents graph capture
+    capturable_collectives: tuple[str, ...] = ()
     graphs: GraphApi  # its device module (``torch.<graphs.device_type>``) and graph class
     capabilities: CapabilitiesModule
     attention: AttentionModule
@@ -63,7 +66,16 @@ class DevicePlatform:
         """Why the region of ``spec`` cannot be captured here; None when it can."""
         if spec.device_type != self.graphs.device_type:
             return f"{self.name}: cannot capture a {spec.device_type!r} region"
-        return self.graphs_missing()
+        return self.graphs_missing() or self.collectives_refusal(spec.collectives)
+
+    def collectives_refusal(self, backend: str) -> str | None:
+        """Why collectives of ``backend`` cannot be recorded into this device's graphs; None when they can
+        (``capturable_collectives``)."""
+        if not backend or backend in self.capturable_collectives:
+            return None
+        known = ", ".join(self.capturable_collectives) or "none"
+        return (f"{self.name}: {backend!r} collectives cannot be recorded into a device graph "
+                f"(recordable here: {known}); use graph.mode=eager")
 
     def graphs_missing(self) -> str | None:
         """Why this device cannot capture at all (no graph class in this build); None when it can."""

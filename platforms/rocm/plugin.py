@@ -29,7 +29,7 @@ class RocmPlatform(DevicePlatform):
     def capture_refusal(self, spec: CaptureSpec) -> str | None:
         if spec.device_type != "cuda":
             return f"rocm: cannot capture a {spec.device_type!r} region (ROCm devices are 'cuda')"
-        return None
+        return self.collectives_refusal(spec.collectives)  # RCCL in hipGraphs: none declared (not validated)
 
 
 plugin = RocmPlatform()

@@ -118,3 +118,17 @@ def poisoned_driver_job(ctx, checkpoint: str, prompts: list[str], poisoned_ranks
         driver.close()
     return {t.request_id: (str(t.future.exception()) if t.future.exception() else t.future.result().image_HW3)
             for t in tickets}
+
+
+def capture_report(ctx, labels: list[str]) -> dict:
+    """Per layout of this world size: (why its step cannot be captured, the backend of its step's collectives)."""
+    from omni.parallel.mesh import Degrees, Mesh
+    from omni.parallel.runtime import ParallelRuntime
+
+    out = {}
+    for label in labels:
+        degrees = Degrees.parse(label)
+        mesh = ctx.mesh if degrees == ctx.degrees else Mesh.build(degrees, platform=ctx.platform)
+        runtime = ParallelRuntime(mesh, ctx.platform)
+        out[label] = (runtime.capture_refusal(), runtime.step_collectives)
+    return out
