@@ -59,7 +59,8 @@ def test_shipped_layout_splits_the_released_model(name, cfg):
     for rank in range(d.world_size):
         assert len(expert_layout(d, rank).expert_range(cfg.num_experts)) >= 1
     if d.world_size > 1:
-        assert recipe.graph.mode == "eager", "capture with parallel degrees > 1 is refused at build"
+        # a recipe enables capture only where a measurement shows it gains; none exists on several devices yet
+        assert recipe.graph.mode == "eager", "multi-rank capture is not measured on any shipped layout"
 
 
 @pytest.mark.parametrize("name", RELEASED)
