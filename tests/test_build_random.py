@@ -18,13 +18,13 @@ from omni.recipe import load_recipe
 from omni.request import ImageRequest
 
 
-@pytest.fixture
-def tiny_widths(monkeypatch):
+def _swap_widths(monkeypatch, kind: str = "base"):
+    """``released_layers`` -> the tiny checkpoint's widths of ``kind`` (the build path is unchanged)."""
     from omni.models.hunyuan_image3 import build
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
     from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
 
-    tiny = HunyuanImage3Config.from_file(ensure_tiny_checkpoint() / "config.json")
+    tiny = HunyuanImage3Config.from_file(ensure_tiny_checkpoint(kind=kind) / "config.json")
 
     def layers(n):
         return dataclasses.replace(tiny, num_hidden_layers=n, moe_topk=(tiny.moe_topk[0],) * n,
@@ -32,6 +32,11 @@ def tiny_widths(monkeypatch):
                                    num_shared_expert=(tiny.num_shared_expert[0],) * n)
     monkeypatch.setattr(build, "released_layers", layers)
     return build
+
+
+@pytest.fixture
+def tiny_widths(monkeypatch):
+    return _swap_widths(monkeypatch)
 
 
 @torch.inference_mode()
@@ -56,8 +61,32 @@ def test_random_layers_build_layer_by_layer_and_generate(tiny_widths):
     engine.release(s)
 
 
-def test_other_flavours_refuse_a_random_build():
-    from omni.models.hunyuan_image3.flavors import instruct
+@pytest.mark.parametrize("flavor,pipeline,rows", [("hunyuan_image3_instruct", "HunyuanImage3Instruct", 2),
+                                                   ("hunyuan_image3_instruct_distil", "HunyuanImage3InstructDistil", 1)])
+@torch.inference_mode()
+def test_instruct_and_distil_random_builds_draw_through_their_pipelines(monkeypatch, flavor, pipeline, rows):
+    """The Instruct releases' random builds: their pipeline class, their encoders filled, Distil's extra
+    embeddings present, one text-to-image step through them (CFG pair for Instruct, one row for Distil)."""
+    build = _swap_widths(monkeypatch, "instruct_trained")
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.flavor": flavor})
+    engine = build.build_pipeline(recipe, select("cpu"), random_layers=2, progress=False)
+    assert type(engine.model).__name__ == pipeline and len(engine.model.transformer.model.layers) == 2
+    cfg = engine.model.transformer.cfg
+    assert (cfg.cfg_distilled and cfg.use_meanflow) == (pipeline.endswith("Distil"))
+    assert engine.model.vision is not None and engine.model.vae.encoder is not None, "editing parts built too"
+    assert all(not p.is_meta for p in engine.model.vision.parameters())
+    s = engine.admit(ImageRequest(prompt="a red cat", height=256, width=256, steps=2, guidance=5.0, seed=0,
+                                  template="instruct"))
+    assert len(s.rows) == rows
+    before = s.latents_1Chw.clone()
+    engine.prefill([s])
+    engine.denoise_step([s])
+    assert torch.isfinite(s.latents_1Chw).all() and not torch.equal(s.latents_1Chw, before)
+    engine.release(s)
 
-    with pytest.raises(ValueError, match="full-size-layers"):
-        instruct.build_pipeline(load_recipe("cpu_tiny_instruct"), select("cpu"), random_layers=2)
+
+def test_random_build_names_the_flavours_it_knows():
+    from omni.models.hunyuan_image3.build import random_release
+
+    with pytest.raises(ValueError, match="unknown flavor 'sdxl'"):
+        random_release("sdxl", 2)

@@ -1,6 +1,8 @@
 """Build a ready pipeline from a recipe: config -> modules -> weights -> kernels -> KV pool."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import logging
 from pathlib import Path
@@ -19,6 +21,7 @@ from omni.layers import finalize_all
 from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, park_on_host
 from omni.weights import LoadTarget, StreamingLoad, materialize_meta_
 
+from . import flavors
 from .config import HunyuanImage3Config
 from .instruct_pipeline import HunyuanImage3Instruct, HunyuanImage3InstructDistil
 from .parallel import PLANS
@@ -45,6 +48,19 @@ def checkpoint_dir(recipe, override: str | None, cache_dir: Path | None = None) 
     if recipe.model.flavor not in EMBEDDED:
         raise ValueError(f"recipe {recipe.name!r}: model.path is required for flavor {recipe.model.flavor!r}")
     return ensure_tiny_checkpoint(cache_dir, kind=EMBEDDED[recipe.model.flavor])
+
+
+def random_release(flavor: str, layers: int, cache_dir: Path | None = None) -> tuple[Path, HunyuanImage3Config, bool]:
+    """(tokenizer directory, config, instruct) of a random-weight build of ``flavor``'s architecture at the
+    released widths with ``layers`` decoder layers (``omni-run bench --full-size-layers``): base, Instruct and
+    Instruct-Distil share their shapes; Instruct adds the VAE and vision encoders, Distil the guidance and
+    timestep_r embeddings. The tokenizer is the embedded tiny one of the same era (its ids are valid rows of
+    the released vocabulary; the Instruct one spells the Distil tokens)."""
+    f = flavors.by_name(flavor)
+    cfg = released_layers(layers)
+    if f.distil:
+        cfg = dataclasses.replace(cfg, cfg_distilled=True, use_meanflow=True)
+    return ensure_tiny_checkpoint(cache_dir, kind="instruct_trained" if f.instruct else "base"), cfg, f.instruct
 
 
 def is_instruct(root: Path) -> bool:
@@ -210,7 +226,7 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
         fraction = services.limit_memory(int(recipe.device.memory_limit_gib * 2**30))
         log.info("device memory capped at %g GiB (%.0f%% of the card)", recipe.device.memory_limit_gib, 100 * fraction)
     if random_layers:
-        root, cfg, instruct = ensure_tiny_checkpoint(cache_dir), released_layers(random_layers), False
+        root, cfg, instruct = random_release(recipe.model.flavor, random_layers, cache_dir)
     else:
         root = checkpoint_dir(recipe, model_path, cache_dir)
         cfg, instruct = HunyuanImage3Config.from_file(root / "config.json"), is_instruct(root)

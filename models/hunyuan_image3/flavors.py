@@ -55,9 +55,6 @@ class HunyuanImage3Flavor:
                        random_layers: int = 0):
         from .build import build_pipeline
 
-        if random_layers and self.name != "hunyuan_image3":
-            raise ValueError(f"--full-size-layers builds the base text-to-image shapes; flavor {self.name} "
-                             "has no random-weight build (use recipe h200_fp8, or a checkpoint)")
         return build_pipeline(recipe, platform, local_rank=local_rank, parallel=parallel, progress=progress,
                               random_layers=random_layers)
 
@@ -118,3 +115,13 @@ instruct_tiny = HunyuanImage3Flavor(
 instruct_tiny_random = HunyuanImage3Flavor(
     "hunyuan_image3_instruct_tiny_random", "the tiny Instruct architecture with random weights (generated; "
     "image_base_size 256, for code-path tests)", needs_weights=False, instruct=True, base_size=256)
+
+ALL = (base, instruct, instruct_distil, tiny, tiny_random, instruct_tiny, instruct_tiny_random)
+
+
+def by_name(name: str) -> HunyuanImage3Flavor:
+    """The flavour registered as ``name`` (a recipe's ``model.flavor``)."""
+    for f in ALL:
+        if f.name == name:
+            return f
+    raise ValueError(f"unknown flavor {name!r}; known: {', '.join(f.name for f in ALL)}")
