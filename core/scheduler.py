@@ -183,7 +183,9 @@ class Scheduler:
                   decode_thread=True, text_tokens_per_image_step=s.text_tokens_per_image_step)
         sched = cls(pipeline, **(kw | overrides))
         w, h = recipe.defaults.width_height
-        need = sched.cost(ImageRequest(prompt="x", height=h, width=w, guidance=recipe.defaults.guidance)).step_tokens
+        d = recipe.defaults  # the default request as served: its template too (Distil refuses "pretrain")
+        need = sched.cost(ImageRequest(prompt="x", height=h, width=w, guidance=d.guidance, shift=d.shift,
+                                       template=d.template, system_prompt=d.system_prompt)).step_tokens
         if sched.max_batch_tokens is not None and need > sched.max_batch_tokens:
             log.warning("serving.max_batch_tokens=%d is below one default %dx%d request (%d packed tokens per "
                         "step): such requests run one at a time; raise it to batch them",

@@ -85,6 +85,19 @@ def test_instruct_and_distil_random_builds_draw_through_their_pipelines(monkeypa
     engine.release(s)
 
 
+def test_distil_deployment_schedules_its_default_request(monkeypatch):
+    """The scheduler sizes the recipe's default request at startup with the recipe's template: a Distil
+    deployment (which refuses the pretrain template) starts."""
+    from omni.scheduler import Scheduler
+
+    build = _swap_widths(monkeypatch, "instruct_trained")
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.flavor": "hunyuan_image3_instruct_distil",
+                                                             "defaults.size": "256x256"})
+    engine = build.build_pipeline(recipe, select("cpu"), random_layers=1, progress=False)
+    sched = Scheduler.from_recipe(engine, recipe)
+    assert sched.cost(ImageRequest(prompt="x", height=256, width=256, template="instruct")).step_tokens > 0
+
+
 def test_random_build_names_the_flavours_it_knows():
     from omni.models.hunyuan_image3.build import random_release
 
