@@ -46,7 +46,7 @@ def _round(x, dtype: tl.constexpr):
     return x.to(dtype).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, T, D, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                 ADD: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -80,7 +80,7 @@ def _rope_norm_head(x1, x2, c, s, w1, w2, eps, H: tl.constexpr, dt: tl.constexpr
     return _round(w1 * _round(y1 * inv[:, None], dt), dt), _round(w2 * _round(y2 * inv[:, None], dt), dt)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def rope_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_ptr, T, eps,
                      K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, ROWS: tl.constexpr):
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1] tokens
@@ -112,7 +112,7 @@ def rope_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_
     tl.store(vout + HALF + lo, tl.load(row + (G + 1) * H + HALF + lo, mask=m), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
                  BLOCK_E: tl.constexpr, KPAD: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -139,7 +139,7 @@ def route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, TOPK: tl.constexpr, BLOCK_T: 
     tl.store(ids_ptr + off, ik.to(tl.int64), mask=km)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def kv_kernel(kp_ptr, vp_ptr, k_ptr, v_ptr, write_ptr, gather_ptr, fresh_ptr, ko_ptr, vo_ptr, S, W,
               BLOCK: tl.constexpr):
     """Programs [0, S): key-table row s from the new row ``fresh[s]`` or else pool slot ``gather[s]``;

@@ -25,7 +25,7 @@ from .moe import torch_route_rows  # moe.py imports this module only from a func
 FP8_MAX = 448.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                   QMAX: tl.constexpr, GATHER: tl.constexpr):
     """Rows ``[ROWS]`` of the output: e4m3 of source row ``token[r]`` (``GATHER``) or ``r``, and its scale."""
@@ -41,7 +41,7 @@ def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROW
     tl.store(s_ptr + rows, s, mask=rm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     rm = rows < R
@@ -54,7 +54,7 @@ def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK
     tl.store(out_s_ptr + rows, tl.load(s_ptr + t, mask=rm), mask=rm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
                    QMAX: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -75,7 +75,7 @@ def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.co
         tl.store(out_ptr + dst, a.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.constexpr, ADDENDS: tl.constexpr,
                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -95,7 +95,7 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.
     tl.store(out_ptr + td, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr):
     """counts[b, e]: how many of block b's assignments route to expert e."""
     b = tl.program_id(0)
@@ -105,7 +105,7 @@ def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr)
     tl.store(counts_ptr + b * EB + tl.arange(0, EB), tl.sum(hit, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "NB"])
 def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, NB, EB: tl.constexpr,
                   NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """Sorted row of each assignment of block b: its expert's start, the rows of that expert in blocks and
