@@ -69,11 +69,12 @@ class Deployment:
         return self.flavor().build_pipeline(self.recipe, platform or self.platform(), local_rank=local_rank,
                                             parallel=parallel, progress=progress, random_layers=random_layers)
 
-    def open_engine(self, *, progress: bool = False):
-        """The engine handle (not started): a local engine loop, or the router over launched replicas."""
+    def open_engine(self, *, progress: bool = False, warm_up: bool = False):
+        """The engine handle (not started): a local engine loop, or the router over launched replicas;
+        ``warm_up``: one default request runs before it is ready (``serving.warmup_steps``, servers)."""
         from .engine_handle import open_engine
 
-        return open_engine(self, progress=progress)
+        return open_engine(self, progress=progress, warm_up=warm_up)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,12 @@ them gets attributes attached after construction.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from typing import Callable, Protocol, runtime_checkable
 
 from .request import ImageRequest
+
+log = logging.getLogger("omni.engine")
 
 StepListener = Callable[[list, float], None]  # (tickets resolved in the step, its seconds)
 
@@ -71,13 +74,27 @@ class EngineHandle(Protocol):
         """Call ``listener`` after every engine step this handle runs in this process (none for remote ones)."""
 
 
-def open_engine(deployment, *, progress: bool = False) -> EngineHandle:
+def serving_scheduler(pipeline, recipe, *, warm_up: bool):
+    """``recipe.serving``'s scheduler over ``pipeline``; ``warm_up``: first run one default request of
+    ``serving.warmup_steps`` steps (the server's engines; one-shot commands skip it)."""
+    from .scheduler import Scheduler, default_request
+
+    sched = Scheduler.from_recipe(pipeline, recipe)
+    steps = recipe.serving.warmup_steps
+    if warm_up and steps:
+        log.info("warm-up: one default request of %d steps (compiles and graph captures) ...", steps)
+        log.info("warm-up done in %.1f s", sched.warm_up(default_request(recipe, steps=steps)))
+    return sched
+
+
+def open_engine(deployment, *, progress: bool = False, warm_up: bool = False) -> EngineHandle:
     """The handle for ``deployment`` (not started): this process's engine loop, or launched replicas.
 
     World size 1: an ``EngineLoop`` whose thread builds the pipeline and the
     scheduler ``recipe.serving`` describes. World size > 1: every rank of the
     mesh is launched on this host (``omni.parallel.dp.start_replicas``) and
     the router over its dp replicas is returned once they connected.
+    ``warm_up``: the engine runs one default request first (``serving.warmup_steps``; servers ask for it).
     """
     from .engine_loop import EngineLoop
     from .scheduler import Scheduler
@@ -85,8 +102,9 @@ def open_engine(deployment, *, progress: bool = False) -> EngineHandle:
     if deployment.world_size > 1:
         from .parallel.dp import start_replicas
 
-        return start_replicas(deployment)
+        return start_replicas(deployment, warm_up=warm_up)
+
     def build() -> Scheduler:
-        return Scheduler.from_recipe(deployment.build_pipeline(progress=progress), deployment.recipe)
+        return serving_scheduler(deployment.build_pipeline(progress=progress), deployment.recipe, warm_up=warm_up)
 
     return EngineLoop(build)

@@ -214,6 +214,9 @@ class Serving(_Validated):
                                            rule=_at_least(1))
     request_timeout_s: float = _opt(600.0, "seconds before a request is cancelled", rule=_POSITIVE,
                                     parse=_parse_float)
+    warmup_steps: int = _opt(2, "the server runs one default request of this many steps before it reports ready, "
+                                "so JIT compiles and graph captures do not land on the first user's request "
+                                "(0 = none)", rule=_at_least(0))
     api_key_env: str | None = _opt(None, "name of the environment variable holding the API key; null = no key",
                                    rule=_pattern(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name"))
     max_image_pixels: int = _opt(4096 * 4096, "largest reference image (editing) in width x height pixels; a larger "

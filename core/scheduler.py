@@ -154,6 +154,15 @@ def restore_state(state, saved: dict) -> None:
     vars(state).update(saved)
 
 
+def default_request(recipe, **changes) -> ImageRequest:
+    """The request ``recipe.defaults`` describes (size, steps, guidance, shift, template, system prompt)."""
+    d = recipe.defaults
+    w, h = d.width_height
+    kw = dict(prompt="a red cat on green grass", height=h, width=w, steps=d.steps, guidance=d.guidance,
+              shift=d.shift, template=d.template, system_prompt=d.system_prompt, seed=0)
+    return ImageRequest(**(kw | changes))
+
+
 class Scheduler:
     """FIFO step-level batching under a KV-page and a packed-token budget (see module docstring)."""
 
@@ -183,14 +192,25 @@ class Scheduler:
                   decode_thread=True, text_tokens_per_image_step=s.text_tokens_per_image_step)
         sched = cls(pipeline, **(kw | overrides))
         w, h = recipe.defaults.width_height
-        d = recipe.defaults  # the default request as served: its template too (Distil refuses "pretrain")
-        need = sched.cost(ImageRequest(prompt="x", height=h, width=w, guidance=d.guidance, shift=d.shift,
-                                       template=d.template, system_prompt=d.system_prompt)).step_tokens
+        need = sched.cost(default_request(recipe)).step_tokens
         if sched.max_batch_tokens is not None and need > sched.max_batch_tokens:
             log.warning("serving.max_batch_tokens=%d is below one default %dx%d request (%d packed tokens per "
                         "step): such requests run one at a time; raise it to batch them",
                         sched.max_batch_tokens, w, h, need)
         return sched
+
+    def warm_up(self, request: ImageRequest) -> float:
+        """Run ``request`` to completion before serving (engine thread, nothing else submitted yet): the JIT
+        compiles, autotuning and graph captures of its shapes happen here instead of in the first user's
+        request. Raises what the request raised; the counters start from zero afterwards. Returns seconds."""
+        t0 = time.perf_counter()
+        ticket = self.submit(request)
+        while not ticket.future.done():
+            self.step()
+        ticket.result()
+        self.stats.clear()
+        self._service_s = None
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------ any thread
 

@@ -42,7 +42,7 @@ RECIPE_FIELD_PATHS = [
     "graph.mode",
     "vae.tiling", "vae.tile_latents", "vae.overlap", "vae.streams",
     "serving.host", "serving.port", "serving.max_queue", "serving.max_running", "serving.max_batch_tokens",
-    "serving.text_tokens_per_image_step", "serving.request_timeout_s", "serving.api_key_env", "serving.max_image_pixels", "serving.png_compress_level",
+    "serving.text_tokens_per_image_step", "serving.request_timeout_s", "serving.warmup_steps", "serving.api_key_env", "serving.max_image_pixels", "serving.png_compress_level",
     "serving.fetch_remote_images",
     "ray.min_replicas", "ray.max_replicas", "ray.target_ongoing_requests", "ray.ingress_replicas", "ray.retries",
     "defaults.steps", "defaults.guidance", "defaults.size", "defaults.shift", "defaults.template",

@@ -154,7 +154,7 @@ class ReplicaRouter:
 # ---------------------------------------------------------------------- one host: launch and connect
 
 
-def start_replicas(deployment, *, connect_timeout_s: float = 1800.0) -> ReplicaRouter:
+def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bool = False) -> ReplicaRouter:
     """Launch every rank of ``deployment``'s mesh on this host and return the router over its dp replicas.
 
     Every rank receives the ``Deployment`` itself (the checked, patched
@@ -178,7 +178,7 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0) -> ReplicaR
     def run() -> None:
         try:
             launch(replica_worker, degrees, platform=deployment.recipe.platform, cancel=cancel,
-                   args=(listener.address, authkey, deployment))
+                   args=(listener.address, authkey, deployment, warm_up))
         except BaseException as e:  # noqa: BLE001 - reported by start_replicas or the replicas' status
             failure.append(e)
             listener.close()  # unblocks accept()
@@ -211,7 +211,7 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0) -> ReplicaR
 # ---------------------------------------------------------------------- the launcher target
 
 
-def replica_worker(ctx, address, authkey: bytes, deployment) -> dict:
+def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = False) -> dict:
     """One rank of a deployment: build this replica's pipeline; serve it (first rank) or follow.
 
     ``address``/``authkey``: the ``multiprocessing.connection.Listener`` of the
@@ -220,7 +220,7 @@ def replica_worker(ctx, address, authkey: bytes, deployment) -> dict:
     from multiprocessing.connection import Client
 
     from omni.engine_loop import EngineLoop
-    from omni.scheduler import Scheduler
+    from omni.engine_handle import serving_scheduler
 
     from .driver import DriverPipeline, follow
     from .runtime import ParallelRuntime
@@ -232,7 +232,7 @@ def replica_worker(ctx, address, authkey: bytes, deployment) -> dict:
     if control.rank != 0:
         return {"rank": ctx.rank, "followed": follow(pipeline, control)}
     driver = DriverPipeline(pipeline, control)
-    engine = EngineLoop(lambda: Scheduler.from_recipe(driver, deployment.recipe)).start()
+    engine = EngineLoop(lambda: serving_scheduler(driver, deployment.recipe, warm_up=warm_up)).start()
     conn = Client(address, authkey=authkey)
     try:
         serve_replica(engine, conn)

@@ -102,7 +102,7 @@ class EngineReplica:
     """One engine and the app of ``create_app`` over it; answers the ingress's forwarded requests."""
 
     async def __init__(self, deployment: Deployment, api_key: str | None = None):
-        self.engine = deployment.open_engine()  # world size > 1: launches the replica's ranks on this host
+        self.engine = deployment.open_engine(warm_up=True)  # world size > 1: launches the replica's ranks on this host
         self.engine.start()
         if not await asyncio.to_thread(self.engine.wait_ready):
             raise RuntimeError(f"the engine of {deployment.recipe.name} did not start: {self.engine.error}")

@@ -49,7 +49,7 @@ class _Server(uvicorn.Server):
 
 def serve_main(deployment, endpoint) -> int:
     """Serve ``deployment`` on ``endpoint`` (an ``omni.deployment.Endpoint``) until interrupted; 1 if the engine died."""
-    engine = deployment.open_engine()  # world size > 1: launches the ranks and connects their replicas
+    engine = deployment.open_engine(warm_up=True)  # world size > 1: launches the ranks and connects their replicas
     # From here on the engine is stopped whatever happens: a multi-rank engine's ranks ignore Ctrl-C (the
     # server stops them), so an exception or a Ctrl-C before uvicorn takes over the signals must stop them too.
     try:
