@@ -11,6 +11,7 @@ per request: prompt tokens per row, prefill and first/second step seconds,
 and how many kernel binaries Triton compiled meanwhile.
 
     python bench/profile_first_use.py --recipe h200_fp8 --layers 8 --json out.json
+    python bench/profile_first_use.py --recipe h200_fp8 --layers 8 --warm-up --json out.json   # as a server starts
 """
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ def parse():
     p.add_argument("--layers", type=int, default=8, help="decoder layers (released: 32)")
     p.add_argument("--words", default="3,7,8,12,16,23,31,40", help="prompt lengths in words, one request each")
     p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--warm-up", action="store_true",
+                   help="first the server's warm-up (serving.warmup_steps of a default request), as omni-run serve does")
     p.add_argument("--json", type=Path)
     return p.parse_args()
 
@@ -67,6 +70,15 @@ def main() -> int:
     engine = build_pipeline(recipe, select(recipe.platform), random_layers=a.layers, progress=False)
     rows, before = [], compiled()
     print(f"built in {time.perf_counter() - t0:.1f} s; {before} Triton kernels compiled while building", flush=True)
+    warm = None
+    if a.warm_up:
+        from omni.engine_handle import serving_scheduler
+
+        t0 = time.perf_counter()
+        serving_scheduler(engine, recipe, warm_up=True)
+        torch.cuda.synchronize()
+        warm = {"seconds": time.perf_counter() - t0, "steps": recipe.serving.warmup_steps, "compiled": compiled() - before}
+        print(f"warm-up {warm['seconds']:.1f} s ({warm['steps']} steps), {warm['compiled']} kernels compiled", flush=True)
     for i, n in enumerate(int(w) for w in a.words.split(",")):
         prompt = " ".join((WORDS * (n // len(WORDS) + 1))[:n])
         req = ImageRequest(prompt=prompt, height=a.size, width=a.size, steps=3, guidance=recipe.defaults.guidance,
@@ -83,7 +95,7 @@ def main() -> int:
         print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
         engine.release(s)
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": "empty at start",
-           "compiled_while_building": before, "requests": rows, "torch": torch.__version__,
+           "compiled_while_building": before, "warm_up": warm, "requests": rows, "torch": torch.__version__,
            "device": torch.cuda.get_device_name()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
