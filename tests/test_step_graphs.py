@@ -65,6 +65,17 @@ class FakePlatform:
         return RecordingRunner(spec)
 
 
+def test_step_graphs_tell_the_platform_which_collectives_each_region_records():
+    """A tensor-parallel step holds all-reduces: the probe and every capture name their backend to the platform."""
+    platform = FakePlatform()
+    graphs = StepGraphs(platform, "cpu", collectives="nccl")
+    x = torch.randn(4, 2)
+    y = graphs.run(((("sig",),), ()), x, lambda x, a: x + a, lambda: (torch.ones(()),))
+    assert torch.equal(y, x + 1)
+    assert [s.collectives for s in platform.specs] == ["nccl", "nccl"]
+    assert StepGraphs(FakePlatform(), "cpu").collectives == ""
+
+
 def _pool_ctx(pool, pages, P, n):
     runs = [r for p in pages for r in (Run(p, P, P + 1, P + 1), Run(p, P + 1, P + n, P + n))]
     return PoolContext(pool, runs, "none", False, "cpu")

@@ -6,7 +6,8 @@
 - The platforms: CUDA records NCCL collectives and refuses gloo's; ROCm and the reference record none.
 
 Real process groups (gloo, two spawned ranks) answer the backend. The captured tp and cfg steps against their
-eager runs on a GPU: tests/gpu/test_gpu_parallel_capture.py.
+eager runs on a GPU: tests/gpu/test_gpu_parallel_capture.py; the region's spec carrying the backend:
+tests/test_step_graphs.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from omni.parallel.launch import launch
 from omni.parallel.mesh import Degrees
 from omni.parallel.runtime import ParallelRuntime, SingleDevice
 from omni.specs import CaptureSpec
-from omni.step_graphs import StepGraphs
 
 from test_mesh_and_plan import fake_mesh
 
@@ -68,32 +68,3 @@ def test_cuda_records_nccl_collectives_and_refuses_gloo():
     assert "'gloo' collectives cannot be recorded" in refusal and "nccl" in refusal and "graph.mode=eager" in refusal
     assert "'nccl' collectives cannot be recorded" in rocm.capture_refusal(spec("nccl")), "RCCL capture: not declared"
     assert rocm.capture_refusal(spec("")) is None
-
-
-class SpecRecorder:
-    def __init__(self):
-        self.specs = []
-
-    def graph_runner(self, spec):
-        self.specs.append(spec)
-        return _Eager()
-
-
-class _Eager:
-    def capture(self, fn):
-        self.fn = fn
-        self.out = fn()
-        return self.out
-
-    def replay(self):
-        self.out.copy_(self.fn())
-
-
-def test_step_graphs_tell_the_platform_which_collectives_each_region_records():
-    platform = SpecRecorder()
-    graphs = StepGraphs(platform, "cpu", collectives="nccl")
-    x = torch.randn(4, 2)
-    y = graphs.run(((("sig",),), ()), x, lambda x, a: x + a, lambda: (torch.ones(()),))
-    assert torch.equal(y, x + 1)
-    assert [s.collectives for s in platform.specs] == ["nccl", "nccl"], "the probe and the capture both say so"
-    assert StepGraphs(SpecRecorder(), "cpu").collectives == ""
