@@ -22,6 +22,7 @@ and the 32-layer extrapolation (per-layer backbone time x 32 + image I/O).
 
     torchrun --nproc-per-node 2 bench/bench_parallel.py --layout tp2 --layers 8 --json tp2.json
     torchrun --nproc-per-node 2 bench/bench_parallel.py --layout cfg2 --layers 8 --json cfg2.json
+    torchrun --nproc-per-node 2 bench/bench_parallel.py --layout tp2 --layers 8 --graph capture --json tp2_graph.json
     python bench/bench_parallel.py --layout tp2 --layers 8           # same, spawned by omni's launcher
     python bench/bench_parallel.py --layout single --layers 8        # one-GPU baseline
 """
@@ -49,7 +50,8 @@ from omni.parallel.mesh import Degrees  # noqa: E402
 from omni.parallel.runtime import ParallelRuntime, SingleDevice  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
 from omni.step_engine import StepEngine  # noqa: E402
-from omni.models.hunyuan_image3.build import build_transformer  # noqa: E402
+from omni.step_graphs import StepGraphs  # noqa: E402
+from omni.models.hunyuan_image3.build import build_transformer, key_bucket  # noqa: E402
 from omni.models.hunyuan_image3.config import HunyuanImage3Config  # noqa: E402
 from omni.models.hunyuan_image3.pipeline import HunyuanImage3T2I  # noqa: E402
 from omni.models.hunyuan_image3.tokenizer import Tokenizer  # noqa: E402
@@ -74,6 +76,10 @@ def parse(argv=None) -> argparse.Namespace:
                    help="contiguous (gathered keys) is what the h200 recipes use: FA3 serves it")
     p.add_argument("--page-tokens", type=int, default=256)
     p.add_argument("--no-comm-free", action="store_true", help="skip the comm-free variant")
+    p.add_argument("--graph", choices=["eager", "capture"], default="eager",
+                   help="capture: each rank replays its step from a device graph (tp's all-reduces recorded "
+                        "inside it); collectives are then not timed one by one (events cannot be recorded "
+                        "around them in a graph), so comm_s and the comm-free variant are left out")
     p.add_argument("--json", type=Path)
     return p.parse_args(argv)
 
@@ -96,7 +102,9 @@ def build(ctx, a):
     cfg = model_config(a)
     runtime = ParallelRuntime(ctx.mesh, platform) if ctx.degrees.world_size > 1 else None
     paged = a.kv == "paged"
-    opts = BuildOptions(dtype=torch.bfloat16, quant=a.quant, paged_kv=paged, page_size=a.page_tokens if paged else 0)
+    capture = a.graph == "capture"
+    opts = BuildOptions(dtype=torch.bfloat16, quant=a.quant, paged_kv=paged, page_size=a.page_tokens if paged else 0,
+                        capturable=capture)
     model, _ = build_transformer(cfg, platform, opts, device=services.device, parallel=runtime)
     random_init_(model, seed=1234)  # same seed everywhere: replicated parts (router, norms) agree across ranks
     model.finalize()
@@ -109,8 +117,10 @@ def build(ctx, a):
                   head_dim=cfg.head_dim, dtype=torch.bfloat16, device=services.device)
     vae = types.SimpleNamespace(cfg=types.SimpleNamespace(latent_channels=cfg.latent_channels))
     t2i = HunyuanImage3T2I(transformer=model, vae=vae, tokenizer=Tokenizer.tiny(), config=cfg, device=services.device)
-    pipe = StepEngine(t2i, pool=pool, runtime=SingleDevice() if runtime is None else runtime, device=services.device,
-                      paged=paged)
+    runtime = SingleDevice() if runtime is None else runtime
+    graphs = StepGraphs(platform, services.device.type, key_bucket=key_bucket(model),
+                        collectives=runtime.step_collectives) if capture else None
+    pipe = StepEngine(t2i, pool=pool, runtime=runtime, device=services.device, paged=paged, step_graphs=graphs)
     return pipe, model
 
 
@@ -136,8 +146,9 @@ def bench_worker(ctx, a_dict: dict) -> dict:
     pipe, model = build(ctx, a)
     build_s = time.perf_counter() - t0
     weights_bytes = services.memory_stats().get("allocated_bytes", 0)
+    capture = a.graph == "capture"
     stats = CommStats(services)
-    ctx.mesh.instrument(stats, enabled=True)
+    ctx.mesh.instrument(None if capture else stats, enabled=True)  # no timing events inside a graph
     w, h = (int(v) for v in a.size.split("x"))
     prompt = PROMPT_WORDS * max(1, a.prompt_tokens // 6)
     total_steps = a.warmup + a.steps * 3 + 1
@@ -153,15 +164,16 @@ def bench_worker(ctx, a_dict: dict) -> dict:
     step_s, comm_s = timed_steps(pipe, states, services, a.steps, stats)
     calls = stats.calls // max(1, a.steps)
     nocomm = []
-    if not a.no_comm_free and ctx.degrees.world_size > 1:
+    if not a.no_comm_free and not capture and ctx.degrees.world_size > 1:
         ctx.mesh.instrument(None, enabled=False)
         nocomm, _ = timed_steps(pipe, states, services, a.steps, stats)
         ctx.mesh.instrument(stats, enabled=True)
-    backbone_s = _backbone_only(pipe, states, services, a.steps)
+    backbone_s = float("nan") if capture else _backbone_only(pipe, states, services, a.steps)  # replays skip it
     med = statistics.median
     row = {"rank": ctx.rank, "device": str(services.device), "build_s": build_s, "prefill_s": prefill_s,
-           "step_s": med(step_s), "step_s_all": step_s, "comm_s": med(comm_s),
-           "comm_share": med(comm_s) / med(step_s), "collective_calls_per_step": calls,
+           "step_s": med(step_s), "step_s_all": step_s, "comm_s": None if capture else med(comm_s),
+           "comm_share": None if capture else med(comm_s) / med(step_s), "collective_calls_per_step": calls,
+           "graph": a.graph, "captures": None if pipe.step_graphs is None else pipe.step_graphs.captures,
            "nocomm_step_s": med(nocomm) if nocomm else None,
            "comm_share_by_difference": (1 - med(nocomm) / med(step_s)) if nocomm else None,
            "backbone_s": backbone_s, "per_layer_s": backbone_s / a.layers,
@@ -208,14 +220,17 @@ def _kernel_name(model) -> str:
 
 
 def report(result: dict, path: Path | None) -> None:
-    print(f"\nlayout {result['layout']}  layers {result['layers']}  {result['size']} x {result['rows_per_step']} rows  "
+    graph = result["per_rank"][0].get("graph", "eager")
+    print(f"\nlayout {result['layout']} ({graph})  layers {result['layers']}  {result['size']} x {result['rows_per_step']} rows  "
           f"prefix {result['prompt_tokens']}  {result['device_name']}  {result['dist_backend']}")
     print(f"{'rank':>4} {'step ms':>9} {'comm ms':>9} {'comm %':>7} {'no-comm ms':>10} {'by diff %':>9} "
           f"{'peak GiB':>9} {'32-layer step s':>16}")
     for r in result["per_rank"]:
         nc = f"{r['nocomm_step_s'] * 1e3:10.1f}" if r["nocomm_step_s"] else f"{'-':>10}"
         bd = f"{r['comm_share_by_difference'] * 100:9.1f}" if r["comm_share_by_difference"] is not None else f"{'-':>9}"
-        print(f"{r['rank']:>4} {r['step_s'] * 1e3:9.1f} {r['comm_s'] * 1e3:9.1f} {r['comm_share'] * 100:7.1f} {nc} {bd} "
+        cm = (f"{r['comm_s'] * 1e3:9.1f} {r['comm_share'] * 100:7.1f}" if r["comm_s"] is not None
+              else f"{'-':>9} {'-':>7}")  # captured steps: collectives not timed one by one
+        print(f"{r['rank']:>4} {r['step_s'] * 1e3:9.1f} {cm} {nc} {bd} "
               f"{r['peak_mem_gib']:9.1f} {r['extrapolated_32_layer_step_s']:16.3f}")
     if path:
         path.write_text(json.dumps(result, indent=2))
