@@ -6,7 +6,7 @@ mesh (``ParallelRuntime``), so no caller branches on which it has:
 
     build time   shard_model(model, plan, ...)  -> PlanResult (ParallelRuntime only: apply the plan)
                  pool_kv_heads(K)               -> kv heads this rank's KV pool stores
-    build time   capture_refusal()              -> why the step cannot be recorded into a graph, or None
+                 capture_refusal()              -> why the step cannot be recorded into a graph, or None
                  step_collectives               -> the backend of the collectives inside a step ("" none)
     run time     cfg_rows(n)                    -> which rows of a request this rank computes
                  exchange_predictions(...)      -> every row's velocity after a step

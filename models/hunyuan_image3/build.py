@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import logging
 from pathlib import Path

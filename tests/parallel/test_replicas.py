@@ -141,6 +141,28 @@ def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, t
     assert not router.job.is_alive() and all(r.status == "stopped" for r in router.replicas)
 
 
+def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tmp_path):
+    """The server's warm-up (start_replicas(..., warm_up=True)) runs through the replica's driver, so both
+    ranks run it together; the replica then reports ready and serves the single-process images."""
+    text = (resources_recipe("cpu_tiny").replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}",
+                                                  "parallel: {cfg: 2}")
+            .replace("count: 1", "count: 2").replace("name: cpu_tiny", "name: cpux2_cfg2"))
+    recipe = tmp_path / "cpux2_cfg2.yaml"
+    recipe.write_text(text)
+    deployment = prepare(str(recipe), platform="cpu", overrides={"model.path": checkpoint,
+                                                                 "serving.warmup_steps": 2})
+    router = start_replicas(deployment, connect_timeout_s=120, warm_up=True)
+    try:
+        router.start()
+        assert router.wait_ready(120) and router.status == "ready"
+        tickets = [router.submit_many([r])[0] for r in requests(2)]
+        for t in tickets:
+            same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)
+    finally:
+        router.stop(60)
+    assert not router.job.is_alive()
+
+
 def resources_recipe(name: str) -> str:
     from importlib import resources
 
