@@ -31,7 +31,11 @@ object: the output is valid until then (callers copy what they keep).
 Rules the captured region obeys (checked by the GPU test, capture == eager):
 no host sync, no allocation by value; every kernel the model resolved must be
 capturable (attention specs are built with ``capturable=True`` under this
-recipe, which the reference platform refuses). A platform without graphs
+recipe, which the reference platform refuses). Under tensor parallelism the region also
+records the step's all-reduces: ``collectives`` names their backend, which
+the platform must be able to record (``CaptureSpec.collectives``), and every
+rank captures and replays the same signatures in the same order (the replica
+runs in lock-step). A platform without graphs
 refuses at construction: ``strict`` raises with the platform's reasons (the
 recipe path: startup fails), otherwise the object runs eagerly and keeps the
 reason in ``refusal`` (logged once).
