@@ -65,6 +65,7 @@ def test_sigint_answers_the_running_request_503_and_logs_no_traceback(server_pro
     assert proc.wait(30) == 0
     log = proc.stdout.read()
     assert "http://127.0.0.1:" in log and "Traceback" not in log and "CancelledError" not in log, log
+    assert "warm-up done in" in log, "the server warms up before it reports ready (serving.warmup_steps)"
 
 
 def test_bench_in_process(tmp_path):
