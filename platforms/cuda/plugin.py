@@ -24,8 +24,9 @@ class CudaPlatform(DevicePlatform):
     capabilities, attention, gemm, moe, glue = capabilities, attention, gemm, moe, glue  # what the shared hooks call
     triton_kernels = True  # gemm and moe pick Triton or torch ops from kernels.memory_bound themselves
     grouped_fp8_kernels = ("cutlass",)  # gemm and moe build our CUTLASS grouped fp8 kernel (cutlass_grouped.py)
-    # NCCL (>= 2.9.6) records its kernels into CUDA graphs, and torch's ProcessGroupNCCL leaves collectives
-    # issued under capture out of its watchdog; gloo blocks the host, so it cannot be recorded
+    # NCCL (>= 2.9.6) records its kernels into CUDA graphs; torch's ProcessGroupNCCL leaves collectives issued
+    # under capture out of its watchdog and queries its events in thread-local capture mode (pytorch PRs 103503,
+    # 148594), so a capture on the step's stream is not aborted. gloo blocks the host: it cannot be recorded
     capturable_collectives = ("nccl",)
 
 

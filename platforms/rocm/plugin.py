@@ -29,7 +29,9 @@ class RocmPlatform(DevicePlatform):
     def capture_refusal(self, spec: CaptureSpec) -> str | None:
         if spec.device_type != "cuda":
             return f"rocm: cannot capture a {spec.device_type!r} region (ROCm devices are 'cuda')"
-        return self.collectives_refusal(spec.collectives)  # RCCL in hipGraphs: none declared (not validated)
+        # RCCL in hipGraphs: none declared. Not validated here, and torch's NCCL watchdog querying events during
+        # a capture aborts it on ROCm 7 (hipErrorCapturedEvent; reported by SGLang, issue 29235)
+        return self.collectives_refusal(spec.collectives)
 
 
 plugin = RocmPlatform()
