@@ -74,16 +74,31 @@ class EngineHandle(Protocol):
         """Call ``listener`` after every engine step this handle runs in this process (none for remote ones)."""
 
 
-def serving_scheduler(pipeline, recipe, *, warm_up: bool):
-    """``recipe.serving``'s scheduler over ``pipeline``; ``warm_up``: first run one default request of
-    ``serving.warmup_steps`` steps (the server's engines; one-shot commands skip it)."""
-    from .scheduler import Scheduler, default_request
+def warm_up_request(deployment) -> ImageRequest | None:
+    """The request a server warms up with (None when ``serving.warmup_steps`` is 0): the recipe's default
+    request as the HTTP layer builds it (the flavour's size snapping and system-prompt modes, so its prefix
+    falls in the same captured-step bucket as the first users'), ``serving.warmup_steps`` steps."""
+    from .scheduler import default_request
+
+    recipe = deployment.recipe
+    if not recipe.serving.warmup_steps:
+        return None
+    helpers = deployment.flavor().serving_helpers()
+    w, h = recipe.defaults.width_height
+    h, w = helpers.snap(h, w)
+    return default_request(recipe, steps=recipe.serving.warmup_steps, height=h, width=w,
+                           system_prompt=helpers.system_prompt(recipe.defaults.system_prompt))
+
+
+def serving_scheduler(pipeline, recipe, warm_up: ImageRequest | None = None):
+    """``recipe.serving``'s scheduler over ``pipeline``, after running ``warm_up`` to the end when given (the
+    servers' engines: JIT compiles and graph captures happen before they report ready)."""
+    from .scheduler import Scheduler
 
     sched = Scheduler.from_recipe(pipeline, recipe)
-    steps = recipe.serving.warmup_steps
-    if warm_up and steps:
-        log.info("warm-up: one default request of %d steps (compiles and graph captures) ...", steps)
-        log.info("warm-up done in %.1f s", sched.warm_up(default_request(recipe, steps=steps)))
+    if warm_up is not None:
+        log.info("warm-up: one default request of %d steps (compiles and graph captures) ...", warm_up.steps)
+        log.info("warm-up done in %.1f s", sched.warm_up(warm_up))
     return sched
 
 
@@ -105,6 +120,7 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False) ->
         return start_replicas(deployment, warm_up=warm_up)
 
     def build() -> Scheduler:
-        return serving_scheduler(deployment.build_pipeline(progress=progress), deployment.recipe, warm_up=warm_up)
+        return serving_scheduler(deployment.build_pipeline(progress=progress), deployment.recipe,
+                                 warm_up_request(deployment) if warm_up else None)
 
     return EngineLoop(build)

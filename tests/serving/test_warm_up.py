@@ -11,10 +11,11 @@ import logging
 
 import pytest
 
-from omni.engine_handle import serving_scheduler
+from omni.engine_handle import serving_scheduler, warm_up_request
 from omni.scheduler import Scheduler, default_request
 
 from conftest import make_pipeline
+from serving_harness import FAULT_IN_STEP, InjectedFault
 
 
 @pytest.fixture
@@ -22,7 +23,6 @@ def tiny_recipe(tiny_recipe):
     """The serving tests' recipe with a default size its 1024 size table keeps (the harness lays the latents
     out as the image's bytes, which needs the request's size to be the served one)."""
     return tiny_recipe.replace_paths({"defaults.size": "1024x1024"})
-from serving_harness import TestPipeline  # noqa: F401 - make_pipeline's wrapper counts the denoise steps
 
 
 def test_warm_up_runs_one_default_request_to_the_end_and_leaves_nothing(tiny_recipe):
@@ -49,20 +49,39 @@ def test_default_request_is_what_the_recipe_serves(tiny_recipe):
 
 @pytest.mark.parametrize("warm_up,steps,expected", [(False, 2, []), (True, 0, []), (True, 2, [1, 1])])
 def test_only_servers_warm_up_and_zero_steps_turns_it_off(tiny_recipe, warm_up, steps, expected, caplog):
+    from omni.deployment import prepare
+
     recipe = tiny_recipe.replace_paths({"serving.warmup_steps": steps})
+    request = warm_up_request(prepare(recipe, platform="cpu")) if warm_up else None
+    assert (request is None) == (not expected)
     pipeline = make_pipeline(recipe)
     with caplog.at_level(logging.INFO, logger="omni.engine"):
-        serving_scheduler(pipeline, recipe, warm_up=warm_up)
+        serving_scheduler(pipeline, recipe, request)
     assert pipeline.step_calls == expected
     assert ("warm-up done" in caplog.text) == bool(expected)
 
 
-def test_a_failing_warm_up_stops_the_engine_with_the_reason(tiny_recipe):
-    """A default request the deployment cannot serve fails startup, naming why, instead of every request."""
-    from omni.engine_loop import EngineLoop
+def test_the_warm_up_request_is_built_as_the_http_layer_builds_it():
+    """The flavour's system-prompt mode is resolved to its text (its prefix length then falls in the same
+    captured-step bucket as the users'), and the size is the one the model generates."""
+    from omni.deployment import prepare
+    from omni.recipe import load_recipe
 
-    recipe = tiny_recipe.replace_paths({"defaults.size": "4096x4096", "kv_cache.budget_bytes": 1 << 20})
-    engine = EngineLoop(lambda: serving_scheduler(make_pipeline(recipe), recipe, warm_up=True)).start()
-    assert not engine.wait_ready(60)
-    assert engine.status == "dead" and "KV pages" in engine.unavailable_reason()
-    engine.stop()
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"defaults.system_prompt": "en_unified",
+                                                             "defaults.size": "300x200"})
+    deployment = prepare(recipe, platform="cpu")
+    req = warm_up_request(deployment)
+    helpers = deployment.flavor().serving_helpers()
+    assert req.system_prompt == helpers.system_prompt("en_unified") and len(req.system_prompt) > 1000
+    assert (req.height, req.width) == helpers.snap(200, 300) and req.steps == recipe.serving.warmup_steps
+    assert req.template == "instruct"
+
+
+def test_a_failing_warm_up_raises_its_error_and_frees_its_pages(tiny_recipe):
+    """The engine thread's build raises it, so the server never reports ready and says why (EngineLoop)."""
+    pipeline = make_pipeline(tiny_recipe)
+    sched = Scheduler.from_recipe(pipeline, tiny_recipe)
+    free = pipeline.pool.free_pages
+    with pytest.raises(InjectedFault, match="denoise_step"):
+        sched.warm_up(default_request(tiny_recipe, prompt=f"a cat {FAULT_IN_STEP}", steps=2))
+    assert pipeline.pool.free_pages == free and not sched.has_work()
