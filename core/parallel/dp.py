@@ -226,7 +226,7 @@ def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = Fal
     from .runtime import ParallelRuntime
 
     parallel = ParallelRuntime(ctx.mesh, ctx.platform) if ctx.degrees.replica_size > 1 else None
-    pipeline = deployment.build_pipeline(platform=ctx.platform, local_rank=ctx.info.local_rank, progress=False,
+    pipeline = deployment.build_pipeline(platform=ctx.platform, local_rank=ctx.info.local_device, progress=False,
                                          parallel=parallel)
     control = ctx.mesh.control("replica")
     if control.rank != 0:

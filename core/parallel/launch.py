@@ -69,6 +69,11 @@ class RankInfo:
     device_index: int | None = None
     backend: str = ""
 
+    @property
+    def local_device(self) -> int:
+        """The index of the local device this rank binds."""
+        return self.local_rank if self.device_index is None else self.device_index
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "RankInfo | None":
         """The torchrun variables, or None when ``env`` has no RANK (not under torchrun)."""
@@ -147,7 +152,7 @@ def run_worker(fn: Callable | str, info: RankInfo, degrees: Degrees, *, platform
     if info.world_size != degrees.world_size:
         raise ValueError(f"{degrees.label()} needs {degrees.world_size} ranks, the job has {info.world_size}")
     plat = select(platform)
-    services = plat.device_services(info.local_rank if info.device_index is None else info.device_index)
+    services = plat.device_services(info.local_device)
     init = info.init_method or f"tcp://{info.master_addr}:{info.master_port}"
     dist.init_process_group(info.backend or plat.dist_backend(), init_method=init,
                             rank=info.rank, world_size=info.world_size,

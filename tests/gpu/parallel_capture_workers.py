@@ -6,13 +6,13 @@ import torch
 CHANGES = {"platform": "cuda", "device.kind": "h200", "model.dtype": "bfloat16", "kv_cache.mode": "contiguous"}
 
 
-def tiny_engine(platform, graph_mode: str, parallel=None):
-    """The embedded tiny text-to-image pipeline on CUDA device 0, eager or captured."""
+def tiny_engine(platform, graph_mode: str, parallel=None, device_index: int = 0):
+    """The embedded tiny text-to-image pipeline on CUDA device ``device_index``, eager or captured."""
     from omni.models.hunyuan_image3.build import build_pipeline
     from omni.recipe import load_recipe
 
     recipe = load_recipe("cpu_tiny").replace_paths({**CHANGES, "graph.mode": graph_mode})
-    return build_pipeline(recipe, platform, progress=False, parallel=parallel)
+    return build_pipeline(recipe, platform, progress=False, parallel=parallel, local_rank=device_index)
 
 
 @torch.inference_mode()
@@ -36,7 +36,8 @@ def layout_run(ctx, graph_mode: str) -> dict:
     """This rank's run of ``generate`` under the launch's layout."""
     from omni.parallel.runtime import ParallelRuntime
 
-    return generate(tiny_engine(ctx.platform, graph_mode, ParallelRuntime(ctx.mesh, ctx.platform)))
+    runtime = ParallelRuntime(ctx.mesh, ctx.platform)  # on the device the launcher bound (one each, or shared)
+    return generate(tiny_engine(ctx.platform, graph_mode, runtime, device_index=ctx.info.local_device))
 
 
 def nccl_step_graph(ctx) -> dict:
@@ -46,7 +47,8 @@ def nccl_step_graph(ctx) -> dict:
     from omni.step_graphs import StepGraphs
 
     graphs = StepGraphs(ctx.platform, "cuda", collectives=dist.get_backend())
-    w = torch.randn(64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    dev = ctx.device  # this rank's GPU: torch.cuda.current_device() after the launcher bound it
+    w = torch.randn(64, 64, device=dev, generator=torch.Generator(dev).manual_seed(1))
 
     def forward(x, w):
         y = torch.tanh(x @ w)
@@ -55,7 +57,7 @@ def nccl_step_graph(ctx) -> dict:
 
     errs = []
     for i in range(3):
-        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(10 + i))
+        x = torch.randn(32, 64, device=dev, generator=torch.Generator(dev).manual_seed(10 + i))
         got = graphs.run(((("sig",),), ()), x, forward, lambda: (w,)).clone()
         errs.append((got - forward(x, w)).abs().max().item())
     return {"backend": dist.get_backend(), "world": dist.get_world_size(), "errs": errs,

@@ -118,3 +118,11 @@ def test_world_size_mismatch_is_refused_before_spawning():
         launch("workers:hosts_check", Degrees(cfg=2, tp=2), nproc_per_node=3)
     with pytest.raises(ValueError, match="explicit master_port"):
         launch("workers:hosts_check", Degrees(tp=2), nnodes=2, nproc_per_node=1)
+
+
+def test_ranks_can_share_one_device_over_a_chosen_backend():
+    """``devices=1``: both ranks bind local device 0 (tests on a one-GPU machine); without it each binds its
+    local rank. ``backend`` overrides the platform's."""
+    shared = launch("workers:binding_report", Degrees(tp=2), devices=1, backend="gloo", timeout_s=60)
+    assert shared == [(0, 0, "gloo"), (1, 0, "gloo")]
+    assert [r[1] for r in launch("workers:binding_report", Degrees(tp=2), timeout_s=60)] == [0, 1]

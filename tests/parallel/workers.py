@@ -132,3 +132,10 @@ def capture_report(ctx, labels: list[str]) -> dict:
         runtime = ParallelRuntime(mesh, ctx.platform)
         out[label] = (runtime.capture_refusal(), runtime.step_collectives)
     return out
+
+
+def binding_report(ctx) -> tuple:
+    """(rank, the local device it bound, the process group's backend)."""
+    import torch.distributed as dist
+
+    return ctx.rank, ctx.info.local_device, dist.get_backend()
