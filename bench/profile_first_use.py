@@ -28,9 +28,8 @@ os.environ["TRITON_CACHE_DIR"] = CACHE  # before triton is imported: every compi
 
 import torch  # noqa: E402
 
-from omni.platform_manager import select  # noqa: E402
-from omni.recipe import load_recipe  # noqa: E402
-from omni.request import ImageRequest  # noqa: E402
+from omni.deployment import prepare  # noqa: E402
+from omni.scheduler import default_request  # noqa: E402
 
 WORDS = "a watercolour of a red fox in a snowy birch forest at dawn with soft light".split()
 
@@ -52,7 +51,8 @@ def compiled() -> int:
     return sum(1 for _ in Path(CACHE).rglob("*.cubin"))
 
 
-def timed(fn) -> float:
+def once(fn) -> float:
+    """Seconds of one call of ``fn``, device synchronised; no warm-up call (the first use is what is measured)."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
@@ -60,40 +60,44 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def warm_up(engine, deployment, before: int) -> dict:
+    """The server's warm-up (``omni.engine_handle``), as ``omni-run serve`` runs it before it reports ready."""
+    from omni.engine_handle import serving_scheduler, warm_up_request
+
+    request = warm_up_request(deployment)
+    seconds = once(lambda: serving_scheduler(engine, deployment.recipe, request))
+    return {"seconds": seconds, "steps": None if request is None else request.steps, "compiled": compiled() - before}
+
+
+def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
+    """One request whose prompt has ``words`` words: its prefill and first two steps, and what they compiled."""
+    prompt = " ".join((WORDS * (words // len(WORDS) + 1))[:words])
+    s = engine.admit(default_request(recipe, prompt=prompt, height=size, width=size, steps=3, seed=seed))
+    k0 = compiled()
+    prefill = once(lambda: engine.prefill([s]))
+    k1 = compiled()
+    step1, step2 = once(lambda: engine.denoise_step([s])), once(lambda: engine.denoise_step([s]))
+    row = {"words": words, "prefix_tokens": s.rows[0].seq.prefix_len, "prefill_s": prefill, "step1_s": step1,
+           "step2_s": step2, "compiled_in_prefill": k1 - k0, "compiled_in_steps": compiled() - k1}
+    engine.release(s)
+    return row
+
+
 @torch.inference_mode()
 def main() -> int:
     a = parse()
-    recipe = load_recipe(a.recipe).replace_paths({"device.memory_gib": 139})
-    from omni.models.hunyuan_image3.build import build_pipeline
-
+    deployment = prepare(a.recipe, overrides={"device.memory_gib": 139}, random_weights=True)
     t0 = time.perf_counter()
-    engine = build_pipeline(recipe, select(recipe.platform), random_layers=a.layers, progress=False)
-    rows, before = [], compiled()
+    engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
+    before = compiled()
     print(f"built in {time.perf_counter() - t0:.1f} s; {before} Triton kernels compiled while building", flush=True)
-    warm = None
-    if a.warm_up:
-        from omni.engine_handle import serving_scheduler
-
-        t0 = time.perf_counter()
-        serving_scheduler(engine, recipe, warm_up=True)
-        torch.cuda.synchronize()
-        warm = {"seconds": time.perf_counter() - t0, "steps": recipe.serving.warmup_steps, "compiled": compiled() - before}
+    warm = warm_up(engine, deployment, before) if a.warm_up else None
+    if warm:
         print(f"warm-up {warm['seconds']:.1f} s ({warm['steps']} steps), {warm['compiled']} kernels compiled", flush=True)
+    rows = []
     for i, n in enumerate(int(w) for w in a.words.split(",")):
-        prompt = " ".join((WORDS * (n // len(WORDS) + 1))[:n])
-        req = ImageRequest(prompt=prompt, height=a.size, width=a.size, steps=3, guidance=recipe.defaults.guidance,
-                           seed=i, template=recipe.defaults.template, system_prompt=recipe.defaults.system_prompt)
-        s = engine.admit(req)
-        k0 = compiled()
-        prefill = timed(lambda: engine.prefill([s]))
-        k1 = compiled()
-        step1 = timed(lambda: engine.denoise_step([s]))
-        step2 = timed(lambda: engine.denoise_step([s]))
-        row = {"words": n, "prefix_tokens": s.rows[0].seq.prefix_len, "prefill_s": prefill, "step1_s": step1,
-               "step2_s": step2, "compiled_in_prefill": k1 - k0, "compiled_in_steps": compiled() - k1}
-        rows.append(row)
-        print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-        engine.release(s)
+        rows.append(first_use(engine, deployment.recipe, n, a.size, seed=i))
+        print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": "empty at start",
            "compiled_while_building": before, "warm_up": warm, "requests": rows, "torch": torch.__version__,
            "device": torch.cuda.get_device_name()}
