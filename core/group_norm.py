@@ -96,15 +96,16 @@ class FusableGroupNorm(nn.GroupNorm):
     """An ``nn.GroupNorm`` whose "norm [, FiLM], SiLU" chain may run as the platform's fused kernel.
 
     ``kernel`` is the glue's ``group_norm`` (same arguments and result as ``group_norm_act``), set once at
-    build by ``use_group_norm_kernel``; None keeps each subclass's own torch ops.
+    build by ``use_group_norm_kernel``; without it ``fused`` computes ``group_norm_act`` with torch ops.
     """
 
     kernel = None
 
     def fused(self, x: torch.Tensor, *, norm_dtype: torch.dtype, out_dtype: torch.dtype, silu: bool,
               scale_BC: torch.Tensor | None = None, shift_BC: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernel(x, self.num_groups, self.weight, self.bias, self.eps, norm_dtype=norm_dtype,
-                           out_dtype=out_dtype, silu=silu, scale_BC=scale_BC, shift_BC=shift_BC)
+        return (self.kernel or group_norm_act)(x, self.num_groups, self.weight, self.bias, self.eps,
+                                               norm_dtype=norm_dtype, out_dtype=out_dtype, silu=silu,
+                                               scale_BC=scale_BC, shift_BC=shift_BC)
 
 
 def use_group_norm_kernel(kernel, *modules: nn.Module) -> int:

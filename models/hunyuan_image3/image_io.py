@@ -25,7 +25,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from omni.group_norm import FusableGroupNorm, group_norm
 from omni.layers import Linear
@@ -68,14 +67,9 @@ class GroupNorm32(FusableGroupNorm):
 
     def silu(self, x: torch.Tensor, scale_BC: torch.Tensor | None = None,
              shift_BC: torch.Tensor | None = None) -> torch.Tensor:
-        """``SiLU(GN(x) * (1 + scale) + shift)`` in x's dtype: the platform's one pass, or the torch ops."""
-        if self.kernel is not None:
-            return self.fused(x, norm_dtype=x.dtype, out_dtype=x.dtype, silu=True, scale_BC=scale_BC,
-                              shift_BC=shift_BC)
-        h = self(x)
-        if scale_BC is not None:
-            h = h * (1 + scale_BC[..., None, None]) + shift_BC[..., None, None]
-        return F.silu(h)
+        """``SiLU(GN(x) * (1 + scale) + shift)`` in x's dtype (the norm in fp32, as ``forward``): the platform's
+        one pass, or ``group_norm_act``'s torch ops."""
+        return self.fused(x, norm_dtype=x.dtype, out_dtype=x.dtype, silu=True, scale_BC=scale_BC, shift_BC=shift_BC)
 
 
 def conv3(c_in: int, c_out: int, dtype: torch.dtype) -> nn.Conv2d:
