@@ -48,8 +48,7 @@ def test_capture_with_ep_or_sp_is_refused_at_build_naming_the_field(label, field
     with pytest.raises(ValueError, match=rf"graph\.mode=capture: {field}.*use graph\.mode=eager"):
         build_transformer(TINY_GOLDEN, platform, BuildOptions(dtype=torch.float32, capturable=True),
                           parallel=runtime)
-    eager, _ = build_transformer(TINY_GOLDEN, platform, BuildOptions(dtype=torch.float32), parallel=runtime)
-    assert eager is not None, "the same layout builds eagerly"
+    build_transformer(TINY_GOLDEN, platform, BuildOptions(dtype=torch.float32), parallel=runtime)  # eager: builds
 
 
 def test_single_device_and_tp_cfg_layouts_are_recordable():
