@@ -4,8 +4,10 @@ Every configuration exported by the shared objects given (built from
 platforms/cuda/csrc/grouped_fp8.cu) is timed beside torch's kernel and the
 dense fp8 rate on the same data, at the released MoE shapes (64 experts,
 65,552 routed rows: gate_up K 4096 -> N 6144, down K 3072 -> N 4096), with
-two row splits: exactly 1024 rows per expert, and the counts of a top-8
-routing of 8194 random tokens (uneven, as served). A configuration named
+these row splits: exactly 1024 rows per expert, the counts of a top-8
+routing of 8194 random tokens (uneven, as served), and (``--splits one``)
+every row to one expert, the dense GEMM's problem through the grouped
+kernel: how far the groups cost against the dense rate, apart from the tiles. A configuration named
 ``*_fast`` accumulates as ``use_fast_accum=True`` does (what h200_fp8 runs) and
 is compared with torch's fast kernel, ``*_exact`` with torch's exact one
 (relative L2 of the outputs). Under the H200's power cap the clock drifts
@@ -45,7 +47,9 @@ def fp8(x):
 def splits(g):
     logits = torch.randn(TOKENS, E, device="cuda", generator=g)
     counts = torch.bincount(logits.topk(TOP_K, -1).indices.flatten(), minlength=E)
-    return {"even": torch.full((E,), TOKENS * TOP_K // E, device="cuda"), "routed": counts}
+    one = torch.zeros(E, dtype=counts.dtype, device="cuda")
+    one[0] = TOKENS * TOP_K  # every row to expert 0: the grouped kernel's machinery on the dense GEMM's problem
+    return {"even": torch.full((E,), TOKENS * TOP_K // E, device="cuda"), "routed": counts, "one": one}
 
 
 def main():
@@ -53,6 +57,9 @@ def main():
     p.add_argument("--lib", type=Path, action="append", required=True)
     p.add_argument("--json", type=Path)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--splits", default="even,routed", help="row splits, comma-separated: even (1024 rows an "
+                   "expert), routed (a top-8 routing of random tokens), one (every row to one expert: the dense "
+                   "problem through the grouped kernel, telling its group handling from its tiles)")
     p.add_argument("--sched", default="M1", help="tile rasters and swizzles to try, comma-separated: M1,N1,M2,N4 "
                                                   "(M: along M, CUTLASS's default for groups; N: along N)")
     a = p.parse_args()
@@ -61,6 +68,8 @@ def main():
     kernels = [CutlassGroupedFp8(lib, name) for lib in a.lib for name in exported_configs(lib)]
     rows = []
     for split, counts in splits(g).items():
+        if split not in a.splits.split(","):
+            continue
         offs = counts.cumsum(0).to(torch.int32)
         R = int(offs[-1])
         for name, (k, n) in SHAPES.items():

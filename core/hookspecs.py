@@ -14,6 +14,7 @@ Call sequence of one deployment::
     omni_platform_configure       (once per worker process: device, seeds)
     omni_device_services          (once per worker)
     omni_dist_backend             (once per worker, before init_process_group)
+    omni_shared_device_env        (ranks sharing one device only, before init_process_group)
     omni_attention_impl /
     omni_linear_impl /
     omni_grouped_gemm_impl /
@@ -185,6 +186,25 @@ def omni_dist_backend(info: PlatformInfo) -> str | None:
     Result: ``"nccl"`` (CUDA and ROCm/RCCL), ``"hccl"``, ``"xccl"``,
     ``"mccl"``, ``"gloo"``; first non-None wins.
     Default implementation: ``info.dist_backend`` (gloo for the CPU).
+    Versions: 0.1.
+    """
+
+
+@hookspec(firstresult=True)
+def omni_shared_device_env(info: PlatformInfo, rank: int, backend: str) -> dict | None:
+    """Name the environment a rank sets when several ranks of one job share one device.
+
+    When called: once per worker, before ``init_process_group``, and only
+    when the launcher binds more ranks than devices (``launch(devices=N)``
+    with fewer devices than ranks: multi-rank tests on a one-device machine).
+    Result: first non-None wins; a ``{name: value}`` dict the worker puts in
+    its ``os.environ`` (empty: nothing to set). Args: ``rank`` the global rank,
+    ``backend`` the ``torch.distributed`` backend about to be initialised.
+    Capture safety: not applicable.
+    Default implementation: ``{}`` (gloo needs nothing). CUDA with ``"nccl"``:
+    a distinct ``NCCL_HOSTID`` per rank, so NCCL's duplicate-device check
+    passes and the ranks exchange data over its socket transport on this host
+    (correct, slow: for correctness tests, never for speed).
     Versions: 0.1.
     """
 

@@ -267,6 +267,10 @@ class Platform:
     def dist_backend(self) -> str:
         return self.pm.hook.omni_dist_backend(info=self.info)
 
+    def shared_device_env(self, rank: int, backend: str) -> dict[str, str]:
+        """What a rank sharing its device with other ranks of the job sets before ``init_process_group``."""
+        return dict(self.pm.hook.omni_shared_device_env(info=self.info, rank=rank, backend=backend))
+
     def check_recipe(self, recipe) -> list[str]:
         refusals = _Refusals()  # what the adapters expect as ``reject``; the reasons name their fields
         self.pm.hook.omni_check_recipe(recipe=recipe, info=self.info, reject=refusals)

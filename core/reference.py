@@ -200,6 +200,10 @@ class ReferencePlatform:
         return info.dist_backend
 
     @hookimpl(trylast=True)
+    def omni_shared_device_env(self, info: PlatformInfo, rank: int, backend: str) -> dict:
+        return {}
+
+    @hookimpl(trylast=True)
     def omni_attention_impl(self, spec: AttentionSpec, reject):
         if spec.backend not in ("auto", "sdpa"):
             return reject(f"reference: is SDPA, not the requested backend {spec.backend!r}")

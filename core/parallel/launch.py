@@ -65,9 +65,11 @@ class RankInfo:
     # the store torchrun's agent already hosts on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE).
     init_method: str = ""
     # the local device this rank binds (None: its local rank) and the torch.distributed backend ("": the
-    # platform's). Several ranks on one device is for tests on a one-GPU machine; NCCL refuses it, gloo not.
+    # platform's). Several ranks on one device (``shares_device``) is for tests on a one-GPU machine: the
+    # platform names the environment that takes (``omni_shared_device_env``; NCCL needs a host id per rank).
     device_index: int | None = None
     backend: str = ""
+    shares_device: bool = False
 
     @property
     def local_device(self) -> int:
@@ -154,7 +156,10 @@ def run_worker(fn: Callable | str, info: RankInfo, degrees: Degrees, *, platform
     plat = select(platform)
     services = plat.device_services(info.local_device)
     init = info.init_method or f"tcp://{info.master_addr}:{info.master_port}"
-    dist.init_process_group(info.backend or plat.dist_backend(), init_method=init,
+    backend = info.backend or plat.dist_backend()
+    if info.shares_device:
+        os.environ.update(plat.shared_device_env(info.rank, backend))
+    dist.init_process_group(backend, init_method=init,
                             rank=info.rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=dist_timeout_s))
     try:
@@ -231,8 +236,10 @@ def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args:
 
     ``devices``: local devices the workers bind, local rank modulo ``devices``
     (None: one each). ``backend``: the torch.distributed backend ("" for the
-    platform's). Both exist for tests on a one-GPU machine: two ranks on one
-    device over gloo (NCCL refuses two ranks on one device).
+    platform's). Both exist for tests on a one-GPU machine: ranks that share
+    a device set the environment their platform names for it
+    (``omni_shared_device_env``: on CUDA, NCCL talks over its socket
+    transport, correct and slow); gloo needs nothing.
 
     ``fn`` must be importable by name (a module-level function or
     ``"module:function"``): workers are fresh interpreters (spawn), never forks
@@ -257,7 +264,8 @@ def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args:
     try:
         for local in range(nproc):
             info = replace(base, rank=node_rank * nproc + local, local_rank=local,
-                           device_index=None if devices is None else local % devices, backend=backend)
+                           device_index=None if devices is None else local % devices, backend=backend,
+                           shares_device=devices is not None and nproc > devices)
             recv, send = ctx.Pipe(duplex=False)
             life_r, life_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"omni-rank{info.rank}", daemon=False,

@@ -126,3 +126,49 @@ def test_ranks_can_share_one_device_over_a_chosen_backend():
     shared = launch("workers:binding_report", Degrees(tp=2), devices=1, backend="gloo", timeout_s=60)
     assert shared == [(0, 0, "gloo"), (1, 0, "gloo")]
     assert [r[1] for r in launch("workers:binding_report", Degrees(tp=2), timeout_s=60)] == [0, 1]
+
+
+PROBE_PLATFORM = """
+from omni.hookspecs import hookimpl
+from omni.specs import PlatformInfo
+
+
+class SharingProbe:
+    @hookimpl
+    def omni_platform_detect(self, reject):
+        return PlatformInfo(name="sharing_probe", device_type="cpu", dist_backend="gloo", device_count=1,
+                            device_name="probe", accelerator=False)
+
+    @hookimpl
+    def omni_shared_device_env(self, info, rank, backend):
+        return {"OMNI_TEST_SHARED": f"{backend}-{rank}"}
+
+
+plugin = SharingProbe()
+"""
+
+
+def test_ranks_sharing_a_device_take_the_environment_their_platform_names(tmp_path, monkeypatch):
+    """A rank that shares its device sets its platform's ``omni_shared_device_env`` answer before
+    ``init_process_group`` (CUDA with NCCL: a host id per rank); ranks with a device each set nothing. The
+    platform is a real installed distribution that the spawned workers find through its entry point."""
+    site = tmp_path / "site"
+    info = site / "sharing_probe-0.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sharing-probe\nVersion: 0.0\n")
+    (info / "entry_points.txt").write_text("[omni.platforms]\nsharing_probe = sharing_probe_mod:plugin\n")
+    (site / "sharing_probe_mod.py").write_text(PROBE_PLATFORM)
+    monkeypatch.syspath_prepend(str(site))  # spawned workers start from this process's sys.path
+    monkeypatch.delenv("OMNI_TEST_SHARED", raising=False)
+    run = lambda devices: launch("workers:sharing_report", Degrees(tp=2), platform="sharing_probe",  # noqa: E731
+                                 devices=devices, timeout_s=60)
+    assert run(1) == [(True, "gloo-0"), (True, "gloo-1")]
+    assert run(2) == [(False, None), (False, None)]
+
+
+def test_cuda_gives_each_rank_sharing_a_gpu_its_own_nccl_host_id():
+    from omni.platforms.cuda.plugin import plugin as cuda
+
+    ids = {cuda.omni_shared_device_env(None, rank, "nccl")["NCCL_HOSTID"] for rank in range(4)}
+    assert len(ids) == 4, "NCCL takes ranks with one host id and one bus id for a duplicate device"
+    assert cuda.omni_shared_device_env(None, 0, "gloo") is None, "gloo: the reference's answer (nothing)"

@@ -139,3 +139,10 @@ def binding_report(ctx) -> tuple:
     import torch.distributed as dist
 
     return ctx.rank, ctx.info.local_device, dist.get_backend()
+
+
+def sharing_report(ctx) -> tuple:
+    """(whether this rank shares its device, the OMNI_TEST_SHARED variable it found after init)."""
+    import os
+
+    return ctx.info.shares_device, os.environ.get("OMNI_TEST_SHARED")
