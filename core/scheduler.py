@@ -180,6 +180,7 @@ class Scheduler:
         self.initial_free_pages = self.pool.free_pages
         self.stats = collections.Counter()  # steps, step_tokens, admitted, finished, failed, cancelled, rejected
         self._service_s: float | None = None  # moving average of admitted -> finished seconds
+        self.warm_up_s: float | None = None  # what ``warm_up`` took (None: no warm-up ran)
         threaded = decode_thread and getattr(pipeline, "concurrent_decode", False)
         self._decoder = concurrent.futures.ThreadPoolExecutor(1, "omni-decode") if threaded else None
         self._decoded: collections.deque[Ticket] = collections.deque()  # settled on the decode thread
@@ -210,7 +211,8 @@ class Scheduler:
         ticket.result()
         self.stats.clear()
         self._service_s = None
-        return time.perf_counter() - t0
+        self.warm_up_s = time.perf_counter() - t0
+        return self.warm_up_s
 
     # ------------------------------------------------------------ any thread
 

@@ -48,6 +48,7 @@ class RemoteReplica:
     def __init__(self, conn, name: str = "replica"):
         self.conn, self.name = conn, name
         self.status, self.error = "starting", None
+        self.warm_up_s: float | None = None  # what the replica's warm-up took, as its ready message says
         self._ready = threading.Event()
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
         self._tickets: dict[str, RemoteTicket] = {}
@@ -124,6 +125,7 @@ class RemoteReplica:
             while True:
                 kind, key, payload = self.conn.recv()
                 if kind == "ready":
+                    self.warm_up_s = (payload or {}).get("warm_up_s")
                     self.status = "ready"
                     self._ready.set()
                 elif kind == "ack":
@@ -181,7 +183,7 @@ def serve_replica(engine, conn) -> None:
     if not engine.wait_ready():
         send(("dead", None, _to_wire(engine.error or RuntimeError("engine failed to start"))))
         return
-    send(("ready", None, None))
+    send(("ready", None, {"warm_up_s": engine.scheduler.warm_up_s}))
     while True:
         try:
             op, call, payload = conn.recv()

@@ -6,12 +6,12 @@ import torch
 CHANGES = {"platform": "cuda", "device.kind": "h200", "model.dtype": "bfloat16", "kv_cache.mode": "contiguous"}
 
 
-def tiny_engine(platform, graph_mode: str, parallel=None, device_index: int = 0):
+def tiny_engine(platform, graph_mode: str, parallel=None, device_index: int = 0, dtype: str = "bfloat16"):
     """The embedded tiny text-to-image pipeline on CUDA device ``device_index``, eager or captured."""
     from omni.models.hunyuan_image3.build import build_pipeline
     from omni.recipe import load_recipe
 
-    recipe = load_recipe("cpu_tiny").replace_paths({**CHANGES, "graph.mode": graph_mode})
+    recipe = load_recipe("cpu_tiny").replace_paths({**CHANGES, "graph.mode": graph_mode, "model.dtype": dtype})
     return build_pipeline(recipe, platform, progress=False, parallel=parallel, local_rank=device_index)
 
 

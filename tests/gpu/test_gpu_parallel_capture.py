@@ -34,6 +34,14 @@ def single():
     return generate(tiny_engine(select("cuda"), "eager"))
 
 
+@pytest.fixture(scope="module")
+def single_fp32():
+    """The one-process run in fp32: the yardstick for how far bf16 roundings alone move the tiny model."""
+    from omni.platform_manager import select
+
+    return generate(tiny_engine(select("cuda"), "eager", dtype="float32"))
+
+
 def _rel(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
@@ -78,7 +86,7 @@ def test_nccl_all_reduce_of_two_ranks_replays_from_a_step_graph(capsys):
     assert all(max(r["errs"]) < 1e-4 for r in res), "the replayed all-reduce sums both ranks as the eager one"
 
 
-def test_tp2_captured_over_nccl_equals_eager(single, capsys):
+def test_tp2_captured_over_nccl_equals_eager(single, single_fp32, capsys):
     runs = {mode: launch("parallel_capture_workers:layout_run", Degrees(tp=2), platform="cuda", args=(mode,),
                          timeout_s=400, **NCCL_TWO) for mode in ("eager", "capture")}
     for rank in (0, 1):
@@ -86,9 +94,14 @@ def test_tp2_captured_over_nccl_equals_eager(single, capsys):
         torch.testing.assert_close(runs["capture"][rank]["latents"], runs["eager"][rank]["latents"],
                                    atol=1e-3, rtol=1e-3)
     assert torch.equal(runs["capture"][0]["latents"], runs["capture"][1]["latents"]), "tp ranks step one image"
-    err = _rel(runs["capture"][0]["latents"], single["latents"])
+    # tp2 sums two bf16 partial products where one process rounds one: a different rounding, which the tiny
+    # model's top-k routing may amplify. So both bf16 runs are measured against the fp32 one: tp2 must be as
+    # close to it as one process is (a lost or doubled all-reduce lands at O(1))
+    err = {name: _rel(run["latents"], single_fp32["latents"])
+           for name, run in (("tp2", runs["capture"][0]), ("one process", single))}
     with capsys.disabled():
         print(f"\n[tp2 capture over NCCL, {NCCL_TWO or 'a GPU each'}] vs eager max "
               f"{(runs['capture'][0]['latents'] - runs['eager'][0]['latents']).abs().max().item():.2e}; "
-              f"vs one process rel {err:.2e}")
-    assert err < 2e-2
+              f"rel to fp32: tp2 {err['tp2']:.2e}, one process {err['one process']:.2e}, "
+              f"tp2 vs one process {_rel(runs['capture'][0]['latents'], single['latents']):.2e}")
+    assert err["tp2"] < max(3 * err["one process"], 1e-2)

@@ -155,6 +155,7 @@ def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tm
     try:
         router.start()
         assert router.wait_ready(120) and router.status == "ready"
+        assert router.replicas[0].warm_up_s > 0, "the replica's ready message says its warm-up ran"
         tickets = [router.submit_many([r])[0] for r in requests(2)]
         for t in tickets:
             same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)

@@ -31,6 +31,7 @@ def test_warm_up_runs_one_default_request_to_the_end_and_leaves_nothing(tiny_rec
     free = pipeline.pool.free_pages
     seconds = sched.warm_up(default_request(tiny_recipe, steps=3))
     assert seconds > 0 and pipeline.step_calls == [1, 1, 1], "prefill, three steps, decode: the whole request"
+    assert sched.warm_up_s == seconds, "kept for the replica's ready message"
     assert pipeline.pool.free_pages == free and not sched.has_work()
     assert sum(sched.stats.values()) == 0, "served counters start after the warm-up"
     req = default_request(tiny_recipe, prompt="a cat", steps=2, seed=1)
