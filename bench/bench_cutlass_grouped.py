@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import emit, git_commit, round_robin  # noqa: E402
+from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
 
 from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
 
@@ -52,11 +52,34 @@ def splits(g):
     return {"even": torch.full((E,), TOKENS * TOP_K // E, device="cuda"), "routed": counts, "one": one}
 
 
+def timed(fns: dict, rounds: int, chain: int) -> dict:
+    """Median seconds per call: eager calls round robin, or (``chain``) replays of ``chain`` captured calls."""
+    if not chain:
+        return round_robin(fns, rounds)
+    graphs = {name: captured(fn, chain) for name, fn in fns.items()}
+    t = round_robin({name: g.replay for name, g in graphs.items()}, rounds, burn=3 * len(graphs), iters=3)
+    return {name: s / chain for name, s in t.items()}
+
+
+def kernel_names(fn) -> list[str]:
+    """The device kernels one call of ``fn`` launches (cuBLAS names carry its tile, cluster and schedule)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lib", type=Path, action="append", required=True)
     p.add_argument("--json", type=Path)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--chain", type=int, default=0, help="capture each kernel N times back to back into a CUDA "
+                   "graph and time its replays (the sustained rate, as in a captured step); 0: eager calls")
+    p.add_argument("--kernel-names", action="store_true", help="also name the kernels each call launches "
+                   "(torch profiler): which cuBLAS kernel the dense rate comes from")
     p.add_argument("--splits", default="even,routed", help="row splits, comma-separated: even (1024 rows an "
                    "expert), routed (a top-8 routing of random tokens), one (every row to one expert: the dense "
                    "problem through the grouped kernel, telling its group handling from its tiles)")
@@ -95,10 +118,12 @@ def main():
                     fns[label] = ours = call(kernel, xq, xs, wq, ws, offs, raster, swizzle)
                     acc = kernel.config.rsplit("_", 1)[1]  # fast | exact: compared with torch's kernel of the same
                     err[label] = float((ours().float() - ref[acc]).norm() / ref["fast"].norm())
-            t = round_robin(fns, a.rounds)
+            t = timed(fns, a.rounds, a.chain)
             row = {"split": split, "gemm": name, "rows": R, "max_rows": int(counts.max()),
                    **{f"{m} TFLOP/s": round(flops / s / 1e12, 1) for m, s in t.items()},
-                   "rel err vs torch": err}
+                   "rel err vs torch": err, "timing": f"graph of {a.chain} calls" if a.chain else "eager calls"}
+            if a.kernel_names:
+                row["kernels"] = {m: kernel_names(fn) for m, fn in fns.items()}
             print(row, flush=True)
             rows.append(row)
     return emit({"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "rows": rows}, a.json)
