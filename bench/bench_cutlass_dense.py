@@ -1,0 +1,216 @@
+"""Does a PLAIN CUTLASS sm90 fp8 GEMM reach cuBLAS's rate on the MoE shapes? (a diagnostic probe)
+
+Our grouped ptr-array kernel (platforms/cuda/csrc/grouped_fp8.cu) runs the
+dense problem (every row in one group, bench/bench_cutlass_grouped.py
+``--splits one``) below cuBLAS's dense fp8 rate. This tells whether the gap is
+CUTLASS's sm90 kernel itself (its tiles, its pipeline depth) or the grouped
+machinery around it: bench/csrc/dense_fp8_probe.cu builds CUTLASS's plain
+(non-grouped, non-ptr-array) warp-specialized fp8 GEMM with the same epilogue
+(bf16((acc * scale_a[row]) * scale_b[col])) and fast accumulation, in three
+configurations (ping-pong 128x128 in 1x2 and 2x1 clusters, cooperative
+128x256 in 2x1), and times each beside torch._scaled_mm (cuBLAS,
+use_fast_accum=True) and, with ``--grouped-lib``, every configuration of a
+grouped object with all rows in expert 0 of 64. Shapes: M = 65,552 rows,
+gate_up K 4096 -> N 6144 and down K 3072 -> N 4096, random e4m3 operands with
+per-row fp32 scales. Reported: TFLOP/s (2 M N K / seconds a call; the median
+over ``--rounds`` round-robin rounds of replays of ``--chain`` captured calls,
+as bench/bench_cutlass_grouped.py times), the relative L2 error of every
+output against cuBLAS's, and each plain configuration's mainloop stage count.
+
+The object is compiled with nvcc (about 1-2 minutes, needs no GPU) into
+``$OMNI_KERNEL_CACHE`` (default: omni-kernels under the system temp folder),
+keyed by the source, the nvcc version and the CUTLASS headers, and reused;
+``--lib`` takes a built one, ``--build-only`` only builds (or finds) it.
+
+    python bench/bench_cutlass_dense.py --build-only
+    python bench/bench_cutlass_dense.py --lib dense.so --grouped-lib grouped.so --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
+from bench_cutlass_grouped import call, fp8  # noqa: E402
+
+from omni.platforms.cuda.cutlass_grouped import (  # noqa: E402
+    ARCH, CutlassGroupedFp8, compile_command, exported_configs, find_cutlass_include, find_nvcc)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "dense_fp8_probe.cu"
+E = 64  # the grouped kernel's groups: every row in group 0
+M = 65552  # the released MoE's routed rows (8194 tokens x top 8)
+SHAPES = {"gate_up": (4096, 6144), "down": (3072, 4096)}  # name: (K, N)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("OMNI_KERNEL_CACHE") or Path(tempfile.gettempdir()) / "omni-kernels")
+
+
+def build(nvcc: str, include: str) -> Path:
+    """The probe's shared object: from the cache, or compiled into it (a file lock serializes concurrent builds)."""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    version_h = Path(include) / "cutlass" / "version.h"
+    h = hashlib.sha256()
+    for part in (SOURCE.read_text(), version, ARCH, version_h.read_text() if version_h.is_file() else include):
+        h.update(part.encode())
+    where = cache_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    out = where / f"dense_fp8_probe_{h.hexdigest()[:16]}.so"
+    import fcntl
+
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            print(f"compiling {SOURCE.name} with {nvcc} (1-2 minutes) -> {out}", file=sys.stderr, flush=True)
+            t0 = time.monotonic()
+            done = subprocess.run(compile_command(nvcc, include, SOURCE, tmp), capture_output=True, text=True)
+            if done.returncode != 0:
+                tmp.unlink(missing_ok=True)
+                raise SystemExit(f"nvcc failed ({done.returncode}):\n{done.stderr or done.stdout}")
+            tmp.replace(out)  # atomic: a reader never sees half an object
+            print(f"built in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    return out
+
+
+def dense_configs(library: Path) -> list[str]:
+    """The configuration names the probe object exports (read from its symbols, as exported_configs does)."""
+    return sorted({m.decode() for m in re.findall(rb"omni_dp_(\w+?)_run\x00", library.read_bytes())})
+
+
+class DenseFp8:
+    """One exported configuration: ``D[M, N] = bf16((A[M, K] @ B[N, K]^T) * sa[m] * sb[n])``, e4m3 in."""
+
+    def __init__(self, lib: ctypes.CDLL, config: str):
+        self.config = config
+        self._run = getattr(lib, f"omni_dp_{config}_run")
+        self._run.restype = ctypes.c_int
+        self._run.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4 + [ctypes.c_void_p] * 2
+        self._scratch = getattr(lib, f"omni_dp_{config}_scratch")
+        self._scratch.restype, self._scratch.argtypes = ctypes.c_size_t, [ctypes.c_int] * 4
+        stages = getattr(lib, f"omni_dp_{config}_stages")
+        stages.restype, stages.argtypes = ctypes.c_int, []
+        self.stages = stages()
+
+    def call(self, xq, xs, wq, ws):
+        """A no-argument call writing one output that starts as NaN (unwritten stays NaN), scratch allocated once."""
+        (m, k), n = xq.shape, wq.shape[0]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        scratch = torch.empty(max(self._scratch(m, n, k, sms), 256), dtype=torch.uint8, device="cuda")
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+
+        def fn():
+            status = self._run(xq.data_ptr(), wq.data_ptr(), out.data_ptr(), xs.data_ptr(), ws.data_ptr(), m, n, k,
+                               sms, scratch.data_ptr(), torch.cuda.current_stream().cuda_stream)
+            if status:
+                raise RuntimeError(f"{self.config}: CUTLASS refused the call (status {status}: 1 cannot implement, "
+                                   f"2 initialize, 3 run, 4 launch error) for M={m} N={n} K={k}")
+            return out
+
+        return fn
+
+
+def timed(fns: dict, rounds: int, chain: int) -> dict:
+    """Median seconds per call: eager calls round robin, or (``chain``) replays of ``chain`` captured calls
+    (as timed() in bench/bench_cutlass_grouped.py)."""
+    if not chain:
+        return round_robin(fns, rounds)
+    graphs = {name: captured(fn, chain) for name, fn in fns.items()}
+    t = round_robin({name: g.replay for name, g in graphs.items()}, rounds, burn=3 * len(graphs), iters=3)
+    return {name: s / chain for name, s in t.items()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lib", type=Path, help="the probe's built shared object (default: build it, or find it in "
+                   "the cache)")
+    p.add_argument("--grouped-lib", type=Path, action="append", default=[],
+                   help="a grouped_fp8 shared object: time its every configuration on the same problem, all rows "
+                   "in expert 0 of 64 (repeatable; default: none)")
+    p.add_argument("--build-only", action="store_true", help="only build (or find) the probe object and print its "
+                   "path (no GPU needed)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--chain", type=int, default=8, help="capture each kernel N times back to back into a CUDA "
+                   "graph and time its replays (the sustained rate, as in a captured step); 0: eager calls")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: gate_up, down")
+    a = p.parse_args()
+
+    lib_path = a.lib
+    if lib_path is None:
+        nvcc, include = find_nvcc(), find_cutlass_include()
+        if not nvcc or not include:
+            raise SystemExit(f"need nvcc ({nvcc}) and CUTLASS's headers ({include}; set OMNI_CUTLASS_INCLUDE)")
+        lib_path = build(nvcc, include)
+    if a.build_only:
+        print(lib_path)
+        try:  # the stage counts, when the object opens here (a host function: no GPU needed)
+            lib = ctypes.CDLL(str(lib_path))
+            print({d: DenseFp8(lib, d).stages for d in dense_configs(lib_path)}, file=sys.stderr)
+        except OSError as e:
+            print(f"(stage counts not read: {e})", file=sys.stderr)
+        return 0
+
+    lib = ctypes.CDLL(str(lib_path))
+    dense = [DenseFp8(lib, name) for name in dense_configs(lib_path)]
+    grouped = [CutlassGroupedFp8(gl, name) for gl in a.grouped_lib for name in exported_configs(gl)]
+    stages = {f"cutlass dense {d.config}": d.stages for d in dense}
+    print({"library": str(lib_path), "stages": stages}, flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for name in a.shapes.split(","):
+        k, n = SHAPES[name]
+        xq, xs = fp8(torch.randn(M, k, device="cuda", generator=g).bfloat16())
+        wq, ws = fp8(torch.randn(n, k, device="cuda", generator=g).bfloat16())
+        xs, ws = xs.view(-1).contiguous(), ws.view(-1).contiguous()
+        flops = 2 * M * n * k
+
+        def cublas():
+            return torch._scaled_mm(xq, wq.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1),
+                                    out_dtype=torch.bfloat16, use_fast_accum=True)
+
+        fns = {"cublas _scaled_mm fast": cublas}
+        for d in dense:
+            fns[f"cutlass dense {d.config}"] = d.call(xq, xs, wq, ws)
+        if grouped:
+            # expert 0's weight is the dense one; the other 63 get no rows (zeros: never read into an output)
+            wq_e = torch.zeros(E, n, k, dtype=torch.uint8, device="cuda")
+            wq_e[0] = wq.view(torch.uint8)
+            wq_e = wq_e.view(torch.float8_e4m3fn)
+            ws_e = torch.zeros(E, n, device="cuda")
+            ws_e[0] = ws
+            offs = torch.full((E,), M, dtype=torch.int32, device="cuda")  # cumulative ends: all rows in group 0
+            for kernel in grouped:
+                fns[f"cutlass grouped {kernel.config}"] = call(kernel, xq, xs, wq_e, ws_e, offs, 0, 1)
+        ref = cublas().float()
+        err = {}
+        for label, fn in fns.items():
+            if label != "cublas _scaled_mm fast":
+                err[label] = float((fn().float() - ref).norm() / ref.norm())
+        torch.cuda.synchronize()
+        t = timed(fns, a.rounds, a.chain)
+        row = {"gemm": name, "M": M, "N": n, "K": k,
+               **{f"{label} TFLOP/s": round(flops / s / 1e12, 1) for label, s in t.items()},
+               "rel err vs cublas": err, "stages": stages,
+               "timing": f"graph of {a.chain} calls" if a.chain else "eager calls"}
+        print(row, flush=True)
+        rows.append(row)
+        del fns, ref
+        torch.cuda.empty_cache()
+    return emit({"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "library": str(lib_path),
+                 "grouped libraries": [str(gl) for gl in a.grouped_lib], "rows": rows}, a.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
