@@ -375,6 +375,9 @@ def main():
     p.add_argument("--build-only", action="store_true", help="only build (or find) the probe object, print its "
                    "path and exports and check the Python model of the scheduler (no GPU needed)")
     p.add_argument("--json", type=Path)
+    p.add_argument("--one-weight", action="store_true", help="also time each configuration (heuristic order) with "
+                   "every tile against expert 0's weight: the same kernel, walk and rows without the 64 weights' "
+                   "traffic (its output is not checked: it is another product)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--chain", type=int, default=8, help="capture each kernel N times back to back into a CUDA "
                    "graph and time its replays (the sustained rate, as in a captured step)")
@@ -465,6 +468,11 @@ def main():
                     err[label] = float((got - ref).norm() / ref.norm())
                     nan_rows[label] = int(got.isnan().any(1).sum())
                     identical[label] = bool(torch.equal(got, ref))
+                    if a.one_weight and raster == 0:  # the same walk and rows, every tile against expert 0's weight
+                        one_te = torch.where(lay["tile_expert"] >= 0, 0, -1).to(torch.int32)
+                        out_one = torch.empty_like(out)
+                        fns[f"{label} one weight"] = kernel.call(a_pad, sa_pad, wq, ws, one_te, lay["expert_tiles"],
+                                                                 out_one, raster, swizzle)
                 grid = kernel.grid(lay["m_cap"], n, k, E, torch.cuda.get_device_properties(0).multi_processor_count)
                 layout_info[kernel.config] = {
                     "align": lay["align"], "M_cap": lay["m_cap"], "tiles (M_cap / 128)": lay["m_cap"] // TILE_M,
