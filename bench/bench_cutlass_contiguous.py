@@ -52,22 +52,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
-import os
-import re
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cutlass_probe import build_probe, probe_configs  # noqa: E402
 from bench_common import emit, git_commit  # noqa: E402
 
-from omni.platforms.cuda.cutlass_grouped import (  # noqa: E402
-    ARCH, compile_command, find_cutlass_include, find_nvcc)
+from omni.platforms.cuda.cutlass_grouped import find_cutlass_include, find_nvcc  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "contiguous_fp8_probe.cu"
 E, TOKENS, TOP_K = 64, 8194, 8
@@ -76,40 +70,8 @@ TILE_M = TILE_N = 128
 RASTER = {"H": 0, "M": 1, "N": 2, "E": 3}  # --sched letters: CUTLASS's heuristic, along M, along N, expert-major
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("OMNI_KERNEL_CACHE") or Path(tempfile.gettempdir()) / "omni-kernels")
-
-
-def build(nvcc: str, include: str) -> Path:
-    """The probe's shared object: from the cache, or compiled into it (a file lock serializes concurrent builds)."""
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    version_h = Path(include) / "cutlass" / "version.h"
-    h = hashlib.sha256()
-    for part in (SOURCE.read_text(), version, ARCH, version_h.read_text() if version_h.is_file() else include):
-        h.update(part.encode())
-    where = cache_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    out = where / f"contiguous_fp8_probe_{h.hexdigest()[:16]}.so"
-    import fcntl
-
-    with open(out.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.exists():
-            tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            print(f"compiling {SOURCE.name} with {nvcc} (about a minute) -> {out}", file=sys.stderr, flush=True)
-            t0 = time.monotonic()
-            done = subprocess.run(compile_command(nvcc, include, SOURCE, tmp), capture_output=True, text=True)
-            if done.returncode != 0:
-                tmp.unlink(missing_ok=True)
-                raise SystemExit(f"nvcc failed ({done.returncode}):\n{done.stderr or done.stdout}")
-            tmp.replace(out)  # atomic: a reader never sees half an object
-            print(f"built in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-    return out
-
-
 def contiguous_configs(library: Path) -> list[str]:
-    """The configuration names the probe object exports (read from its symbols, as exported_configs does)."""
-    return sorted({m.decode() for m in re.findall(rb"omni_cg_(\w+?)_run\x00", library.read_bytes())})
+    return probe_configs(library, "omni_cg")
 
 
 class ContiguousFp8:
@@ -397,7 +359,7 @@ def main():
         nvcc, include = find_nvcc(), find_cutlass_include()
         if not nvcc or not include:
             raise SystemExit(f"need nvcc ({nvcc}) and CUTLASS's headers ({include}; set OMNI_CUTLASS_INCLUDE)")
-        lib_path = build(nvcc, include)
+        lib_path = build_probe(SOURCE, nvcc, include)
     if a.build_only:
         print(lib_path)
         lib = ctypes.CDLL(str(lib_path))  # the exports below are host functions: no GPU needed

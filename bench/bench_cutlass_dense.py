@@ -29,23 +29,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
-import os
-import re
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
-from bench_cutlass_grouped import call, fp8  # noqa: E402
+from cutlass_probe import build_probe, probe_configs  # noqa: E402
+from bench_common import emit, git_commit  # noqa: E402
+from bench_cutlass_grouped import call, fp8, timed  # noqa: E402
 
 from omni.platforms.cuda.cutlass_grouped import (  # noqa: E402
-    ARCH, CutlassGroupedFp8, compile_command, exported_configs, find_cutlass_include, find_nvcc)
+    CutlassGroupedFp8, exported_configs, find_cutlass_include, find_nvcc)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "dense_fp8_probe.cu"
 E = 64  # the grouped kernel's groups: every row in group 0
@@ -53,40 +48,8 @@ M = 65552  # the released MoE's routed rows (8194 tokens x top 8)
 SHAPES = {"gate_up": (4096, 6144), "down": (3072, 4096)}  # name: (K, N)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("OMNI_KERNEL_CACHE") or Path(tempfile.gettempdir()) / "omni-kernels")
-
-
-def build(nvcc: str, include: str) -> Path:
-    """The probe's shared object: from the cache, or compiled into it (a file lock serializes concurrent builds)."""
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    version_h = Path(include) / "cutlass" / "version.h"
-    h = hashlib.sha256()
-    for part in (SOURCE.read_text(), version, ARCH, version_h.read_text() if version_h.is_file() else include):
-        h.update(part.encode())
-    where = cache_dir()
-    where.mkdir(parents=True, exist_ok=True)
-    out = where / f"dense_fp8_probe_{h.hexdigest()[:16]}.so"
-    import fcntl
-
-    with open(out.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.exists():
-            tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            print(f"compiling {SOURCE.name} with {nvcc} (1-2 minutes) -> {out}", file=sys.stderr, flush=True)
-            t0 = time.monotonic()
-            done = subprocess.run(compile_command(nvcc, include, SOURCE, tmp), capture_output=True, text=True)
-            if done.returncode != 0:
-                tmp.unlink(missing_ok=True)
-                raise SystemExit(f"nvcc failed ({done.returncode}):\n{done.stderr or done.stdout}")
-            tmp.replace(out)  # atomic: a reader never sees half an object
-            print(f"built in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-    return out
-
-
 def dense_configs(library: Path) -> list[str]:
-    """The configuration names the probe object exports (read from its symbols, as exported_configs does)."""
-    return sorted({m.decode() for m in re.findall(rb"omni_dp_(\w+?)_run\x00", library.read_bytes())})
+    return probe_configs(library, "omni_dp")
 
 
 class DenseFp8:
@@ -121,16 +84,6 @@ class DenseFp8:
         return fn
 
 
-def timed(fns: dict, rounds: int, chain: int) -> dict:
-    """Median seconds per call: eager calls round robin, or (``chain``) replays of ``chain`` captured calls
-    (as timed() in bench/bench_cutlass_grouped.py)."""
-    if not chain:
-        return round_robin(fns, rounds)
-    graphs = {name: captured(fn, chain) for name, fn in fns.items()}
-    t = round_robin({name: g.replay for name, g in graphs.items()}, rounds, burn=3 * len(graphs), iters=3)
-    return {name: s / chain for name, s in t.items()}
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lib", type=Path, help="the probe's built shared object (default: build it, or find it in "
@@ -152,7 +105,7 @@ def main():
         nvcc, include = find_nvcc(), find_cutlass_include()
         if not nvcc or not include:
             raise SystemExit(f"need nvcc ({nvcc}) and CUTLASS's headers ({include}; set OMNI_CUTLASS_INCLUDE)")
-        lib_path = build(nvcc, include)
+        lib_path = build_probe(SOURCE, nvcc, include)
     if a.build_only:
         print(lib_path)
         try:  # the stage counts, when the object opens here (a host function: no GPU needed)
