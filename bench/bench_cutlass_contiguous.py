@@ -58,10 +58,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cutlass_probe import build_probe, probe_configs  # noqa: E402
+from cutlass_probe import probe_configs, probe_library  # noqa: E402
 from bench_common import emit, git_commit  # noqa: E402
 
-from omni.platforms.cuda.cutlass_grouped import find_cutlass_include, find_nvcc  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "contiguous_fp8_probe.cu"
 E, TOKENS, TOP_K = 64, 8194, 8
@@ -354,12 +353,7 @@ def main():
     a = p.parse_args()
     sched = [(RASTER[s[0]], int(s[1:])) for s in a.sched.split(",")]
 
-    lib_path = a.lib
-    if lib_path is None:
-        nvcc, include = find_nvcc(), find_cutlass_include()
-        if not nvcc or not include:
-            raise SystemExit(f"need nvcc ({nvcc}) and CUTLASS's headers ({include}; set OMNI_CUTLASS_INCLUDE)")
-        lib_path = build_probe(SOURCE, nvcc, include)
+    lib_path = probe_library(SOURCE, a.lib)
     if a.build_only:
         print(lib_path)
         lib = ctypes.CDLL(str(lib_path))  # the exports below are host functions: no GPU needed

@@ -35,12 +35,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cutlass_probe import build_probe, probe_configs  # noqa: E402
+from cutlass_probe import probe_configs, probe_library  # noqa: E402
 from bench_common import emit, git_commit  # noqa: E402
 from bench_cutlass_grouped import call, fp8, timed  # noqa: E402
 
-from omni.platforms.cuda.cutlass_grouped import (  # noqa: E402
-    CutlassGroupedFp8, exported_configs, find_cutlass_include, find_nvcc)
+from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "dense_fp8_probe.cu"
 E = 64  # the grouped kernel's groups: every row in group 0
@@ -100,12 +99,7 @@ def main():
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: gate_up, down")
     a = p.parse_args()
 
-    lib_path = a.lib
-    if lib_path is None:
-        nvcc, include = find_nvcc(), find_cutlass_include()
-        if not nvcc or not include:
-            raise SystemExit(f"need nvcc ({nvcc}) and CUTLASS's headers ({include}; set OMNI_CUTLASS_INCLUDE)")
-        lib_path = build_probe(SOURCE, nvcc, include)
+    lib_path = probe_library(SOURCE, a.lib)
     if a.build_only:
         print(lib_path)
         try:  # the stage counts, when the object opens here (a host function: no GPU needed)

@@ -18,11 +18,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from omni.platforms.cuda.cutlass_grouped import ARCH, compile_command
+from omni.platforms.cuda.cutlass_grouped import ARCH, compile_command, find_cutlass_include, find_nvcc
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("OMNI_KERNEL_CACHE") or Path(tempfile.gettempdir()) / "omni-kernels")
+
+
+def probe_library(source: Path, given: Path | None) -> Path:
+    """``given`` (a built object, ``--lib``), else ``source``'s object from the cache or compiled into it."""
+    if given is not None:
+        return given
+    nvcc, include = find_nvcc(), find_cutlass_include()
+    if not nvcc or not include:
+        raise SystemExit(f"need nvcc ({nvcc}) and CUTLASS's headers ({include}; set OMNI_CUTLASS_INCLUDE)")
+    return build_probe(source, nvcc, include)
 
 
 def build_probe(source: Path, nvcc: str, include: str) -> Path:
