@@ -4,6 +4,8 @@
   work, the work is enqueued with the side stream current, and ``join`` makes the current stream wait for
   the side one; one stream per ``SideStream``, made with the requested priority.
 - The CPU platform has no streams: ``side_stream()`` is ``INLINE`` and the recipe field changes no number.
+- A MoE layer runs its shared expert on its side stream, unless a parallel plan hooked the shared expert
+  (its collectives keep to the current stream); decided once, at the first forward.
 - The MoE kernel resolves callable addends right before its combine, after the routed experts' GEMMs
   (the CUDA MoE on its torch kernels and torch's grouped GEMM, which run on CPU tensors), and once.
 """
@@ -127,3 +129,29 @@ def test_moe_resolves_callable_addends_right_before_its_combine():
     assert order == ["swiglu", "gemm2", "addends", "combine"]  # resolved once, after the last GEMM
     assert torch.equal(got, moe(x, w, ids, prepared, addends=extra))  # as the tuple gives
     assert not torch.equal(got, without)  # the addend was added
+
+
+def _golden_layer(golden_data, **opts):
+    from omni.models.hunyuan_image3.config import HunyuanImage3Config
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+
+    cfg = HunyuanImage3Config.from_json_dict(golden_data[0]["tiny_config"])
+    m = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=torch.float32, **opts))
+    load_state(m, golden_data[2])
+    m.finalize()
+    return m.model.layers[0].mlp, torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+
+
+@torch.inference_mode()
+def test_the_shared_expert_takes_the_side_stream_unless_a_plan_hooks_it(golden_data):
+    services = RecordingServices()
+    for hooked in (False, True):
+        mlp, n = _golden_layer(golden_data)
+        mlp.side = SideStream(services, services.stream())
+        if hooked:  # as a parallel plan attaches an all-reduce to the shared expert's output projection
+            mlp.shared_mlp.down_proj.register_forward_hook(lambda mod, args, out: out)
+        services.log.clear()
+        mlp(n, residual_TD=n)
+        mlp(n, residual_TD=n)
+        entered = [e for e in services.log if e.startswith("enter")]
+        assert entered == ([] if hooked else [f"enter side{len(services.made)}"] * 2), (hooked, services.log)

@@ -219,6 +219,7 @@ class MoE(nn.Module):
                                      capturable=opts.capturable, grouped_fp8=opts.grouped_fp8,
                                      **opts.linear_kw(opts.quant))
         self.side = platform.side_stream() if opts.shared_expert_stream else INLINE
+        self._shared_runner = None  # where the shared expert runs: decided at the first forward (``_beside``)
 
     def forward(self, n_TD, residual_TD: torch.Tensor | None = None) -> torch.Tensor:
         """``n_TD``: the normed rows, or their ``RowQuantized`` form (the shared expert, and the routed experts
@@ -241,10 +242,12 @@ class MoE(nn.Module):
 
     def _beside(self):
         """Where the shared expert runs: the side stream (``kernels.shared_expert_stream``) unless a parallel plan
-        hooks it (its collectives keep to the current stream), else inline."""
-        if self.side is INLINE or not all(unhooked(m) for m in self.shared_mlp.modules()):
-            return INLINE
-        return self.side
+        hooks it (its collectives keep to the current stream), else inline. The plan's hooks are attached at
+        build, before any forward, so the first forward decides for all."""
+        if self._shared_runner is None:
+            hooked = not all(unhooked(m) for m in self.shared_mlp.modules())
+            self._shared_runner = INLINE if hooked else self.side
+        return self._shared_runner
 
 
 # ---------------------------------------------------------------- decoder
