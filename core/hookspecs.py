@@ -201,10 +201,11 @@ def omni_shared_device_env(info: PlatformInfo, rank: int, backend: str) -> dict 
     its ``os.environ`` (empty: nothing to set). Args: ``rank`` the global rank,
     ``backend`` the ``torch.distributed`` backend about to be initialised.
     Capture safety: not applicable.
-    Default implementation: ``{}`` (gloo needs nothing). CUDA with ``"nccl"``:
-    a distinct ``NCCL_HOSTID`` per rank, so NCCL's duplicate-device check
-    passes and the ranks exchange data over its socket transport on this host
-    (correct, slow: for correctness tests, never for speed).
+    Default implementation: ``{}`` (gloo needs nothing). CUDA and ROCm with
+    ``"nccl"`` (``DevicePlatform.host_id_backends``): a distinct
+    ``NCCL_HOSTID`` per rank, so NCCL's (and RCCL's) duplicate-device check
+    passes and the ranks exchange data over the socket transport on this host
+    (correct, slow: for correctness tests, never for speed; run on CUDA only).
     Versions: 0.1.
     """
 

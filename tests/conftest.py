@@ -1,20 +1,21 @@
-"""Shared fixtures: the golden data of ../shared/golden (official HunyuanImage-3.0 outputs)."""
+"""Shared fixtures: the golden data of ../shared/golden, or of ``OMNI_GOLDEN_DIR`` (official HunyuanImage-3.0
+outputs; see golden_utils.GOLDEN_DIR)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+from golden_utils import GOLDEN_DIR
 
 
 def load_golden(stem: str) -> tuple[dict, dict]:
     """(json description, every stored tensor) of ``../shared/golden/<stem>.*``; skips the test when absent."""
     js, st = GOLDEN_DIR / f"{stem}.json", GOLDEN_DIR / f"{stem}.safetensors"
     if not (js.is_file() and st.is_file()):
-        pytest.skip(f"golden data {stem} not found in {GOLDEN_DIR} (expected ../shared/golden beside the repo)")
+        pytest.skip(f"golden data {stem} not found in {GOLDEN_DIR} (expected ../shared/golden beside the repo, "
+                    "or set OMNI_GOLDEN_DIR)")
     from safetensors.torch import load_file
 
     return json.loads(js.read_text()), load_file(str(st))

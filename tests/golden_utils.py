@@ -1,7 +1,14 @@
 """Helpers over the golden data fixture (see conftest.py)."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
+
+# ../shared/golden beside the checkout, or OMNI_GOLDEN_DIR (a device machine receives the repository only, so the
+# golden files travel inside it and the environment names where)
+GOLDEN_DIR = Path(os.environ.get("OMNI_GOLDEN_DIR") or Path(__file__).resolve().parents[2] / "shared" / "golden")
 
 
 def build_golden_model(golden_data, platform, **opts):

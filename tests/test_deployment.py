@@ -21,7 +21,7 @@ from omni.recipe import RecipeError, load_recipe
 
 BUILTIN = ("hunyuan_image3", "hunyuan_image3_instruct", "hunyuan_image3_instruct_distil", "hunyuan_image3_instruct_tiny",
            "hunyuan_image3_tiny")
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden"
+from golden_utils import GOLDEN_DIR as GOLDEN
 
 
 def checkpoint_dir(tmp_path: Path, **config) -> Path:

@@ -5,7 +5,6 @@ shift 3, and the official TimestepEmbedder with the tiny config's weights).
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from omni.platform_manager import select
 from omni.models.hunyuan_image3.image_io import TimestepEmbedder, timestep_sinusoid
 from omni.models.hunyuan_image3.sampler import cfg_combine, euler_step, flow_match_sigmas, flow_match_timesteps
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+from golden_utils import GOLDEN_DIR
 GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_tiny.safetensors"
 ATOL = 1e-5
 

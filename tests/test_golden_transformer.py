@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from omni.models.hunyuan_image3.rope import image_positions, rope_cos_sin, text_
 from omni.models.hunyuan_image3.sampler import cfg_combine, euler_step
 from omni.models.hunyuan_image3.transformer import FOREIGN_PREFIXES, HunyuanImage3Transformer, load_state
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+from golden_utils import GOLDEN_DIR
 GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_tiny.json"
 GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_tiny.safetensors"
 ATOL = 1e-5

@@ -7,14 +7,13 @@ by the official AutoencoderKLConv3D (Tencent-Hunyuan/HunyuanImage-3.0, commit
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+from golden_utils import GOLDEN_DIR
 GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_tiny.json"
 GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_tiny.safetensors"
 ATOL = 1e-5

@@ -8,7 +8,6 @@ The golden rows in ../shared/golden were built by the official
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from omni.models.hunyuan_image3.sequence import build_t2i_pair, cot_pieces
 from omni.models.hunyuan_image3.system_prompts import EN_VANILLA, SYSTEM_PROMPTS, resolve_system_prompt
 from omni.models.hunyuan_image3.tokenizer import Tokenizer
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+from golden_utils import GOLDEN_DIR
 GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_tiny.json"
 GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_tiny.safetensors"
 DOWNSAMPLE = 256  # tiny golden vae_downsample_factor

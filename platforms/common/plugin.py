@@ -26,6 +26,8 @@ the device's graph class.
 """
 from __future__ import annotations
 
+import socket
+
 from omni.hookspecs import hookimpl
 from omni.moe import composed_moe
 from omni.platform_parts import AttentionModule, CapabilitiesModule, GemmModule, GlueModule, MoEModule
@@ -49,6 +51,10 @@ class DevicePlatform:
     glue: GlueModule | None = None
     triton_kernels: bool = False  # its gemm/moe modules honour kernels.memory_bound=triton themselves
     grouped_fp8_kernels: tuple[str, ...] = ()  # kernels.grouped_fp8 demands (beyond auto, torch) its gemm/moe meet
+    # torch.distributed backends whose library takes its host id from NCCL_HOSTID: NCCL and its fork RCCL refuse
+    # two ranks on one device of one host ("Duplicate GPU detected": they compare host hashes and bus ids) unless
+    # each rank names a host of its own, and then join the ranks over their socket transport
+    host_id_backends: tuple[str, ...] = ()
 
     def __init__(self, caps=None):
         self._caps = caps  # read lazily from the current device; tests may pass a made-up one
@@ -89,6 +95,12 @@ class DevicePlatform:
     def omni_check_recipe(self, recipe, info: PlatformInfo, reject) -> None:
         for problem in self.capabilities.recipe_problems(recipe):
             reject(problem)
+
+    @hookimpl
+    def omni_shared_device_env(self, info, rank: int, backend: str) -> dict | None:
+        if backend not in self.host_id_backends:
+            return None  # the reference's answer: nothing to set
+        return {"NCCL_HOSTID": f"{socket.gethostname()}-omni-rank{rank}"}
 
     @hookimpl
     def omni_platform_configure(self, info: PlatformInfo, local_rank: int) -> bool:

@@ -10,9 +10,6 @@ are captured as CUDA graphs (``torch.cuda.CUDAGraph``).
 """
 from __future__ import annotations
 
-import socket
-
-from omni.hookspecs import hookimpl
 from omni.platforms.common.graphs import GraphApi
 from omni.platforms.common.plugin import DevicePlatform
 
@@ -31,15 +28,6 @@ class CudaPlatform(DevicePlatform):
     # under capture out of its watchdog and queries its events in thread-local capture mode (pytorch PRs 103503,
     # 148594), so a capture on the step's stream is not aborted. gloo blocks the host: it cannot be recorded
     capturable_collectives = ("nccl",)
-
-    @hookimpl
-    def omni_shared_device_env(self, info, rank: int, backend: str) -> dict | None:
-        # NCCL refuses two ranks on one GPU of one host ("Duplicate GPU detected"): it compares host hashes and
-        # bus ids, and reads the host hash from NCCL_HOSTID when set. A distinct one per rank makes the ranks
-        # "hosts" of their own, joined by NCCL's socket transport over this host's network stack
-        if backend != "nccl":
-            return None
-        return {"NCCL_HOSTID": f"{socket.gethostname()}-omni-rank{rank}"}
-
+    host_id_backends = ("nccl",)  # two ranks on one GPU (multi-rank tests): measured on the H200 (docs/parallel.md)
 
 plugin = CudaPlatform()

@@ -25,6 +25,8 @@ class RocmPlatform(DevicePlatform):
     name = "rocm"
     graphs = GraphApi(device_type="cuda", graph_class="CUDAGraph", label="hip-graph")
     capabilities, attention, gemm = capabilities, attention, gemm  # what the shared hooks call
+    # RCCL reads NCCL_HOSTID as NCCL does (rccl src/misc/utils.cc getHostHash): contract-tested, not validated
+    host_id_backends = ("nccl",)
 
     def capture_refusal(self, spec: CaptureSpec) -> str | None:
         if spec.device_type != "cuda":

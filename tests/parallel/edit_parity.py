@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-GOLDEN_DIR = Path(__file__).resolve().parents[3] / "shared" / "golden"
+from golden_utils import GOLDEN_DIR
 GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.json"
 GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_instruct_tiny.safetensors"
 PAGE = 4  # small pages: rows span many pages, segments end mid-page

@@ -15,11 +15,10 @@ prediction and every request's latents are recorded after each step.
 from __future__ import annotations
 
 import types
-from pathlib import Path
 
 import torch
 
-GOLDEN_DIR = Path(__file__).resolve().parents[3] / "shared" / "golden"
+from golden_utils import GOLDEN_DIR
 GOLDEN_TENSORS = GOLDEN_DIR / "hunyuan_image3_tiny.safetensors"
 SKIP = ("golden.", "vae.", "vision_model.", "vision_aligner.")
 PAGE = 4  # small pages: rows span several pages, and prefixes end mid-page

@@ -166,9 +166,18 @@ def test_ranks_sharing_a_device_take_the_environment_their_platform_names(tmp_pa
     assert run(2) == [(False, None), (False, None)]
 
 
-def test_cuda_gives_each_rank_sharing_a_gpu_its_own_nccl_host_id():
-    from omni.platforms.cuda.plugin import plugin as cuda
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_nccl_platforms_give_each_rank_sharing_a_gpu_its_own_host_id(vendor):
+    """CUDA's NCCL and ROCm's RCCL (both behind the ``nccl`` backend) take the host hash from NCCL_HOSTID."""
+    import importlib
 
-    ids = {cuda.omni_shared_device_env(None, rank, "nccl")["NCCL_HOSTID"] for rank in range(4)}
+    platform = importlib.import_module(f"omni.platforms.{vendor}.plugin").plugin
+    ids = {platform.omni_shared_device_env(None, rank, "nccl")["NCCL_HOSTID"] for rank in range(4)}
     assert len(ids) == 4, "NCCL takes ranks with one host id and one bus id for a duplicate device"
-    assert cuda.omni_shared_device_env(None, 0, "gloo") is None, "gloo: the reference's answer (nothing)"
+    assert platform.omni_shared_device_env(None, 0, "gloo") is None, "gloo: the reference's answer (nothing)"
+
+
+def test_platforms_without_a_host_id_backend_leave_sharing_to_the_reference():
+    from omni.platforms.npu.plugin import plugin as npu
+
+    assert npu.omni_shared_device_env(None, 0, "hccl") is None
