@@ -34,7 +34,7 @@ from . import text_steps
 from .kv_pool import KVPool, PoolContext, Run
 from .request import ImageRequest, StageTimes, TextRequest
 from .step_cache import StepCache, after_step, plan_skips
-from .step_graphs import StepGraphs, padded_keys, step_key
+from .step_graphs import StepGraphs, padded_keys, step_key, text_key
 from .step_model import RowSpec, StepModel
 from .vae_tiling import TileLanes
 
@@ -115,8 +115,8 @@ class StepEngine:
     """Packed prefill and denoising steps of one worker over its KV pool; no scheduling policy.
 
     ``model``: the model side (``StepModel``). ``runtime``: ``SingleDevice``
-    or this rank's ``ParallelRuntime``. ``step_graphs`` / ``vae_graphs``: ``StepGraphs`` under ``graph.mode: capture``
-    (None: eager). ``synchronize``: waits for the device (``DeviceServices.synchronize``); called
+    or this rank's ``ParallelRuntime``. ``step_graphs`` / ``vae_graphs`` / ``text_graphs`` (the text rows' decode
+    steps): ``StepGraphs`` under ``graph.mode: capture`` (None: eager). ``synchronize``: waits for the device (``DeviceServices.synchronize``); called
     where a stage time is read, since kernels and graph replays run asynchronously (without it a
     replayed step's time shows up in whatever waits next, the VAE decode). ``vae_tiles``: ``(tile, overlap)`` latents, None decodes
     whole. ``offloaders``: ``omni.offload.LayerOffloader`` objects (their hooks
@@ -127,14 +127,14 @@ class StepEngine:
 
     def __init__(self, model: StepModel, *, pool: KVPool, runtime: Runtime, device, paged: bool,
                  step_cache: float = 0.0, step_graphs: StepGraphs | None = None,
-                 vae_graphs: StepGraphs | None = None, vae_tiles: tuple[int, int] | None = None,
+                 vae_graphs: StepGraphs | None = None, text_graphs: StepGraphs | None = None, vae_tiles: tuple[int, int] | None = None,
                  vae_lanes: TileLanes | None = None, offloaders=(),
                  on_velocity: Callable[[RequestState, torch.Tensor], None] | None = None,
                  synchronize: Callable[[], None] | None = None):
         self.model, self.pool, self.runtime = model, pool, runtime
         self.synchronize = synchronize or (lambda: None)  # stage times are the device's, not the launch queue's
         self.device, self.paged, self.step_cache = torch.device(device), paged, step_cache
-        self.step_graphs, self.vae_graphs = step_graphs, vae_graphs
+        self.step_graphs, self.vae_graphs, self.text_graphs = step_graphs, vae_graphs, text_graphs
         self.vae_tiles, self.vae_lanes = vae_tiles, vae_lanes or TileLanes()  # lanes: tiles on several streams
         self.offloaders, self.on_velocity = list(offloaders), on_velocity
 
@@ -149,7 +149,7 @@ class StepEngine:
         graph memory pools by the same ids.
         """
         spread = self.vae_tiles is not None and self.runtime.replica_size > 1
-        return not spread and self.step_graphs is None and self.vae_graphs is None
+        return not spread and self.step_graphs is None and self.vae_graphs is None and self.text_graphs is None
 
     # ---------------------------------------------------------------- admission
     def _here(self, seqs: list[RowSpec]) -> list[RowSpec]:
@@ -335,6 +335,16 @@ class StepEngine:
         keys_to = padded_keys(b.runs, self.step_graphs.key_bucket, self.paged, self.pool.page_size)
         return self.step_graphs.run(step_key(states, keys_to), b.x_TD, self.model.backbone,
                                     lambda: (cos_TH, sin_TH, self._context(b.runs, "none", keys_to)))
+
+    def text_forward(self, x_TD, cos_TH, sin_TH, runs: list[Run]) -> torch.Tensor:
+        """The packed decode forward of the text rows (one query each); under capture, replayed from the graph
+        of their row count and key bucket (the output is valid until the next replay: use it at once)."""
+        graphs = self.text_graphs
+        if graphs is None:
+            return self._backbone(x_TD, cos_TH, sin_TH, runs, "none")
+        keys_to = padded_keys(runs, graphs.key_bucket, self.paged, self.pool.page_size)
+        return graphs.run(text_key(runs, keys_to), x_TD, self.model.backbone,
+                          lambda: (cos_TH, sin_TH, self._context(runs, "none", keys_to)))
 
     def _backbone(self, x_TD, cos_TH, sin_TH, runs: list[Run], mask: str) -> torch.Tensor:
         """The model over one packed forward whose attention reads and writes the KV pool."""

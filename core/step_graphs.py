@@ -84,6 +84,12 @@ def step_key(states, keys_to: int = 0) -> tuple:
     return (tuple((r.seq.token_h, r.seq.token_w) for r in rows), keys_to), binding
 
 
+def text_key(runs, keys_to: int) -> tuple:
+    """(signature, binding) of a decode step (one query per text row, ``text_steps.decode_step``): its row count
+    and key length; the binding (every row's keys and pages) changes at every token, so each step rebinds."""
+    return ("text", len(runs), keys_to), tuple((r.k_end, tuple(r.pages)) for r in runs)
+
+
 def padded_keys(runs, bucket: int, paged: bool, page_size: int) -> int:
     """The key length a step's tables pad to: the longest run's pages (paged) or all runs' gathered keys,
     rounded up to ``bucket`` tokens; 0 (no padding) when ``bucket`` is 0."""

@@ -167,7 +167,7 @@ def decode_step(engine, states: list[TextState]) -> None:
         ids.append(s.tokens[-1])
         pos.append((at, at))
         runs.append(Run(tuple(r.pages), at, at + 1, at + 1))
-    h_TD = engine._backbone(engine.model.embed(ids), *engine.model.rope(pos), runs, "none")
+    h_TD = engine.text_forward(engine.model.embed(ids), *engine.model.rope(pos), runs)
     for s, token in zip(states, next_tokens(states, engine.model.text_logits(h_TD))):
         emit(engine, s, token)
         s.times.denoise += time.perf_counter() - t0

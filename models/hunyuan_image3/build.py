@@ -188,6 +188,7 @@ def _random_source(model, vae, vision):
 
 
 KEY_BUCKET = 1024  # tokens: prompts whose keys round up to the same multiple share a captured step
+TEXT_GRAPHS = 8  # decode graphs kept: answers at once x key buckets seen lately (each a few MiB: one token a row)
 
 
 def key_bucket(model) -> int:
@@ -195,6 +196,17 @@ def key_bucket(model) -> int:
     captured steps), else 0 (one graph per prompt-length set)."""
     attn = model.model.layers[0].self_attn.attn["none"]
     return 0 if getattr(attn, "reads_host_lengths", True) else KEY_BUCKET
+
+
+def text_graphs(platform, device_type: str, model, runtime) -> StepGraphs | None:
+    """The decode steps of text rows (answers, CoT passes) recorded per row count and key bucket; None where
+    the attention reads host lengths (every token would be a new graph: those steps stay eager)."""
+    bucket = key_bucket(model)
+    if not bucket:
+        log.info("text decode steps stay eager: the attention reads host lengths (one graph per token)")
+        return None
+    return StepGraphs(platform, device_type, name="text_decode", max_graphs=TEXT_GRAPHS, key_bucket=bucket,
+                      collectives=runtime.step_collectives)
 
 
 def _offloaders(recipe, model, vae, services) -> list[LayerOffloader]:
@@ -256,5 +268,6 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
         synchronize=services.synchronize,
         vae_graphs=StepGraphs(platform, services.device.type, name="vae_decode",
                               max_graphs=2 * recipe.vae.streams) if capture else None,
+        text_graphs=text_graphs(platform, services.device.type, model, runtime) if capture and instruct else None,
         vae_tiles=(recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None,
         vae_lanes=TileLanes(services, recipe.vae.streams), offloaders=offloaders)

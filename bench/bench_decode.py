@@ -1,0 +1,119 @@
+"""Text decode through a recipe's real pipeline: tokens/s with the decode steps replayed from graphs vs eager.
+
+Text answers (T2T, I2T) and the CoT pass before a ``bot_task`` image (a
+rewritten prompt, a reasoning: up to ``cot_max_tokens``, 2048 by default)
+decode one token a row per step. A step of a few rows does little work per
+kernel, so launching ~100 kernels a layer from Python can cost more than the
+kernels. This builds a recipe's pipeline as ``omni-run bench
+--full-size-layers`` does (random weights, released widths, layer by layer)
+and, on the same engine, times c answers of ``--tokens`` greedy tokens after a
+``--prompt-words`` prompt: once with the decode steps eager
+(``engine.text_graphs = None``) and once replayed from the pipeline's decode
+graphs (``graph.mode: capture``). Each (mode, c) runs once untimed first (the
+captures and JIT compiles land there). Reported: decode tokens/s, ms per step
+(the prefill and the first token excluded), the graphs captured and the
+memory they reserved.
+
+    python bench/bench_decode.py --recipe h200_instruct_fp8 --layers 32 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emit, git_commit  # noqa: E402
+
+from omni.deployment import prepare  # noqa: E402
+from omni.request import TextRequest  # noqa: E402
+
+WORDS = "a red cat on green grass photo of the petals neon pink and blue with".split()
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="h200_instruct_fp8", help="a recipe with graph.mode: capture")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (released: 32)")
+    p.add_argument("--concurrency", default="1,8,32", help="answers decoding at once, comma-separated")
+    p.add_argument("--prompt-words", type=int, default=100)
+    p.add_argument("--tokens", type=int, default=128, help="greedy tokens per answer (no stop token)")
+    p.add_argument("--memory-gib", type=float, default=139, help="device.memory_gib of the recipe")
+    p.add_argument("--json", type=Path)
+    return p.parse_args()
+
+
+def answers(c: int, words: int, tokens: int) -> list[TextRequest]:
+    prompt = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(words))
+    return [TextRequest(prompt=prompt, max_tokens=tokens, temperature=0.0, seed=i, stop_ids=()) for i in range(c)]
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def decode(engine, requests) -> dict:
+    """Prefill ``requests`` together, then step until all are done; every decode step timed (synchronized)."""
+    states = [engine.admit(r) for r in requests]
+    try:
+        sync()
+        t0 = time.perf_counter()
+        engine.prefill(states)
+        sync()
+        prefill_s, steps = time.perf_counter() - t0, []
+        while not all(s.done for s in states):
+            t0 = time.perf_counter()
+            engine.denoise_step(states)  # text rows only: one decode step (it reads the tokens: a host sync)
+            sync()
+            steps.append(time.perf_counter() - t0)
+        tokens = sum(len(s.tokens) - 1 for s in states)  # the first token of each comes from the prefill
+    finally:
+        for s in states:
+            engine.release(s)
+    return {"prefill_s": round(prefill_s, 4), "steps": len(steps), "tokens": tokens,
+            "step_ms_median": round(1e3 * statistics.median(steps), 3),
+            "tokens_per_s": round(tokens / sum(steps), 1)}
+
+
+def run(engine, graphs, c: int, a) -> dict:
+    engine.text_graphs = graphs
+    decode(engine, answers(c, a.prompt_words, a.tokens))  # untimed: captures, JIT compiles
+    reserved = torch.cuda.memory_reserved()
+    row = {"mode": "eager" if graphs is None else "capture", "concurrency": c,
+           **decode(engine, answers(c, a.prompt_words, a.tokens))}
+    if graphs is not None:
+        row.update(graphs_captured=graphs.captures, replays=graphs.replays)
+    row["reserved_gib"] = round(reserved / 2**30, 2)
+    print(row, flush=True)
+    return row
+
+
+def main() -> int:
+    a = parse()
+    commit = git_commit()
+    deployment = prepare(a.recipe, overrides={"device.memory_gib": a.memory_gib}, random_weights=True)
+    t0 = time.perf_counter()
+    engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
+    print(f"built in {time.perf_counter() - t0:.1f} s", flush=True)
+    graphs = engine.text_graphs
+    if graphs is None:
+        raise SystemExit(f"{a.recipe}: no decode graphs (graph.mode must be capture, the model an Instruct one, "
+                         "the attention one that reads device lengths)")
+    base = torch.cuda.memory_reserved()
+    rows = [run(engine, mode, int(c), a) for c in a.concurrency.split(",") for mode in (None, graphs)]
+    for c in {r["concurrency"] for r in rows}:
+        eager, captured = (next(r for r in rows if r["concurrency"] == c and r["mode"] == m) for m in ("eager", "capture"))
+        captured["speedup_vs_eager"] = round(captured["tokens_per_s"] / eager["tokens_per_s"], 2)
+    out = {"recipe": a.recipe, "layers": a.layers, "prompt_words": a.prompt_words, "tokens": a.tokens,
+           "commit": commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "reserved_after_build_gib": round(base / 2**30, 2), "rows": rows}
+    return emit(out, a.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""Captured text decode steps on CUDA: answers replayed from CUDA graphs equal the eager ones.
+
+The golden Instruct tiny weights on the ``cuda`` platform with ``graph.mode:
+capture`` (contiguous KV, the recipe h200_instruct_fp8's layout): the pipeline
+records the text rows' decode forward per row count and key bucket
+(``StepEngine.text_graphs``). Two answers at once (T2T and I2T), then the same
+with the decode graphs switched off on the same engine: the same tokens, and
+logits within the difference that padding the key tables may make (it can
+change how the attention kernel splits the keys). In fp32 the captured T2T
+answer is also the official one (golden greedy tokens).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from golden_utils import instruct_engine
+from omni.request import TextRequest
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(torch.version.hip is not None, reason="cuda: this torch is a ROCm build"),
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")]
+
+TOKENS = 40  # past the 8 the golden set holds: the key tables grow across steps, each step rebinds them
+
+
+def requests(meta, g) -> list[TextRequest]:
+    out = []
+    for case in ("T2T", "I2T"):
+        c = meta["cases"][case]
+        out.append(TextRequest(prompt=c["prompt"], system_prompt=c["system_prompt"] or None, max_tokens=TOKENS,
+                               temperature=0.0, seed=c.get("seed", 0), stop_ids=(),
+                               images=tuple(g[f"IMG.{n}.source_rgb_uint8"].numpy() for n in c["images"])))
+    return out
+
+
+@torch.inference_mode()
+def answer(engine, meta, g) -> tuple[list[list[int]], torch.Tensor]:
+    """(tokens of both answers, every decode step's logits on the host)."""
+    logits, inner = [], engine.model.text_logits
+
+    def recorded(h_TD):
+        out = inner(h_TD)
+        logits.append(out.float().cpu())
+        return out
+
+    engine.model.text_logits = recorded
+    states = [engine.admit(r) for r in requests(meta, g)]
+    try:
+        engine.prefill(states)
+        while not all(s.done for s in states):
+            engine.denoise_step(states)
+    finally:
+        del engine.model.text_logits
+        for s in states:
+            engine.release(s)
+    return [list(s.tokens) for s in states], torch.cat(logits[1:])  # [0]: the prefill's, never captured
+
+
+@pytest.fixture
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_answers_replayed_from_decode_graphs_equal_eager(instruct_g, instruct_checkpoint, no_tf32, dtype, tol):
+    meta, g = instruct_g
+    engine = instruct_engine(instruct_checkpoint, "cuda", **{"platform": "cuda", "device.kind": "h200",
+                                                             "model.dtype": dtype, "kv_cache.mode": "contiguous",
+                                                             "graph.mode": "capture"})
+    graphs = engine.text_graphs
+    assert graphs is not None and graphs.enabled, "the CUDA attention reads device lengths: decode is captured"
+    captured, captured_logits = answer(engine, meta, g)
+    assert graphs.captures >= 1 and graphs.replays == TOKENS - 1 and graphs.rebinds >= TOKENS - 1 - graphs.captures
+    engine.text_graphs = None
+    eager, eager_logits = answer(engine, meta, g)
+    engine.text_graphs = graphs
+    err = ((captured_logits - eager_logits).norm() / eager_logits.norm()).item()
+    print(f"{dtype}: {graphs.captures} decode graphs, {graphs.replays} replays; logits rel diff to eager {err:.2e}")
+    assert captured == eager and err <= tol, (err, captured, eager)
+    if dtype == "float32":
+        assert captured[0][:8] == g["T2T.generated_ids"].tolist(), "the official greedy answer (T2T)"
