@@ -68,13 +68,14 @@ def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float =
 
 
 def instruct_engine(root, on: str = "cpu", **changes):
-    """The deployment's Instruct pipeline over the checkpoint at ``root`` on platform ``on`` (``changes``:
-    recipe paths, e.g. ``platform``)."""
+    """The deployment's Instruct pipeline over the checkpoint at ``root`` (None: the embedded trained tiny
+    weights) on platform ``on`` (``changes``: recipe paths, e.g. ``platform``)."""
     from omni.models.hunyuan_image3.build import build_pipeline
     from omni.platform_manager import select
     from omni.recipe import load_recipe
 
-    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"model.path": str(root), **changes})
+    where = {} if root is None else {"model.path": str(root)}  # None: the recipe's embedded trained weights
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({**where, **changes})
     return build_pipeline(recipe, select(on), progress=False)
 
 
