@@ -6,8 +6,10 @@ the pipeline records the text rows' decode forward per row count and key
 bucket (``StepEngine.text_graphs``). Two answers at once (one with an image in
 its prompt), then the same with the decode graphs switched off on the same
 engine: the same tokens, and logits within the difference that padding the key
-tables may make (it can change how the attention kernel splits the keys). With
-the golden Instruct weights in fp32, the captured T2T answer is the official one.
+tables may make (it can change how the attention kernel splits the keys). In
+bf16: capture on CUDA needs the bf16 MoE kernels (an fp32 capture is refused at
+build, naming them). The decode path's official answers (fp32, eager):
+test_gpu_edit.py::test_text_answers_on_cuda_match_official_greedy_tokens.
 """
 from __future__ import annotations
 
@@ -63,17 +65,8 @@ def answer(engine, reqs: list[TextRequest]) -> tuple[list[list[int]], torch.Tens
     return [list(s.tokens) for s in states], torch.cat(logits[1:])  # [0]: the prefill's, never captured
 
 
-@pytest.fixture
-def no_tf32():
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
-
-
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_answers_replayed_from_decode_graphs_equal_eager(no_tf32, dtype, tol):
-    engine = engine_on_cuda(None, dtype)  # the embedded trained weights
+def test_answers_replayed_from_decode_graphs_equal_eager():
+    engine = engine_on_cuda(None, "bfloat16")  # the embedded trained weights
     graphs = engine.text_graphs
     assert graphs is not None and graphs.enabled, "the CUDA attention reads device lengths: decode is captured"
     captured, captured_logits = answer(engine, requests())
@@ -82,19 +75,5 @@ def test_answers_replayed_from_decode_graphs_equal_eager(no_tf32, dtype, tol):
     eager, eager_logits = answer(engine, requests())
     engine.text_graphs = graphs
     err = ((captured_logits - eager_logits).norm() / eager_logits.norm()).item()
-    print(f"{dtype}: {graphs.captures} decode graphs, {graphs.replays} replays; logits rel diff to eager {err:.2e}")
-    assert captured == eager and err <= tol, (err, captured, eager)
-
-
-def test_a_captured_fp32_answer_is_the_official_one(instruct_g, instruct_checkpoint, no_tf32):
-    meta, g = instruct_g
-    c = meta["cases"]["T2T"]
-    engine = engine_on_cuda(instruct_checkpoint, "float32")
-    req = TextRequest(prompt=c["prompt"], system_prompt=c["system_prompt"] or None, max_tokens=8, temperature=0.0,
-                      seed=c.get("seed", 0), stop_ids=())
-    tokens, logits = answer(engine, [req])
-    assert engine.text_graphs.replays == 7
-    assert tokens[0] == g["T2T.generated_ids"].tolist(), "the official greedy answer"
-    err = (logits - g["T2T.step_logits"][1:]).abs().max().item()
-    print(f"T2T captured fp32: step logits max abs err {err:.2e}")
-    assert err <= 1e-4
+    print(f"bf16: {graphs.captures} decode graphs, {graphs.replays} replays; logits rel diff to eager {err:.2e}")
+    assert captured == eager and err <= 2e-2, (err, captured, eager)
