@@ -90,15 +90,32 @@ def warm_up_request(deployment) -> ImageRequest | None:
                            system_prompt=helpers.system_prompt(recipe.defaults.system_prompt))
 
 
-def serving_scheduler(pipeline, recipe, warm_up: ImageRequest | None = None):
-    """``recipe.serving``'s scheduler over ``pipeline``, after running ``warm_up`` to the end when given (the
-    servers' engines: JIT compiles and graph captures happen before they report ready)."""
+def warm_up_requests(deployment) -> tuple:
+    """What a server warms up with: ``warm_up_request`` and, for a flavour that writes text, a short greedy
+    answer: its decode steps (a few rows) compile their own kernel variants and capture their own graphs. On a
+    fresh 32-layer Distil engine with no image before it, the first eager answer ran 16.2 s longer than the
+    next (BENCHMARKS.md, fourteenth session); what is left after an image warm-up was not measured."""
+    from .request import TextRequest
+
+    image = warm_up_request(deployment)
+    if image is None or not deployment.flavor().serving_helpers().writes_text:
+        return () if image is None else (image,)
+    steps = deployment.recipe.serving.warmup_steps
+    return image, TextRequest(prompt="describe a red fox", max_tokens=max(2, steps), temperature=0.0, seed=0,
+                              stop_ids=(), request_id="warm-up-answer")
+
+
+def serving_scheduler(pipeline, recipe, warm_up: ImageRequest | tuple = ()):
+    """``recipe.serving``'s scheduler over ``pipeline``, after running the ``warm_up`` request(s) to the end
+    (the servers' engines: JIT compiles and graph captures happen before they report ready)."""
     from .scheduler import Scheduler
 
     sched = Scheduler.from_recipe(pipeline, recipe)
-    if warm_up is not None:
-        log.info("warm-up: one default request of %d steps (compiles and graph captures) ...", warm_up.steps)
-        log.info("warm-up done in %.1f s", sched.warm_up(warm_up))
+    requests = (warm_up,) if isinstance(warm_up, ImageRequest) else tuple(r for r in (warm_up or ()) if r)
+    if requests:
+        log.info("warm-up: %s (compiles and graph captures) ...",
+                 ", ".join(f"{type(r).__name__} of {getattr(r, 'steps', None) or r.max_tokens} steps" for r in requests))
+        log.info("warm-up done in %.1f s", sched.warm_up(*requests))
     return sched
 
 
@@ -109,7 +126,8 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False) ->
     scheduler ``recipe.serving`` describes. World size > 1: every rank of the
     mesh is launched on this host (``omni.parallel.dp.start_replicas``) and
     the router over its dp replicas is returned once they connected.
-    ``warm_up``: the engine runs one default request first (``serving.warmup_steps``; servers ask for it).
+    ``warm_up``: the engine runs the default request first (``serving.warmup_steps``; servers ask for it), and
+    a short text answer where the flavour writes text (``warm_up_requests``).
     """
     from .engine_loop import EngineLoop
     from .scheduler import Scheduler
@@ -121,6 +139,6 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False) ->
 
     def build() -> Scheduler:
         return serving_scheduler(deployment.build_pipeline(progress=progress), deployment.recipe,
-                                 warm_up_request(deployment) if warm_up else None)
+                                 warm_up_requests(deployment) if warm_up else ())
 
     return EngineLoop(build)

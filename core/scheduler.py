@@ -200,15 +200,17 @@ class Scheduler:
                         sched.max_batch_tokens, w, h, need)
         return sched
 
-    def warm_up(self, request: ImageRequest) -> float:
-        """Run ``request`` to completion before serving (engine thread, nothing else submitted yet): the JIT
-        compiles, autotuning and graph captures of its shapes happen here instead of in the first user's
-        request. Raises what the request raised; the counters start from zero afterwards. Returns seconds."""
+    def warm_up(self, *requests) -> float:
+        """Run ``requests`` to completion, one after another, before serving (engine thread, nothing else
+        submitted yet): the JIT compiles, autotuning and graph captures of their shapes happen here instead of
+        in the first users' requests. Raises what a request raised; the counters start from zero afterwards.
+        Returns seconds."""
         t0 = time.perf_counter()
-        ticket = self.submit(request)
-        while not ticket.future.done():
-            self.step()
-        ticket.result()
+        for request in requests:
+            ticket = self.submit(request)
+            while not ticket.future.done():
+                self.step()
+            ticket.result()
         self.stats.clear()
         self._service_s = None
         self.warm_up_s = time.perf_counter() - t0

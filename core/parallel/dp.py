@@ -220,7 +220,7 @@ def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = Fal
     from multiprocessing.connection import Client
 
     from omni.engine_loop import EngineLoop
-    from omni.engine_handle import serving_scheduler, warm_up_request
+    from omni.engine_handle import serving_scheduler, warm_up_requests
 
     from .driver import DriverPipeline, follow
     from .runtime import ParallelRuntime
@@ -232,7 +232,7 @@ def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = Fal
     if control.rank != 0:
         return {"rank": ctx.rank, "followed": follow(pipeline, control)}
     driver = DriverPipeline(pipeline, control)
-    warm = warm_up_request(deployment) if warm_up else None
+    warm = warm_up_requests(deployment) if warm_up else ()
     engine = EngineLoop(lambda: serving_scheduler(driver, deployment.recipe, warm)).start()
     conn = Client(address, authkey=authkey)
     try:

@@ -86,3 +86,28 @@ def test_a_failing_warm_up_raises_its_error_and_frees_its_pages(tiny_recipe):
     with pytest.raises(InjectedFault, match="denoise_step"):
         sched.warm_up(default_request(tiny_recipe, prompt=f"a cat {FAULT_IN_STEP}", steps=2))
     assert pipeline.pool.free_pages == free and not sched.has_work()
+
+
+@pytest.mark.parametrize("recipe_name, kinds", [("cpu_tiny", ["ImageRequest"]),
+                                                ("cpu_tiny_instruct", ["ImageRequest", "TextRequest"])])
+def test_a_flavour_that_writes_text_also_warms_up_an_answer(recipe_name, kinds):
+    """Text decode steps compile their own kernels and capture their own graphs: an Instruct server warms up a
+    short greedy answer after the image, on the real engine, and is left with nothing running."""
+    from omni.deployment import prepare
+    from omni.engine_handle import warm_up_requests
+    from omni.recipe import load_recipe
+
+    recipe = load_recipe(recipe_name).replace_paths({"serving.warmup_steps": 2, "defaults.size": "256x256"})
+    deployment = prepare(recipe, platform="cpu")
+    requests = warm_up_requests(deployment)
+    assert [type(r).__name__ for r in requests] == kinds
+    assert warm_up_requests(prepare(recipe.replace_paths({"serving.warmup_steps": 0}), platform="cpu")) == ()
+    if len(requests) == 2:
+        assert requests[1].max_tokens == 2 and requests[1].temperature == 0.0
+        pipeline = deployment.build_pipeline(progress=False)
+        answers = []
+        real = pipeline.denoise_step
+        pipeline.denoise_step = lambda states: (answers.extend(type(s).__name__ for s in states), real(states))
+        sched = serving_scheduler(pipeline, recipe, requests)
+        assert "TextState" in answers and sched.warm_up_s > 0 and not sched.has_work()
+        assert pipeline.pool.free_pages == pipeline.pool.num_pages
