@@ -9,7 +9,9 @@ kernels. This builds a recipe's pipeline as ``omni-run bench
 and, on the same engine, times c answers of ``--tokens`` greedy tokens after a
 ``--prompt-words`` prompt: once with the decode steps eager
 (``engine.text_graphs = None``) and once replayed from the pipeline's decode
-graphs (``graph.mode: capture``). Each (mode, c) runs once untimed first (the
+graphs (``graph.mode: capture``; ``--modes`` adds ``exact``: a graph per row
+count instead of per row bucket). ``--staggered`` spreads the answers'
+lengths, so they finish one by one and the row count falls from c to 1. Each (mode, c) runs once untimed first (the
 captures and JIT compiles land there). Reported: decode tokens/s, ms per step
 (the prefill and the first token excluded), the graphs captured and the
 memory they reserved.
@@ -42,6 +44,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,32", help="answers decoding at once, comma-separated")
     p.add_argument("--prompt-words", type=int, default=100)
     p.add_argument("--tokens", type=int, default=128, help="greedy tokens per answer (no stop token)")
+    p.add_argument("--modes", default="eager,capture", help="comma-separated: eager, capture (row and key "
+                   "buckets, what the pipeline runs), exact (a graph per row count: the first version)")
+    p.add_argument("--staggered", action="store_true", help="answer lengths spread from tokens/4 to tokens")
     p.add_argument("--memory-gib", type=float, default=139, help="device.memory_gib of the recipe")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="recipe override, e.g. --set graph.mode=capture (repeatable)")
@@ -49,9 +54,12 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def answers(c: int, words: int, tokens: int) -> list[TextRequest]:
+def answers(c: int, words: int, tokens: int, staggered: bool = False) -> list[TextRequest]:
+    """``c`` answers of ``tokens`` tokens; ``staggered``: lengths spread from tokens / 4 to tokens, so the
+    answers finish one by one and the row count falls from c to 1 (as a server's mix does)."""
     prompt = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(words))
-    return [TextRequest(prompt=prompt, max_tokens=tokens, temperature=0.0, seed=i, stop_ids=()) for i in range(c)]
+    lengths = [tokens // 4 + (tokens - tokens // 4) * i // max(c - 1, 1) for i in range(c)] if staggered else [tokens] * c
+    return [TextRequest(prompt=prompt, max_tokens=n, temperature=0.0, seed=i, stop_ids=()) for i, n in enumerate(lengths)]
 
 
 def sync() -> None:
@@ -82,17 +90,20 @@ def decode(engine, requests) -> dict:
             "tokens_per_s": round(tokens / sum(steps), 1)}
 
 
-def run(engine, graphs, c: int, a) -> dict:
-    engine.text_graphs = graphs
+def run(engine, graphs, mode: str, c: int, a) -> dict:
+    """One (mode, c): eager, capture (row and key buckets) or exact (a graph per row count and linear key
+    bucket, as the first version captured)."""
+    engine.text_graphs = None if mode == "eager" else graphs
+    engine.text_row_buckets = mode != "exact"
+    make = lambda: answers(c, a.prompt_words, a.tokens, a.staggered)  # noqa: E731
     t0 = time.perf_counter()
-    decode(engine, answers(c, a.prompt_words, a.tokens))  # untimed: captures, JIT compiles
+    decode(engine, make())  # untimed: captures, JIT compiles
     first_s = time.perf_counter() - t0
-    reserved, captured = torch.cuda.memory_reserved(), graphs.captures if graphs is not None else 0
+    reserved, captured = torch.cuda.memory_reserved(), graphs.captures
     t0 = time.perf_counter()
-    row = {"mode": "eager" if graphs is None else "capture", "concurrency": c,
-           **decode(engine, answers(c, a.prompt_words, a.tokens))}
+    row = {"mode": mode, "concurrency": c, **decode(engine, make())}
     row["first_run_extra_s"] = round(first_s - (time.perf_counter() - t0), 2)  # what the captures/compiles cost
-    if graphs is not None:
+    if mode != "eager":
         row.update(graphs_captured=graphs.captures, captured_in_timed_run=graphs.captures - captured,
                    replays=graphs.replays)
     row["reserved_gib"] = round(reserved / 2**30, 2)
@@ -116,11 +127,14 @@ def main() -> int:
         raise SystemExit(f"{a.recipe}: no decode graphs (graph.mode must be capture, the model an Instruct one, "
                          "the attention one that reads device lengths)")
     base = torch.cuda.memory_reserved()
-    rows = [run(engine, mode, int(c), a) for c in a.concurrency.split(",") for mode in (None, graphs)]
-    for c in {r["concurrency"] for r in rows}:
-        eager, captured = (next(r for r in rows if r["concurrency"] == c and r["mode"] == m) for m in ("eager", "capture"))
-        captured["speedup_vs_eager"] = round(captured["tokens_per_s"] / eager["tokens_per_s"], 2)
-    out = {"recipe": a.recipe, "overrides": a.set, "layers": a.layers, "prompt_words": a.prompt_words, "tokens": a.tokens,
+    modes = a.modes.split(",")
+    rows = [run(engine, graphs, mode, int(c), a) for c in a.concurrency.split(",") for mode in modes]
+    for r in rows:
+        eager = next((e for e in rows if e["concurrency"] == r["concurrency"] and e["mode"] == "eager"), None)
+        if eager is not None and r is not eager:
+            r["speedup_vs_eager"] = round(r["tokens_per_s"] / eager["tokens_per_s"], 2)
+    out = {"recipe": a.recipe, "overrides": a.set, "layers": a.layers, "prompt_words": a.prompt_words,
+           "tokens": a.tokens, "staggered": a.staggered,
            "commit": commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "reserved_after_build_gib": round(base / 2**30, 2), "rows": rows}
     return emit(out, a.json)

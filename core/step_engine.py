@@ -34,7 +34,7 @@ from . import text_steps
 from .kv_pool import KVPool, PoolContext, Run
 from .request import ImageRequest, StageTimes, TextRequest
 from .step_cache import StepCache, after_step, plan_skips
-from .step_graphs import StepGraphs, padded_keys, step_key, text_key
+from .step_graphs import StepGraphs, geometric_keys, padded_keys, row_bucket, step_key, text_key
 from .step_model import RowSpec, StepModel
 from .vae_tiling import TileLanes
 
@@ -135,6 +135,7 @@ class StepEngine:
         self.synchronize = synchronize or (lambda: None)  # stage times are the device's, not the launch queue's
         self.device, self.paged, self.step_cache = torch.device(device), paged, step_cache
         self.step_graphs, self.vae_graphs, self.text_graphs = step_graphs, vae_graphs, text_graphs
+        self.text_row_buckets = True  # decode graphs per row and key bucket; off: per exact count (benchmarks)
         self.vae_tiles, self.vae_lanes = vae_tiles, vae_lanes or TileLanes()  # lanes: tiles on several streams
         self.offloaders, self.on_velocity = list(offloaders), on_velocity
 
@@ -336,6 +337,13 @@ class StepEngine:
         return self.step_graphs.run(step_key(states, keys_to), b.x_TD, self.model.backbone,
                                     lambda: (cos_TH, sin_TH, self._context(b.runs, "none", keys_to)))
 
+    def text_rows_to(self, n: int) -> int:
+        """The rows a decode step of ``n`` text rows runs: ``n`` eagerly; under capture its ``row_bucket``
+        (unless ``text_row_buckets`` is off), so a changing number of answers replays a few graphs."""
+        if self.text_graphs is None or not self.text_row_buckets:
+            return n
+        return row_bucket(n)
+
     def text_forward(self, x_TD, cos_TH, sin_TH, runs: list[Run]) -> torch.Tensor:
         """The packed decode forward of the text rows (one query each); under capture, replayed from the graph
         of their row count and key bucket (the output is valid until the next replay: use it at once)."""
@@ -343,6 +351,7 @@ class StepEngine:
         if graphs is None:
             return self._backbone(x_TD, cos_TH, sin_TH, runs, "none")
         keys_to = padded_keys(runs, graphs.key_bucket, self.paged, self.pool.page_size)
+        keys_to = geometric_keys(keys_to, graphs.key_bucket) if self.text_row_buckets else keys_to
         return graphs.run(text_key(runs, keys_to), x_TD, self.model.backbone,
                           lambda: (cos_TH, sin_TH, self._context(runs, "none", keys_to)))
 

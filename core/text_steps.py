@@ -167,7 +167,11 @@ def decode_step(engine, states: list[TextState]) -> None:
         ids.append(s.tokens[-1])
         pos.append((at, at))
         runs.append(Run(tuple(r.pages), at, at + 1, at + 1))
-    h_TD = engine.text_forward(engine.model.embed(ids), *engine.model.rope(pos), runs)
+    # a captured step runs its row bucket: the extra rows copy row 0 (token, position, KV slot), so they route to
+    # its experts and write its values to its slot; their outputs are dropped
+    fill = engine.text_rows_to(len(states)) - len(states)
+    ids, pos, runs = ids + ids[:1] * fill, pos + pos[:1] * fill, runs + runs[:1] * fill
+    h_TD = engine.text_forward(engine.model.embed(ids), *engine.model.rope(pos), runs)[: len(states)]
     for s, token in zip(states, next_tokens(states, engine.model.text_logits(h_TD))):
         emit(engine, s, token)
         s.times.denoise += time.perf_counter() - t0

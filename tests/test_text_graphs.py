@@ -88,3 +88,30 @@ def test_decode_steps_are_captured_only_where_the_attention_reads_device_lengths
         assert graphs is None
     else:
         assert graphs.key_bucket == KEY_BUCKET and graphs.name == "text_decode" and graphs.enabled
+
+
+def test_answers_joining_and_finishing_share_row_bucket_graphs(engine, instruct_g):
+    """Five answers of different lengths: the row count falls 5 -> 1 as they finish. Captured steps run the
+    row bucket (5 -> 8 rows, copies of row 0), keep the eager tokens, and capture once per bucket."""
+    meta, g = instruct_g
+    c = meta["cases"]["T2T"]
+    reqs = lambda: [TextRequest(prompt=f"{c['prompt']} {'red ' * i}", max_tokens=6 + 3 * i, temperature=0.0,  # noqa: E731
+                                seed=i, stop_ids=()) for i in range(5)]
+    eager = run(engine, reqs())
+    engine.text_graphs = graphs = StepGraphs(FakePlatform(), "cpu", name="text_decode", key_bucket=16)
+    try:
+        assert [engine.text_rows_to(n) for n in (1, 4, 5, 8, 9)] == [1, 4, 8, 8, 16]
+        assert run(engine, reqs()) == eager and [len(t) for t in eager] == [6, 9, 12, 15, 18]
+        assert graphs.captures == 5, "row buckets 8, 4, 3, 2, 1"
+        engine.text_row_buckets = False
+        assert engine.text_rows_to(5) == 5
+    finally:
+        engine.text_graphs, engine.text_row_buckets = None, True
+    assert engine.pool.free_pages == engine.pool.num_pages
+
+
+def test_row_and_key_buckets():
+    from omni.step_graphs import geometric_keys, row_bucket
+
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 17, 33)] == [1, 2, 3, 4, 8, 8, 16, 32, 64]
+    assert [geometric_keys(k, 1024) for k in (0, 1024, 2048, 3072, 4096, 5120)] == [0, 1024, 2048, 4096, 4096, 8192]

@@ -77,3 +77,19 @@ def test_answers_replayed_from_decode_graphs_equal_eager():
     err = ((captured_logits - eager_logits).norm() / eager_logits.norm()).item()
     print(f"bf16: {graphs.captures} decode graphs, {graphs.replays} replays; logits rel diff to eager {err:.2e}")
     assert captured == eager and err <= 2e-2, (err, captured, eager)
+
+
+def test_answers_finishing_one_by_one_replay_row_bucket_graphs():
+    """Five answers of different lengths: 5 rows run as a bucket of 8 (copies of row 0), then 4, 3, 2, 1."""
+    engine = engine_on_cuda(None, "bfloat16")
+    reqs = lambda: [TextRequest(prompt=f"make a {'big ' * i}red square", max_tokens=8 + 6 * i, temperature=0.0,  # noqa: E731
+                                seed=i, stop_ids=()) for i in range(5)]
+    graphs = engine.text_graphs
+    captured, captured_logits = answer(engine, reqs())
+    assert graphs.captures == 5 and engine.text_rows_to(5) == 8
+    engine.text_graphs = None
+    eager, eager_logits = answer(engine, reqs())
+    engine.text_graphs = graphs
+    err = ((captured_logits - eager_logits).norm() / eager_logits.norm()).item()
+    print(f"5 answers, row buckets: {graphs.captures} graphs; logits rel diff to eager {err:.2e}")
+    assert captured == eager and err <= 2e-2, (err, captured, eager)
