@@ -1,6 +1,7 @@
 """Helpers over the golden data fixture (see conftest.py)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -85,3 +86,44 @@ def run_to_end(engine, state):
     while not state.done:
         engine.denoise_step([state])
     return state
+
+
+def instruct_on_cuda(root, dtype: str, **changes):
+    """``instruct_engine`` on the cuda platform (an H200's recipe fields) with gathered KV, the layout of the
+    recipe h200_instruct_fp8."""
+    return instruct_engine(root, "cuda", **{"platform": "cuda", "device.kind": "h200", "model.dtype": dtype,
+                                            "kv_cache.mode": "contiguous", **changes})
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, in fp32."""
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+@contextlib.contextmanager
+def recorded_text_logits(engine):
+    """Every row the model's ``text_logits`` returns while inside (the engine samples from these), in fp32 on
+    the host, in call order."""
+    rows, inner = [], engine.model.text_logits
+
+    def recorded(h_TD):
+        out = inner(h_TD)
+        rows.append(out.float().cpu())
+        return out
+
+    engine.model.text_logits = recorded
+    try:
+        yield rows
+    finally:
+        del engine.model.text_logits
+
+
+def distil_request(meta):
+    """The golden DISTIL case as the engine's request."""
+    from omni.request import ImageRequest
+
+    c = meta["cases"]["DISTIL"]
+    h, w = (int(v) for v in c["image_size_argument"].split("x"))
+    return ImageRequest(prompt=c["prompt"], system_prompt=c["system_prompt"], cot_text=c["cot_text"], height=h,
+                        width=w, steps=c["infer_steps"], guidance=c["guidance_scale"], seed=c["seed"],
+                        template="instruct")

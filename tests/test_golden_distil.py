@@ -18,9 +18,8 @@ import json
 import pytest
 import torch
 
-from golden_utils import assert_close as close, instruct_engine, write_instruct_checkpoint
+from golden_utils import assert_close as close, distil_request, instruct_engine, write_instruct_checkpoint
 from omni.attention_context import DenseContext, dense_meta
-from omni.request import ImageRequest
 
 # The step's two timestep tokens (t and the meanflow r) start from sin/cos of t * freq, an fp32 argument known only
 # to eps * t (see test_golden_sampler); on an AVX-512 machine the embeddings differ by 1.7e-5 and the first layer's
@@ -43,17 +42,9 @@ def engine(instruct_golden, tmp_path_factory):
     return instruct_engine(root, **{"kv_cache.page_tokens": 6})
 
 
-def request_of(meta) -> ImageRequest:
-    c = meta["cases"]["DISTIL"]
-    h, w = (int(v) for v in c["image_size_argument"].split("x"))
-    return ImageRequest(prompt=c["prompt"], system_prompt=c["system_prompt"], cot_text=c["cot_text"], height=h,
-                        width=w, steps=c["infer_steps"], guidance=c["guidance_scale"], seed=c["seed"],
-                        template="instruct")
-
-
 def test_distil_row_and_schedule(engine, golden):
     meta, g = golden
-    req = request_of(meta)
+    req = distil_request(meta)
     (row,) = engine.model.build_rows(req)
     assert list(row.ids) == g["DISTIL.input_ids"][0].tolist()
     assert torch.equal(row.attention_mask(), g["DISTIL.attention_mask"][0, 0])
@@ -66,7 +57,7 @@ def test_first_step_full_sequence_layer_input_and_hidden_states(engine, golden):
     from omni.models.hunyuan_image3.rope import rope_cos_sin
 
     meta, g = golden
-    m, req = engine.model, request_of(meta)
+    m, req = engine.model, distil_request(meta)
     (row,) = m.build_rows(req)
     sig = m.sigmas(req)
     prefix = m.prefix_input(req, req.seed, [row])[0]
@@ -93,7 +84,7 @@ def test_two_steps_through_the_prefix_kv_path(engine, golden):
     seen = []
     engine.on_velocity = lambda state, v: seen.append(v.clone())
     try:
-        s = engine.admit(request_of(meta))
+        s = engine.admit(distil_request(meta))
         close("latents_xt (the seed's noise)", s.latents_1Chw, g["DISTIL.latents_xt"])
         engine.prefill([s])
         engine.denoise_step([s])
@@ -111,7 +102,7 @@ def test_two_steps_through_the_prefix_kv_path(engine, golden):
 def test_a_negative_prompt_is_refused(engine, golden):
     meta, _ = golden
     with pytest.raises(ValueError, match="negative_prompt"):
-        engine.model.build_rows(dataclasses.replace(request_of(meta), negative_prompt="blurry"))
+        engine.model.build_rows(dataclasses.replace(distil_request(meta), negative_prompt="blurry"))
 
 
 def test_a_negative_prompt_is_a_400_naming_the_field_over_http(engine, golden):
@@ -126,7 +117,7 @@ def test_a_negative_prompt_is_a_400_naming_the_field_over_http(engine, golden):
     meta, _ = golden
     sched = Scheduler(engine)
     with pytest.raises(RequestInvalid, match="negative_prompt"):
-        sched.cost(dataclasses.replace(request_of(meta), negative_prompt="blurry"))
+        sched.cost(dataclasses.replace(distil_request(meta), negative_prompt="blurry"))
     loop = EngineLoop.around(sched).start()
     try:
         app = create_app(loop, ServingOptions(model_id="distil"))

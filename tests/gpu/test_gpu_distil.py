@@ -14,8 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from golden_utils import instruct_engine, write_instruct_checkpoint
-from omni.request import ImageRequest
+from golden_utils import distil_request, instruct_on_cuda, rel_err, write_instruct_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.version.hip is not None, reason="cuda: this torch is a ROCm build"),
@@ -36,25 +35,12 @@ def distil(instruct_golden, tmp_path_factory):
     return meta, g, root
 
 
-def engine_on_cuda(root, dtype: str, **changes):
-    return instruct_engine(root, "cuda", **{"platform": "cuda", "device.kind": "h200", "model.dtype": dtype,
-                                            "kv_cache.mode": "contiguous", **changes})
-
-
-def request_of(meta) -> ImageRequest:
-    c = meta["cases"]["DISTIL"]
-    h, w = (int(v) for v in c["image_size_argument"].split("x"))
-    return ImageRequest(prompt=c["prompt"], system_prompt=c["system_prompt"], cot_text=c["cot_text"], height=h,
-                        width=w, steps=c["infer_steps"], guidance=c["guidance_scale"], seed=c["seed"],
-                        template="instruct")
-
-
 @torch.inference_mode()
 def two_steps(engine, meta, g, steps: int = 2):
     """[(pred, latents) after each step], on the host in fp32, from the golden initial noise."""
     seen, out = [], []
     engine.on_velocity = lambda state, v: seen.append(v.float().cpu())
-    s = engine.admit(request_of(meta))
+    s = engine.admit(distil_request(meta))
     try:
         # the noise is drawn in bf16 on a CPU generator whose normals differ between torch builds (see
         # test_gpu_edit): start from the official draw so that the steps themselves are compared
@@ -69,22 +55,10 @@ def two_steps(engine, meta, g, steps: int = 2):
     return out
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
-@pytest.fixture
-def no_tf32():
-    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
-
-
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
 def test_distil_two_steps_on_cuda_match_official(distil, no_tf32, dtype, tol):
     meta, g, root = distil
-    engine = engine_on_cuda(root, dtype)
+    engine = instruct_on_cuda(root, dtype)
     assert engine.model.cfg.cfg_distilled and engine.model.cfg.use_meanflow
     for i, ((pred, latents), (want_pred, want_latents)) in enumerate(zip(two_steps(engine, meta, g), STORED)):
         err_pred, err_next = rel_err(pred, g[want_pred]), rel_err(latents, g[want_latents])
@@ -95,8 +69,8 @@ def test_distil_two_steps_on_cuda_match_official(distil, no_tf32, dtype, tol):
 
 def test_distil_steps_replayed_from_cuda_graphs_equal_eager(distil):
     meta, g, root = distil
-    eager = two_steps(engine_on_cuda(root, "bfloat16"), meta, g, steps=3)
-    captured_engine = engine_on_cuda(root, "bfloat16", **{"graph.mode": "capture"})
+    eager = two_steps(instruct_on_cuda(root, "bfloat16"), meta, g, steps=3)
+    captured_engine = instruct_on_cuda(root, "bfloat16", **{"graph.mode": "capture"})
     captured = two_steps(captured_engine, meta, g, steps=3)
     for (_, want), (_, got) in zip(eager, captured):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

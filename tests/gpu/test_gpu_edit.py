@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from golden_utils import instruct_engine, run_to_end
+from golden_utils import instruct_on_cuda, recorded_text_logits, rel_err, run_to_end
 from omni.request import ImageRequest
 
 pytestmark = [pytest.mark.gpu,
@@ -33,8 +33,7 @@ def golden(instruct_g, instruct_checkpoint):
 
 
 def engine_on_cuda(root, dtype: str, **changes):
-    return instruct_engine(root, "cuda", **{"platform": "cuda", "device.kind": "h200", "model.dtype": dtype,
-                                            "kv_cache.mode": "contiguous", **changes})
+    return instruct_on_cuda(root, dtype, **changes)
 
 
 def request_of(meta, g, case: str) -> ImageRequest:
@@ -61,19 +60,6 @@ def first_step(engine, meta, g, steps: int = 1):
     for s in states:
         engine.release(s)
     return out
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm()).item()
-
-
-@pytest.fixture
-def no_tf32():
-    """fp32 means fp32 here: cuDNN convolutions (the VAE encoder) default to TF32."""
-    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
@@ -109,19 +95,9 @@ def test_text_answers_on_cuda_match_official_greedy_tokens(golden, no_tf32, case
     req = TextRequest(prompt=c["prompt"], system_prompt=c["system_prompt"] or None, max_tokens=8, temperature=0.0,
                       seed=c.get("seed", 0), stop_ids=(),
                       images=tuple(g[f"IMG.{n}.source_rgb_uint8"].numpy() for n in c["images"]))
-    logits, inner = [], engine.model.text_logits
-
-    def recorded(h_TD):
-        out = inner(h_TD)
-        logits.append(out.float().cpu())
-        return out
-
-    engine.model.text_logits = recorded
-    try:
+    with recorded_text_logits(engine) as logits:
         s = run_to_end(engine, engine.admit(req))
-    finally:
-        del engine.model.text_logits
-        engine.release(s)
+    engine.release(s)
     assert list(s.tokens) == g[f"{case}.generated_ids"].tolist()
     err = (torch.cat(logits) - g[f"{case}.step_logits"]).abs().max().item()
     print(f"{case} on cuda: 8 greedy tokens exact, step logits max abs err {err:.2e}")

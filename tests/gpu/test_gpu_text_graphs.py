@@ -18,7 +18,7 @@ import torch
 
 import numpy as np
 
-from golden_utils import instruct_engine
+from golden_utils import instruct_on_cuda, recorded_text_logits, rel_err
 from omni.request import TextRequest
 
 pytestmark = [pytest.mark.gpu,
@@ -37,59 +37,54 @@ def requests() -> list[TextRequest]:
                         images=(image,))]
 
 
-def engine_on_cuda(root, dtype: str):
-    return instruct_engine(root, "cuda", **{"platform": "cuda", "device.kind": "h200", "model.dtype": dtype,
-                                            "kv_cache.mode": "contiguous", "graph.mode": "capture"})
+def engine_on_cuda():
+    """The embedded trained weights in bf16, decode steps captured."""
+    return instruct_on_cuda(None, "bfloat16", **{"graph.mode": "capture"})
 
 
 @torch.inference_mode()
 def answer(engine, reqs: list[TextRequest]) -> tuple[list[list[int]], torch.Tensor]:
-    """(tokens of both answers, every decode step's logits on the host)."""
-    logits, inner = [], engine.model.text_logits
-
-    def recorded(h_TD):
-        out = inner(h_TD)
-        logits.append(out.float().cpu())
-        return out
-
-    engine.model.text_logits = recorded
+    """(tokens of every answer, every decode step's logits on the host)."""
     states = [engine.admit(r) for r in reqs]
     try:
-        engine.prefill(states)
-        while not all(s.done for s in states):
-            engine.denoise_step(states)
+        with recorded_text_logits(engine) as logits:
+            engine.prefill(states)
+            while not all(s.done for s in states):
+                engine.denoise_step(states)
     finally:
-        del engine.model.text_logits
         for s in states:
             engine.release(s)
     return [list(s.tokens) for s in states], torch.cat(logits[1:])  # [0]: the prefill's, never captured
 
 
+def captured_then_eager(engine, make) -> tuple[list, list, float]:
+    """(captured tokens, eager tokens, logits rel difference) of the requests ``make()`` on one engine."""
+    graphs = engine.text_graphs
+    captured, captured_logits = answer(engine, make())
+    engine.text_graphs = None
+    try:
+        eager, eager_logits = answer(engine, make())
+    finally:
+        engine.text_graphs = graphs
+    return captured, eager, rel_err(captured_logits, eager_logits)
+
+
 def test_answers_replayed_from_decode_graphs_equal_eager():
-    engine = engine_on_cuda(None, "bfloat16")  # the embedded trained weights
+    engine = engine_on_cuda()
     graphs = engine.text_graphs
     assert graphs is not None and graphs.enabled, "the CUDA attention reads device lengths: decode is captured"
-    captured, captured_logits = answer(engine, requests())
+    captured, eager, err = captured_then_eager(engine, requests)
     assert graphs.captures >= 1 and graphs.replays == TOKENS - 1 and graphs.rebinds >= TOKENS - 1 - graphs.captures
-    engine.text_graphs = None
-    eager, eager_logits = answer(engine, requests())
-    engine.text_graphs = graphs
-    err = ((captured_logits - eager_logits).norm() / eager_logits.norm()).item()
     print(f"bf16: {graphs.captures} decode graphs, {graphs.replays} replays; logits rel diff to eager {err:.2e}")
     assert captured == eager and err <= 2e-2, (err, captured, eager)
 
 
 def test_answers_finishing_one_by_one_replay_row_bucket_graphs():
     """Five answers of different lengths: 5 rows run as a bucket of 8 (copies of row 0), then 4, 3, 2, 1."""
-    engine = engine_on_cuda(None, "bfloat16")
+    engine = engine_on_cuda()
     reqs = lambda: [TextRequest(prompt=f"make a {'big ' * i}red square", max_tokens=8 + 6 * i, temperature=0.0,  # noqa: E731
                                 seed=i, stop_ids=()) for i in range(5)]
-    graphs = engine.text_graphs
-    captured, captured_logits = answer(engine, reqs())
-    assert graphs.captures == 5 and engine.text_rows_to(5) == 8
-    engine.text_graphs = None
-    eager, eager_logits = answer(engine, reqs())
-    engine.text_graphs = graphs
-    err = ((captured_logits - eager_logits).norm() / eager_logits.norm()).item()
-    print(f"5 answers, row buckets: {graphs.captures} graphs; logits rel diff to eager {err:.2e}")
+    captured, eager, err = captured_then_eager(engine, reqs)
+    assert engine.text_graphs.captures == 5 and engine.text_rows_to(5) == 8
+    print(f"5 answers, row buckets: {engine.text_graphs.captures} graphs; logits rel diff to eager {err:.2e}")
     assert captured == eager and err <= 2e-2, (err, captured, eager)
