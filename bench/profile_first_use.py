@@ -12,13 +12,13 @@ and how many kernel binaries Triton compiled meanwhile.
 
     python bench/profile_first_use.py --recipe h200_fp8 --layers 8 --json out.json
     python bench/profile_first_use.py --recipe h200_fp8 --layers 8 --warm-up --json out.json   # as a server starts
+    python bench/profile_first_use.py --recipe h200_instruct_fp8 --layers 32 --warm-up image --answers 16 --words 3
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,8 +40,11 @@ def parse():
     p.add_argument("--layers", type=int, default=8, help="decoder layers (released: 32)")
     p.add_argument("--words", default="3,7,8,12,16,23,31,40", help="prompt lengths in words, one request each")
     p.add_argument("--size", type=int, default=1024)
-    p.add_argument("--warm-up", action="store_true",
-                   help="first the server's warm-up (serving.warmup_steps of a default request), as omni-run serve does")
+    p.add_argument("--warm-up", nargs="?", const="server", choices=("server", "image"),
+                   help="first the server's warm-up as omni-run serve runs it (server: the default request, then "
+                        "for an Instruct flavour a short answer; image: the default request only, as before)")
+    p.add_argument("--answers", type=int, default=0, metavar="TOKENS",
+                   help="after the warm-up, two text answers of TOKENS greedy tokens, timed apart (Instruct recipes)")
     p.add_argument("--json", type=Path)
     return p.parse_args()
 
@@ -60,13 +63,35 @@ def once(fn) -> float:
     return time.perf_counter() - t0
 
 
-def warm_up(engine, deployment, before: int) -> dict:
-    """The server's warm-up (``omni.engine_handle``), as ``omni-run serve`` runs it before it reports ready."""
-    from omni.engine_handle import serving_scheduler, warm_up_request
+def warm_up(engine, deployment, before: int, kind: str) -> dict:
+    """The server's warm-up (``omni.engine_handle``), as ``omni-run serve`` runs it before it reports ready
+    (``kind`` image: its default request only)."""
+    from omni.engine_handle import serving_scheduler, warm_up_requests
 
-    request = warm_up_request(deployment)
-    seconds = once(lambda: serving_scheduler(engine, deployment.recipe, request))
-    return {"seconds": seconds, "steps": None if request is None else request.steps, "compiled": compiled() - before}
+    requests = warm_up_requests(deployment)
+    requests = requests[:1] if kind == "image" else requests
+    seconds = once(lambda: serving_scheduler(engine, deployment.recipe, requests))
+    return {"kind": kind, "seconds": seconds, "requests": [type(r).__name__ for r in requests],
+            "steps": requests[0].steps if requests else None, "compiled": compiled() - before}
+
+
+def answer_s(engine, tokens: int, seed: int) -> dict:
+    """One greedy text answer of ``tokens`` tokens: seconds (prefill and decode) and what it compiled."""
+    from omni.request import TextRequest
+
+    k0 = compiled()
+    req = TextRequest(prompt="what is in a snowy birch forest at dawn?", max_tokens=tokens, temperature=0.0,
+                      seed=seed, stop_ids=())
+    s = engine.admit(req)
+    seconds = once(lambda: run_answer(engine, s))
+    engine.release(s)
+    return {"tokens": tokens, "seconds": seconds, "compiled": compiled() - k0}
+
+
+def run_answer(engine, s) -> None:
+    engine.prefill([s])
+    while not s.done:
+        engine.denoise_step([s])
 
 
 def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
@@ -91,15 +116,18 @@ def main() -> int:
     engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
     before = compiled()
     print(f"built in {time.perf_counter() - t0:.1f} s; {before} Triton kernels compiled while building", flush=True)
-    warm = warm_up(engine, deployment, before) if a.warm_up else None
+    warm = warm_up(engine, deployment, before, a.warm_up) if a.warm_up else None
     if warm:
-        print(f"warm-up {warm['seconds']:.1f} s ({warm['steps']} steps), {warm['compiled']} kernels compiled", flush=True)
+        print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled", flush=True)
+    answers = [answer_s(engine, a.answers, seed=i) for i in range(2)] if a.answers else []
+    for i, row in enumerate(answers):
+        print(f"answer {i + 1}: {row['seconds']:.2f} s for {row['tokens']} tokens, {row['compiled']} compiled", flush=True)
     rows = []
     for i, n in enumerate(int(w) for w in a.words.split(",")):
         rows.append(first_use(engine, deployment.recipe, n, a.size, seed=i))
         print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": "empty at start",
-           "compiled_while_building": before, "warm_up": warm, "requests": rows, "torch": torch.__version__,
+           "compiled_while_building": before, "warm_up": warm, "answers": answers, "requests": rows, "torch": torch.__version__,
            "device": torch.cuda.get_device_name()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
