@@ -92,9 +92,9 @@ def warm_up_request(deployment) -> ImageRequest | None:
 
 def warm_up_requests(deployment) -> tuple:
     """What a server warms up with: ``warm_up_request`` and, for a flavour that writes text, a short greedy
-    answer: its decode steps (a few rows) compile their own kernel variants and capture their own graphs. On a
-    fresh 32-layer Distil engine with no image before it, the first eager answer ran 16.2 s longer than the
-    next (BENCHMARKS.md, fourteenth session); what is left after an image warm-up was not measured."""
+    answer: its decode steps (a few rows) compile their own kernel variants and capture their own graphs. At 32
+    layers on the H200 after the image warm-up alone, the first 16-token answer took 7.79 s and the next 0.25 s;
+    after this warm-up (6 s longer) the first took 0.24 s (BENCHMARKS.md, fourteenth session)."""
     from .request import TextRequest
 
     image = warm_up_request(deployment)
