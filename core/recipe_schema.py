@@ -174,9 +174,10 @@ class StepCache(_Validated):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Graph(_Validated):
-    """Device-graph capture of the denoising step."""
+    """Device-graph capture of the denoising step, and of the text decode steps where the model answers in text."""
 
-    mode: str = _opt("eager", "eager, or capture (record per shape bucket and replay; needs platform support)",
+    mode: str = _opt("eager", "eager, or capture (record per shape bucket and replay: denoising steps, text "
+                              "decode steps and VAE decodes; needs platform support)",
                      choices=("eager", "capture"))
 
 
