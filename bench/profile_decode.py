@@ -1,0 +1,105 @@
+"""Where a captured text decode step's time goes: its kernels, their count and time, against the step's wall time.
+
+Builds a recipe's pipeline as ``omni-run bench --full-size-layers`` does
+(random weights, released widths; ``--layers`` of the 32), runs c greedy
+answers once (JIT compiles, the decode graphs' captures), then records
+``--steps`` decode steps of c answers under the torch profiler (CUPTI sees
+the kernels a graph replay launches). Reported per step: wall time, the sum
+of kernel times (what the device was busy with), the kernel count, and the
+kernels by total time (per layer where they run once a layer), so the gap
+between the wall time and the kernels' time, and the kernels worth fusing,
+are measured rather than guessed.
+
+    python bench/profile_decode.py --recipe h200_instruct_fp8 --layers 8 --concurrency 1,8 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emit, git_commit  # noqa: E402
+from bench_decode import answers, decode  # noqa: E402
+
+from omni.deployment import prepare  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="h200_instruct_fp8")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (released: 32)")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--steps", type=int, default=16, help="decode steps recorded")
+    p.add_argument("--eager", action="store_true", help="profile the eager decode step instead")
+    p.add_argument("--top", type=int, default=25, help="kernels listed")
+    p.add_argument("--json", type=Path)
+    return p.parse_args()
+
+
+@torch.inference_mode()
+def profiled_steps(engine, c: int, steps: int) -> tuple[float, list]:
+    """(wall seconds of ``steps`` decode steps of ``c`` answers, the profiler's device events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    states = [engine.admit(r) for r in answers(c, 100, steps + 2)]
+    try:
+        engine.prefill(states)
+        engine.denoise_step(states)  # the first decode step outside the recording (a capture if new)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.denoise_step(states)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+    finally:
+        for s in states:
+            engine.release(s)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return wall, kernels
+
+
+def summary(wall: float, kernels: list, steps: int, layers: int, top: int) -> dict:
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        row = by_name[e.name]
+        row[0] += 1
+        row[1] += e.device_time_total  # a device event: its own elapsed time
+    busy_us = sum(t for _, t in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"step_ms": round(1e3 * wall / steps, 3), "kernel_ms_per_step": round(busy_us / steps / 1e3, 3),
+            "kernels_per_step": round(sum(n for n, _ in by_name.values()) / steps, 1),
+            "kernels_per_layer": round(sum(n for n, _ in by_name.values()) / steps / layers, 1),
+            "top": [{"kernel": name[:120], "per_step": round(n / steps, 2), "us_per_step": round(t / steps, 1)}
+                    for name, (n, t) in ranked]}
+
+
+def main() -> int:
+    a = parse()
+    commit = git_commit()
+    deployment = prepare(a.recipe, overrides={"device.memory_gib": 139, "graph.mode": "capture"}, random_weights=True)
+    engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
+    graphs = engine.text_graphs
+    rows = []
+    for c in (int(x) for x in a.concurrency.split(",")):
+        engine.text_graphs = None if a.eager else graphs
+        decode(engine, answers(c, 100, a.steps + 2))  # compiles, captures
+        wall, kernels = profiled_steps(engine, c, a.steps)
+        row = {"concurrency": c, "mode": "eager" if a.eager else "capture",
+               **summary(wall, kernels, a.steps, a.layers, a.top)}
+        print({k: v for k, v in row.items() if k != "top"}, flush=True)
+        for k in row["top"][:12]:
+            print("   ", k, flush=True)
+        rows.append(row)
+    out = {"recipe": a.recipe, "layers": a.layers, "steps": a.steps, "commit": commit,
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    return emit(out, a.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
