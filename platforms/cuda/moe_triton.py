@@ -120,16 +120,17 @@ def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K
     base = ends - totals + tl.sum(tl.where((blocks < b)[:, None], c, 0), axis=0)
     earlier = lanes[None, :] < lanes[:, None]  # [i, j]: j comes before i
     for start in tl.static_range(0, BLOCK, CHUNK):
-        i = b * BLOCK + start + lanes
-        m = i < R
-        e = tl.load(ids_ptr + i, mask=m, other=EB)
-        e_row = tl.load(ids_ptr + i, mask=m, other=EB)  # the same ids again, to lie along the other axis
-        rank = tl.sum(((e[:, None] == e_row[None, :]) & earlier).to(tl.int32), axis=1)
-        hit = (e[:, None] == experts[None, :]).to(tl.int32)
-        pos = (tl.sum(hit * base[None, :], axis=1) + rank).to(tl.int64)
-        tl.store(inverse_ptr + i, pos, mask=m)
-        tl.store(token_ptr + pos, (i // K).to(tl.int64), mask=m)
-        base += tl.sum(hit, axis=0)
+        if b * BLOCK + start < R:  # chunks past the last row are skipped (a decode step routes a few rows)
+            i = b * BLOCK + start + lanes
+            m = i < R
+            e = tl.load(ids_ptr + i, mask=m, other=EB)
+            e_row = tl.load(ids_ptr + i, mask=m, other=EB)  # the same ids again, to lie along the other axis
+            rank = tl.sum(((e[:, None] == e_row[None, :]) & earlier).to(tl.int32), axis=1)
+            hit = (e[:, None] == experts[None, :]).to(tl.int32)
+            pos = (tl.sum(hit * base[None, :], axis=1) + rank).to(tl.int64)
+            tl.store(inverse_ptr + i, pos, mask=m)
+            tl.store(token_ptr + pos, (i // K).to(tl.int64), mask=m)
+            base += tl.sum(hit, axis=0)
     if b == 0:
         tl.store(ends_ptr + experts, ends, mask=experts < E)
 
@@ -138,6 +139,10 @@ def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K
 # every block's counts, so it takes up to MAX_BLOCKS blocks and MAX_EXPERTS experts (a longer prefill sorts
 # with torch).
 SORT_BLOCK, SORT_CHUNK, MAX_BLOCKS, MAX_EXPERTS = 1024, 128, 256, 256
+# A decode step routes a few rows (top-8 of 1-32 tokens): ranked SMALL_CHUNK at a time, the one program ranks
+# [32, 32] tiles instead of [128, 128] ones. The 1024-row chunks of 128 took 101 us a layer for 8 rows on the
+# H200 (bench/profile_decode.py, BENCHMARKS.md fourteenth session).
+SMALL_ROWS, SMALL_CHUNK = 256, 32
 
 
 def _warps(block: int) -> int:
@@ -241,6 +246,8 @@ class TritonKernels:
         token_R, inverse_R = torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.int64, device=dev)
         ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
         _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=SORT_BLOCK, num_warps=8)
+        chunk = SMALL_CHUNK if R <= SMALL_ROWS else SORT_CHUNK
         _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
-                             NBP=triton.next_power_of_2(nb), BLOCK=SORT_BLOCK, CHUNK=SORT_CHUNK, num_warps=8)
+                             NBP=triton.next_power_of_2(nb), BLOCK=SORT_BLOCK, CHUNK=chunk,
+                             num_warps=4 if chunk == SMALL_CHUNK else 8)
         return token_R, inverse_R, ends_E
