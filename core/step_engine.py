@@ -114,21 +114,21 @@ def _common(fed: tuple, seq) -> int:
 class StepEngine:
     """Packed prefill and denoising steps of one worker over its KV pool; no scheduling policy.
 
-    ``model``: the model side (``StepModel``). ``runtime``: ``SingleDevice``
-    or this rank's ``ParallelRuntime``. ``step_graphs`` / ``vae_graphs`` / ``text_graphs`` (the text rows' decode
-    steps): ``StepGraphs`` under ``graph.mode: capture`` (None: eager). ``synchronize``: waits for the device (``DeviceServices.synchronize``); called
-    where a stage time is read, since kernels and graph replays run asynchronously (without it a
-    replayed step's time shows up in whatever waits next, the VAE decode). ``vae_tiles``: ``(tile, overlap)`` latents, None decodes
-    whole. ``offloaders``: ``omni.offload.LayerOffloader`` objects (their hooks
-    do the work; kept here for their stats). ``on_velocity(state, v_BChw)``:
-    called with every row's velocity of a request after each step (tests
+    ``model``: the model side (``StepModel``). ``runtime``: ``SingleDevice`` or this rank's
+    ``ParallelRuntime``. ``step_graphs`` / ``vae_graphs`` / ``text_graphs`` (the text rows' decode steps):
+    ``StepGraphs`` under ``graph.mode: capture`` (None: eager). ``synchronize``: waits for the device
+    (``DeviceServices.synchronize``); called where a stage time is read, since kernels and graph replays run
+    asynchronously (without it a replayed step's time shows up in whatever waits next, the VAE decode).
+    ``vae_tiles``: ``(tile, overlap)`` latents, None decodes whole. ``offloaders``:
+    ``omni.offload.LayerOffloader`` objects (their hooks do the work; kept here for their stats).
+    ``on_velocity(state, v_BChw)``: called with every row's velocity of a request after each step (tests
     record them).
     """
 
     def __init__(self, model: StepModel, *, pool: KVPool, runtime: Runtime, device, paged: bool,
                  step_cache: float = 0.0, step_graphs: StepGraphs | None = None,
-                 vae_graphs: StepGraphs | None = None, text_graphs: StepGraphs | None = None, vae_tiles: tuple[int, int] | None = None,
-                 vae_lanes: TileLanes | None = None, offloaders=(),
+                 vae_graphs: StepGraphs | None = None, text_graphs: StepGraphs | None = None,
+                 vae_tiles: tuple[int, int] | None = None, vae_lanes: TileLanes | None = None, offloaders=(),
                  on_velocity: Callable[[RequestState, torch.Tensor], None] | None = None,
                  synchronize: Callable[[], None] | None = None):
         self.model, self.pool, self.runtime = model, pool, runtime

@@ -188,7 +188,8 @@ def _random_source(model, vae, vision):
 
 
 KEY_BUCKET = 1024  # tokens: prompts whose keys round up to the same multiple share a captured step
-TEXT_GRAPHS = 8  # decode graphs kept: answers at once x key buckets seen lately (each a few MiB: one token a row)
+TEXT_GRAPHS = 8  # decode graphs kept (row buckets x key buckets seen lately); on the H200 at 32 layers the reserved
+# memory stayed at 101.78-102.80 GiB while they were captured and evicted (BENCHMARKS.md, fourteenth session)
 
 
 def key_bucket(model) -> int:
@@ -199,7 +200,7 @@ def key_bucket(model) -> int:
 
 
 def text_graphs(platform, device_type: str, model, runtime) -> StepGraphs | None:
-    """The decode steps of text rows (answers, CoT passes) recorded per row count and key bucket; None where
+    """The decode steps of text rows (answers, CoT passes) recorded per row bucket and key bucket; None where
     the attention reads host lengths (every token would be a new graph: those steps stay eager)."""
     bucket = key_bucket(model)
     if not bucket:
