@@ -101,5 +101,7 @@ def test_distil_deployment_schedules_its_default_request(monkeypatch):
 def test_random_build_names_the_flavours_it_knows():
     from omni.models.hunyuan_image3.build import random_release
 
-    with pytest.raises(ValueError, match="unknown flavor 'sdxl'"):
+    from omni.model_registry import ModelError
+
+    with pytest.raises(ModelError, match="unknown model flavor 'sdxl'; registered: .*hunyuan_image3_instruct_distil"):
         random_release("sdxl", 2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from omni import quant
+from omni import model_registry, quant
 from omni.build_options import DTYPES, BuildOptions
 from omni.kv_pool import KVPool
 from omni.parallel.runtime import SingleDevice
@@ -20,7 +20,6 @@ from omni.layers import finalize_all
 from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, park_on_host
 from omni.weights import LoadTarget, StreamingLoad, materialize_meta_
 
-from . import flavors
 from .config import HunyuanImage3Config
 from .instruct_pipeline import HunyuanImage3Instruct, HunyuanImage3InstructDistil
 from .parallel import PLANS
@@ -55,7 +54,7 @@ def random_release(flavor: str, layers: int, cache_dir: Path | None = None) -> t
     Instruct-Distil share their shapes; Instruct adds the VAE and vision encoders, Distil the guidance and
     timestep_r embeddings. The tokenizer is the embedded tiny one of the same era (its ids are valid rows of
     the released vocabulary; the Instruct one spells the Distil tokens)."""
-    f = flavors.by_name(flavor)
+    f = model_registry.get(flavor)
     cfg = released_layers(layers)
     if f.distil:
         cfg = dataclasses.replace(cfg, cfg_distilled=True, use_meanflow=True)

@@ -115,13 +115,3 @@ instruct_tiny = HunyuanImage3Flavor(
 instruct_tiny_random = HunyuanImage3Flavor(
     "hunyuan_image3_instruct_tiny_random", "the tiny Instruct architecture with random weights (generated; "
     "image_base_size 256, for code-path tests)", needs_weights=False, instruct=True, base_size=256)
-
-ALL = (base, instruct, instruct_distil, tiny, tiny_random, instruct_tiny, instruct_tiny_random)
-
-
-def by_name(name: str) -> HunyuanImage3Flavor:
-    """The flavour registered as ``name`` (a recipe's ``model.flavor``)."""
-    for f in ALL:
-        if f.name == name:
-            return f
-    raise ValueError(f"unknown flavor {name!r}; known: {', '.join(f.name for f in ALL)}")
