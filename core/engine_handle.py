@@ -78,12 +78,15 @@ def warm_up_request(deployment) -> ImageRequest | None:
     """The request a server warms up with (None when ``serving.warmup_steps`` is 0): the recipe's default
     request as the HTTP layer builds it (the flavour's size snapping and system-prompt modes, so its prefix
     falls in the same captured-step bucket as the first users'), ``serving.warmup_steps`` steps."""
+    return _warm_up_image(deployment, deployment.flavor().serving_helpers())
+
+
+def _warm_up_image(deployment, helpers) -> ImageRequest | None:
     from .scheduler import default_request
 
     recipe = deployment.recipe
     if not recipe.serving.warmup_steps:
         return None
-    helpers = deployment.flavor().serving_helpers()
     w, h = recipe.defaults.width_height
     h, w = helpers.snap(h, w)
     return default_request(recipe, steps=recipe.serving.warmup_steps, height=h, width=w,
@@ -97,25 +100,25 @@ def warm_up_requests(deployment) -> tuple:
     after this warm-up (6 s longer) the first took 0.24 s (BENCHMARKS.md, fourteenth session)."""
     from .request import TextRequest
 
-    image = warm_up_request(deployment)
-    if image is None or not deployment.flavor().serving_helpers().writes_text:
-        return () if image is None else (image,)
-    steps = deployment.recipe.serving.warmup_steps
-    return image, TextRequest(prompt="describe a red fox", max_tokens=max(2, steps), temperature=0.0, seed=0,
-                              stop_ids=(), request_id="warm-up-answer")
+    helpers = deployment.flavor().serving_helpers()
+    image = _warm_up_image(deployment, helpers)
+    if image is None:
+        return ()
+    if not helpers.writes_text:
+        return (image,)
+    return image, TextRequest(prompt="describe a red fox", max_tokens=max(2, image.steps), temperature=0.0,
+                              seed=0, stop_ids=(), request_id="warm-up-answer")
 
 
-def serving_scheduler(pipeline, recipe, warm_up: ImageRequest | tuple = ()):
-    """``recipe.serving``'s scheduler over ``pipeline``, after running the ``warm_up`` request(s) to the end
-    (the servers' engines: JIT compiles and graph captures happen before they report ready)."""
+def serving_scheduler(pipeline, recipe, warm_up: tuple = ()):
+    """``recipe.serving``'s scheduler over ``pipeline``, after running the ``warm_up`` requests to the end (the
+    servers' engines: JIT compiles and graph captures happen before they report ready)."""
     from .scheduler import Scheduler
 
     sched = Scheduler.from_recipe(pipeline, recipe)
-    requests = (warm_up,) if isinstance(warm_up, ImageRequest) else tuple(r for r in (warm_up or ()) if r)
-    if requests:
-        log.info("warm-up: %s (compiles and graph captures) ...",
-                 ", ".join(f"{type(r).__name__} of {getattr(r, 'steps', None) or r.max_tokens} steps" for r in requests))
-        log.info("warm-up done in %.1f s", sched.warm_up(*requests))
+    if warm_up:
+        log.info("warm-up: %s (compiles and graph captures) ...", ", ".join(type(r).__name__ for r in warm_up))
+        log.info("warm-up done in %.1f s", sched.warm_up(*warm_up))
     return sched
 
 

@@ -57,7 +57,7 @@ def test_only_servers_warm_up_and_zero_steps_turns_it_off(tiny_recipe, warm_up, 
     assert (request is None) == (not expected)
     pipeline = make_pipeline(recipe)
     with caplog.at_level(logging.INFO, logger="omni.engine"):
-        serving_scheduler(pipeline, recipe, request)
+        serving_scheduler(pipeline, recipe, () if request is None else (request,))
     assert pipeline.step_calls == expected
     assert ("warm-up done" in caplog.text) == bool(expected)
 
