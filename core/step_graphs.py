@@ -87,7 +87,8 @@ def step_key(states, keys_to: int = 0) -> tuple:
 def row_bucket(n: int) -> int:
     """The rows a captured decode step of ``n`` text rows runs: ``n`` up to 4, then the next power of two. As
     answers join and finish, the row count changes at every step boundary; without buckets each count would
-    be a graph of its own (a capture costs ~0.2 s at 32 layers, a step ~15 ms)."""
+    be a graph of its own (at 32 layers on the H200 a step took 11-17 ms and a first run with its captures
+    0.2-0.6 s more; 24 answers finishing one by one ran below eager with a graph per count, BENCHMARKS.md)."""
     return n if n <= 4 else 1 << (n - 1).bit_length()
 
 
@@ -136,6 +137,7 @@ class _Entry:
     args: tuple  # static constant arguments (tables, context)
     out: object  # static outputs
     binding: tuple
+    statics: list  # ``static_tensors(args)``, walked once at capture (a decode step rebinds at every token)
 
 
 class StepGraphs:
@@ -187,14 +189,14 @@ class StepGraphs:
         runner = self.platform.graph_runner(spec)
         x, args = x_TD.clone(), make_args()
         out = runner.capture(lambda: forward(x, *args))
-        entry = self._graphs[signature] = _Entry(runner, x, args, out, binding)
+        entry = self._graphs[signature] = _Entry(runner, x, args, out, binding, static_tensors(args))
         self.captures += 1
         log.info("captured %s", getattr(runner, "name", spec.name))
         return entry
 
     def _rebind(self, entry: _Entry, args: tuple, binding: tuple) -> None:
         """Copy another row set's tables (same signature, same shapes) into the captured ones."""
-        old, new = static_tensors(entry.args), static_tensors(args)
+        old, new = entry.statics, static_tensors(args)
         if len(old) != len(new) or any(o.shape != n.shape or o.dtype != n.dtype for o, n in zip(old, new)):
             raise RuntimeError(f"{self.name}: the tables of signature changed shape; capture again")
         for o, n in zip(old, new):
