@@ -7,7 +7,10 @@ dense fp8 rate on the same data, at the released MoE shapes (64 experts,
 these row splits: exactly 1024 rows per expert, the counts of a top-8
 routing of 8194 random tokens (uneven, as served), and (``--splits one``)
 every row to one expert, the dense GEMM's problem through the grouped
-kernel: how far the groups cost against the dense rate, apart from the tiles. A configuration named
+kernel: how far the groups cost against the dense rate, apart from the tiles. Two dense rates are
+measured on the same data: every row against one weight (``dense fp8 all``: the weight stays in L2, the
+rate item 2 compares with), and one cuBLAS GEMM per expert over its own rows and weight (``dense fp8 per
+expert``: the same problem as the grouped kernel, as 64 dense calls). A configuration named
 ``*_fast`` accumulates as ``use_fast_accum=True`` does (what h200_fp8 runs) and
 is compared with torch's fast kernel, ``*_exact`` with torch's exact one
 (relative L2 of the outputs). Under the H200's power cap the clock drifts
@@ -50,6 +53,14 @@ def splits(g):
     one = torch.zeros(E, dtype=counts.dtype, device="cuda")
     one[0] = TOKENS * TOP_K  # every row to expert 0: the grouped kernel's machinery on the dense GEMM's problem
     return {"even": torch.full((E,), TOKENS * TOP_K // E, device="cuda"), "routed": counts, "one": one}
+
+
+def dense_per_expert(xq, xs, wq, ws, counts):
+    """One cuBLAS fp8 GEMM per expert over its rows: the grouped problem as dense calls (empty experts skipped)."""
+    bounds = [0, *counts.cumsum(0).tolist()]
+    parts = [(e, a, b) for e, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+    return lambda: [torch._scaled_mm(xq[a:b], wq[e].t(), scale_a=xs[a:b].view(-1, 1), scale_b=ws[e].view(1, -1),
+                                     out_dtype=torch.bfloat16, use_fast_accum=True) for e, a, b in parts]
 
 
 def timed(fns: dict, rounds: int, chain: int) -> dict:
@@ -109,7 +120,8 @@ def main():
             fns = {"torch grouped fast": torch_grouped(True), "torch grouped exact": torch_grouped(False),
                    "dense fp8 all fast": lambda: torch._scaled_mm(
                        xq, wq[0].t(), scale_a=xs.view(-1, 1), scale_b=ws[0].view(1, -1), out_dtype=torch.bfloat16,
-                       use_fast_accum=True)}
+                       use_fast_accum=True),
+                   "dense fp8 per expert fast": dense_per_expert(xq, xs, wq, ws, counts)}
             err = {}
             for kernel in kernels:
                 for raster, swizzle in a.sched:

@@ -8,7 +8,11 @@ the kernels a graph replay launches). Reported per step: wall time, the sum
 of kernel times (what the device was busy with), the kernel count, and the
 kernels by total time (per layer where they run once a layer), so the gap
 between the wall time and the kernels' time, and the kernels worth fusing,
-are measured rather than guessed.
+are measured rather than guessed. The host side of a step is split the
+same way: each phase of ``text_steps.decode_step`` (the embedding, the RoPE
+tables, the forward's table copies and replay, the logits, the sampling and
+its host read, the detokenizing) is recorded as a labelled range, and the
+host operators are listed by their own CPU time.
 
     python bench/profile_decode.py --recipe h200_instruct_fp8 --layers 8 --concurrency 1,8 --json out.json
 """
@@ -26,7 +30,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit, git_commit  # noqa: E402
 from bench_decode import answers, decode  # noqa: E402
 
+from omni import text_steps  # noqa: E402
 from omni.deployment import prepare  # noqa: E402
+
+PHASES = ("embed", "rope", "text_forward", "text_logits", "next_tokens", "emit")
+
+
+def labelled(fn, label: str):
+    """``fn`` inside a profiler range named ``label`` (what the host spends in one phase of a step)."""
+    from torch.profiler import record_function
+
+    def wrapped(*args, **kw):
+        with record_function(label):
+            return fn(*args, **kw)
+    return wrapped
+
+
+def label_phases(engine) -> None:
+    """Wrap the phases of a decode step (bound methods on this engine's objects, functions of text_steps)."""
+    for obj, names in ((engine.model, ("embed", "rope", "text_logits")), (engine, ("text_forward",)),
+                       (text_steps, ("next_tokens", "emit"))):
+        for name in names:
+            setattr(obj, name, labelled(getattr(obj, name), f"phase:{name}"))
 
 
 def parse() -> argparse.Namespace:
@@ -42,8 +67,9 @@ def parse() -> argparse.Namespace:
 
 
 @torch.inference_mode()
-def profiled_steps(engine, c: int, steps: int) -> tuple[float, list]:
-    """(wall seconds of ``steps`` decode steps of ``c`` answers, the profiler's device events)."""
+def profiled_steps(engine, c: int, steps: int) -> tuple[float, list, list]:
+    """(wall seconds of ``steps`` decode steps of ``c`` answers, the profiler's device events, its host
+    averages)."""
     from torch.profiler import ProfilerActivity, profile
 
     states = [engine.admit(r) for r in answers(c, 100, steps + 2)]
@@ -61,7 +87,17 @@ def profiled_steps(engine, c: int, steps: int) -> tuple[float, list]:
         for s in states:
             engine.release(s)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return wall, kernels
+    return wall, kernels, prof.key_averages()
+
+
+def host_summary(averages, steps: int, top: int) -> dict:
+    """Host milliseconds per step of each labelled phase, and the host operators by their own CPU time."""
+    phases = {e.key.split(":", 1)[1]: round(e.cpu_time_total / steps / 1e3, 3)
+              for e in averages if e.key.startswith("phase:")}
+    ops = sorted((e for e in averages if not e.key.startswith("phase:")), key=lambda e: -e.self_cpu_time_total)
+    return {"host_ms_per_step": {p: phases.get(p, 0.0) for p in PHASES},
+            "host_top": [{"op": e.key[:80], "calls_per_step": round(e.count / steps, 2),
+                          "self_cpu_us_per_step": round(e.self_cpu_time_total / steps, 1)} for e in ops[:top]]}
 
 
 def summary(wall: float, kernels: list, steps: int, layers: int, top: int) -> dict:
@@ -85,15 +121,16 @@ def main() -> int:
     deployment = prepare(a.recipe, overrides={"device.memory_gib": 139, "graph.mode": "capture"}, random_weights=True)
     engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
     graphs = engine.text_graphs
+    label_phases(engine)
     rows = []
     for c in (int(x) for x in a.concurrency.split(",")):
         engine.text_graphs = None if a.eager else graphs
         decode(engine, answers(c, 100, a.steps + 2))  # compiles, captures
-        wall, kernels = profiled_steps(engine, c, a.steps)
+        wall, kernels, averages = profiled_steps(engine, c, a.steps)
         row = {"concurrency": c, "mode": "eager" if a.eager else "capture",
-               **summary(wall, kernels, a.steps, a.layers, a.top)}
-        print({k: v for k, v in row.items() if k != "top"}, flush=True)
-        for k in row["top"][:12]:
+               **summary(wall, kernels, a.steps, a.layers, a.top), **host_summary(averages, a.steps, a.top)}
+        print({k: v for k, v in row.items() if k not in ("top", "host_top")}, flush=True)
+        for k in row["top"][:12] + row["host_top"][:15]:
             print("   ", k, flush=True)
         rows.append(row)
     out = {"recipe": a.recipe, "layers": a.layers, "steps": a.steps, "commit": commit,
