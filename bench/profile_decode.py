@@ -33,7 +33,7 @@ from bench_decode import answers, decode  # noqa: E402
 from omni import text_steps  # noqa: E402
 from omni.deployment import prepare  # noqa: E402
 
-PHASES = ("embed", "rope", "text_forward", "text_logits", "next_tokens", "emit")
+PHASES = ("embed", "rope", "text_forward", "text_logits", "draw_step", "collect", "emit")
 
 
 def labelled(fn, label: str):
@@ -49,7 +49,7 @@ def labelled(fn, label: str):
 def label_phases(engine) -> None:
     """Wrap the phases of a decode step (bound methods on this engine's objects, functions of text_steps)."""
     for obj, names in ((engine.model, ("embed", "rope", "text_logits")), (engine, ("text_forward",)),
-                       (text_steps, ("next_tokens", "emit"))):
+                       (text_steps, ("draw_step", "collect", "emit"))):
         for name in names:
             setattr(obj, name, labelled(getattr(obj, name), f"phase:{name}"))
 
@@ -61,6 +61,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--steps", type=int, default=16, help="decode steps recorded")
     p.add_argument("--eager", action="store_true", help="profile the eager decode step instead")
+    p.add_argument("--sync", action="store_true", help="read each step's tokens before launching the next "
+                   "(engine.text_lookahead off)")
     p.add_argument("--top", type=int, default=25, help="kernels listed")
     p.add_argument("--json", type=Path)
     return p.parse_args()
@@ -86,15 +88,16 @@ def profiled_steps(engine, c: int, steps: int) -> tuple[float, list, list]:
     finally:
         for s in states:
             engine.release(s)
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in prof.events()  # the phases' labels also show up as device ranges: not kernels
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("phase:")]
     return wall, kernels, prof.key_averages()
 
 
 def host_summary(averages, steps: int, top: int) -> dict:
     """Host milliseconds per step of each labelled phase, and the host operators by their own CPU time."""
-    phases = {e.key.split(":", 1)[1]: round(e.cpu_time_total / steps / 1e3, 3)
-              for e in averages if e.key.startswith("phase:")}
-    ops = sorted((e for e in averages if not e.key.startswith("phase:")), key=lambda e: -e.self_cpu_time_total)
+    cpu = [e for e in averages if e.device_type == torch.autograd.DeviceType.CPU]
+    phases = {e.key.split(":", 1)[1]: round(e.cpu_time_total / steps / 1e3, 3) for e in cpu if e.key.startswith("phase:")}
+    ops = sorted((e for e in cpu if not e.key.startswith("phase:")), key=lambda e: -e.self_cpu_time_total)
     return {"host_ms_per_step": {p: phases.get(p, 0.0) for p in PHASES},
             "host_top": [{"op": e.key[:80], "calls_per_step": round(e.count / steps, 2),
                           "self_cpu_us_per_step": round(e.self_cpu_time_total / steps, 1)} for e in ops[:top]]}
@@ -122,12 +125,13 @@ def main() -> int:
     engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
     graphs = engine.text_graphs
     label_phases(engine)
+    engine.text_lookahead = not a.sync
     rows = []
     for c in (int(x) for x in a.concurrency.split(",")):
         engine.text_graphs = None if a.eager else graphs
         decode(engine, answers(c, 100, a.steps + 2))  # compiles, captures
         wall, kernels, averages = profiled_steps(engine, c, a.steps)
-        row = {"concurrency": c, "mode": "eager" if a.eager else "capture",
+        row = {"concurrency": c, "mode": ("eager" if a.eager else "capture") + ("_sync" if a.sync else ""),
                **summary(wall, kernels, a.steps, a.layers, a.top), **host_summary(averages, a.steps, a.top)}
         print({k: v for k, v in row.items() if k not in ("top", "host_top")}, flush=True)
         for k in row["top"][:12] + row["host_top"][:15]:

@@ -81,6 +81,18 @@ class DeviceServices:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return host.copy_(t)
 
+    def to_host_async(self, t: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """``t`` copied into page-locked host memory behind the work queued so far, without waiting: (the host
+        tensor, an event to ``synchronize`` before reading it). On the CPU platform the copy is made at once
+        (event None)."""
+        if self.device_type == "cpu":
+            return t.clone(), None
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ready = self._mod.Event()
+        ready.record(self._mod.current_stream(self.device))
+        return host, ready
+
     def empty_cache(self) -> None:
         if self.device_type != "cpu":
             self._mod.empty_cache()

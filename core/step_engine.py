@@ -119,6 +119,8 @@ class StepEngine:
     ``StepGraphs`` under ``graph.mode: capture`` (None: eager). ``synchronize``: waits for the device
     (``DeviceServices.synchronize``); called where a stage time is read, since kernels and graph replays run
     asynchronously (without it a replayed step's time shows up in whatever waits next, the VAE decode).
+    ``to_host(t)``: ``(host copy of t, event to wait on before reading it, or None)`` without waiting
+    (``DeviceServices.to_host_async``); the decode steps read their tokens through it.
     ``vae_tiles``: ``(tile, overlap)`` latents, None decodes whole. ``offloaders``:
     ``omni.offload.LayerOffloader`` objects (their hooks do the work; kept here for their stats).
     ``on_velocity(state, v_BChw)``: called with every row's velocity of a request after each step (tests
@@ -130,9 +132,11 @@ class StepEngine:
                  vae_graphs: StepGraphs | None = None, text_graphs: StepGraphs | None = None,
                  vae_tiles: tuple[int, int] | None = None, vae_lanes: TileLanes | None = None, offloaders=(),
                  on_velocity: Callable[[RequestState, torch.Tensor], None] | None = None,
-                 synchronize: Callable[[], None] | None = None):
+                 synchronize: Callable[[], None] | None = None, to_host: Callable | None = None):
         self.model, self.pool, self.runtime = model, pool, runtime
         self.synchronize = synchronize or (lambda: None)  # stage times are the device's, not the launch queue's
+        self.to_host = to_host or (lambda t: (t.cpu(), None))  # (host copy, event to wait on): see text_steps.Drawn
+        self.text_lookahead = True  # decode steps launched before the last one's tokens are read (text_steps)
         self.device, self.paged, self.step_cache = torch.device(device), paged, step_cache
         self.step_graphs, self.vae_graphs, self.text_graphs = step_graphs, vae_graphs, text_graphs
         self.text_row_buckets = True  # decode graphs per row and key bucket; off: per exact count (benchmarks)
@@ -286,8 +290,10 @@ class StepEngine:
     def _first_tokens(self, states: list, last: dict) -> None:
         if states:
             logits_TV = self.model.text_logits(torch.stack([last[id(s.rows[0])] for s in states]))
-            for s, token in zip(states, text_steps.next_tokens(states, logits_TV)):
-                text_steps.emit(self, s, token)
+            drawn = text_steps.draw_step(self, states, logits_TV)
+            for i, s in enumerate(states):
+                s.ahead = (drawn, i)
+            text_steps.collect(self, states)
 
     def denoise_step(self, states: list) -> None:
         """One step of every running request: a sampler step per image request (their rows share one

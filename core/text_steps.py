@@ -8,11 +8,17 @@ token. Each later step feeds the row's newest token at its position (one
 query over every key before it and itself) and samples the next one
 (``omni.sampling``). A row stops at a stop token or after ``max_tokens``.
 
+Steps look one ahead (``decode_step``): a step is launched before the host
+reads the tokens of the one before it, feeding a row's unread token from
+the device (``TextState.ahead``), so the host's part of a step (the read,
+the stop checks, detokenizing, the next tables) runs while the device
+computes instead of between steps.
+
 The engine packs the new tokens of every running text row into one forward,
 beside (not inside) the denoising forward of the image requests, so text
 and image requests share the scheduler and join and leave between steps.
-``tokens`` and ``text`` are rebound, never mutated, at every step (the
-scheduler's snapshot of a state is shallow).
+``tokens``, ``text`` and ``ahead`` are rebound, never mutated, at every
+step (the scheduler's snapshot of a state is shallow).
 
 A *CoT pass* (an image request with a ``bot_task`` other than ``image``) is
 a text row run by a ``CotPlan`` the model gives: stop tokens, tokens forced
@@ -47,6 +53,23 @@ class CotPlan:
     max_tokens: int = 2048
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """The tokens one step drew for its rows: ``tokens_R`` on the device (a step launched before the host
+    reads them feeds them from there), ``host_R`` their host copy, readable once the event ``ready`` has
+    passed (None: already), and ``logits_RV``, on which a plan's greedy choice among a set is made."""
+
+    tokens_R: torch.Tensor
+    host_R: torch.Tensor
+    ready: object
+    logits_RV: torch.Tensor
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_R.tolist()
+
+
 @dataclass
 class TextState:
     request: TextRequest
@@ -62,6 +85,12 @@ class TextState:
     pending: tuple[int, ...] = ()  # forced tokens still to emit
     choosing: bool = False  # the next token is the plan's greedy choice
     reserved: list = field(default_factory=list)  # pages held for the image pass's other rows
+    ahead: tuple | None = None  # (Drawn, row): a token drawn by a step whose tokens the host has not read yet
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated so far, the unread one included: the index of the next token drawn."""
+        return len(self.tokens) + (self.ahead is not None)
 
     @property
     def done(self) -> bool:
@@ -118,28 +147,6 @@ def admit_cot(engine, req, plan: CotPlan, row_type, image_rows: int, image_row_t
                      plan=plan, reserved=reserved)
 
 
-def next_tokens(states: list[TextState], logits_TV: torch.Tensor) -> list[int]:
-    """Each state's next token: a forced one, the plan's greedy choice among its set, or a draw.
-
-    Every drawn token stays on the device until one read of them all: a
-    step costs one host sync, not one per answer.
-    """
-    drawn: dict[int, torch.Tensor] = {}
-    for i, (s, logits_V) in enumerate(zip(states, logits_TV)):
-        if s.choosing:
-            allowed = torch.tensor(s.plan.choose_from, device=logits_V.device)
-            drawn[i] = allowed[logits_V[allowed].argmax()]
-        elif not s.pending:
-            drawn[i] = draw(logits_V, s.sampling, s.seed, len(s.tokens))
-    read = dict(zip(drawn, torch.stack(list(drawn.values())).tolist())) if drawn else {}
-    out = []
-    for i, s in enumerate(states):
-        if i not in read:
-            read[i], s.pending = s.pending[0], s.pending[1:]
-        out.append(int(read[i]))
-    return out
-
-
 def emit(engine, s: TextState, token: int) -> None:
     """Append ``token`` to ``s``; stop at a stop token, after a plan's choice or at ``max_tokens``."""
     was_choice = s.choosing
@@ -159,19 +166,111 @@ def emit(engine, s: TextState, token: int) -> None:
 
 @torch.inference_mode()
 def decode_step(engine, states: list[TextState]) -> None:
-    """One token for every running text row, packed into one forward."""
+    """One token for every running text row, packed into one forward.
+
+    With ``engine.text_lookahead`` (the default) the step is launched before
+    the host reads the tokens of the step before it: a row whose newest
+    token was drawn but not yet read feeds it from the device, and the host
+    reads and emits those tokens while this step runs. The device then never
+    waits for the host's part of a step (reading the tokens, detokenizing,
+    building the next step's tables). A row that stopped at the token read
+    here also ran this step; its draw is dropped (its K/V slot is its own).
+    Off: each step's tokens are read right after it (one step at a time).
+    """
     t0 = time.perf_counter()
-    ids, pos, runs = [], [], []
+    unread = [s for s in states if s.ahead is not None]
+    run = [s for s in states if _needs_step(s)]
+    drawn = _launch(engine, run) if run else None
+    if not engine.text_lookahead:
+        unread = run
+    elif unread:
+        collect(engine, unread)
+    for i, s in enumerate(run):
+        if not s.done:
+            s.ahead = (drawn, i)
+    if not engine.text_lookahead:
+        collect(engine, unread)
     for s in states:
-        r, at = s.rows[0], s.prompt_len + len(s.tokens) - 1  # the newest token's position
-        ids.append(s.tokens[-1])
+        s.times.denoise += time.perf_counter() - t0
+
+
+def _needs_step(s: TextState) -> bool:
+    """Whether a step must draw another token of ``s``: not when its unread token is its last (``max_tokens``)
+    or is to be replaced by the plan's greedy choice, after which it stops."""
+    if s.ahead is None:
+        return True
+    return not s.choosing and s.generated < s.max_tokens
+
+
+def _newest(s: TextState) -> tuple[int | None, tuple | None]:
+    """The token a step feeds for ``s``: from the host (its last token, or a forced one the host knows
+    already), else (None, the unread draw) from the device."""
+    if s.ahead is None:
+        return s.tokens[-1], None
+    if s.pending:  # the unread draw is replaced by the forced token: feed that
+        return s.pending[0], None
+    return None, s.ahead
+
+
+def _input_ids(engine, newest: list) -> torch.Tensor:
+    """``ids_T`` of a step: the host's tokens, and the unread draws gathered on the device from their steps."""
+    dev = engine.device
+    ids_T = torch.tensor([t if t is not None else 0 for t, _ in newest], device=dev)
+    groups: dict[int, tuple[Drawn, list[int], list[int]]] = {}  # one gather per step drawn from
+    for row, (_, src) in enumerate(newest):
+        if src is not None:
+            drawn, i = src
+            _, rows, picks = groups.setdefault(id(drawn), (drawn, [], []))
+            rows.append(row)
+            picks.append(i)
+    for drawn, rows, picks in groups.values():
+        ids_T[torch.tensor(rows, device=dev)] = drawn.tokens_R[torch.tensor(picks, device=dev)]
+    return ids_T
+
+
+def _launch(engine, run: list[TextState]) -> Drawn:
+    """Queue the forward of ``run``'s newest tokens and the draw of their next ones; reads nothing back."""
+    newest, pos, runs = [], [], []
+    for s in run:
+        r, at = s.rows[0], s.prompt_len + s.generated - 1  # the newest token's position
+        newest.append(_newest(s))
         pos.append((at, at))
         runs.append(Run(tuple(r.pages), at, at + 1, at + 1))
     # a captured step runs its row bucket: the extra rows copy row 0 (token, position, KV slot), so they route to
     # its experts and write its values to its slot; their outputs are dropped
-    fill = engine.text_rows_to(len(states)) - len(states)
-    ids, pos, runs = ids + ids[:1] * fill, pos + pos[:1] * fill, runs + runs[:1] * fill
-    h_TD = engine.text_forward(engine.model.embed(ids), *engine.model.rope(pos), runs)[: len(states)]
-    for s, token in zip(states, next_tokens(states, engine.model.text_logits(h_TD))):
+    fill = engine.text_rows_to(len(run)) - len(run)
+    newest, pos, runs = newest + newest[:1] * fill, pos + pos[:1] * fill, runs + runs[:1] * fill
+    x_TD = engine.model.embed(_input_ids(engine, newest))
+    h_TD = engine.text_forward(x_TD, *engine.model.rope(pos), runs)[: len(run)]
+    return draw_step(engine, run, engine.model.text_logits(h_TD))
+
+
+def draw_step(engine, states: list[TextState], logits_TV: torch.Tensor) -> Drawn:
+    """Each row's next token drawn on the device (greedy rows in one argmax), copied to the host without
+    waiting. A draw is stateless (``omni.sampling``), so drawing for a row whose next token turns out
+    forced changes nothing else."""
+    tokens_R = logits_TV.argmax(-1)
+    sampled = [i for i, s in enumerate(states) if not s.sampling.greedy]
+    if sampled:
+        draws = [draw(logits_TV[i], states[i].sampling, states[i].seed, states[i].generated) for i in sampled]
+        tokens_R[torch.tensor(sampled, device=tokens_R.device)] = torch.stack(draws).to(tokens_R.dtype)
+    return Drawn(tokens_R, *engine.to_host(tokens_R), logits_TV)
+
+
+def collect(engine, states: list[TextState]) -> None:
+    """Read each state's unread draw (one wait per step drawn from) and emit its token: the draw, a forced
+    token, or the plan's greedy choice among its set (made on the kept logits)."""
+    read: dict[int, list[int]] = {}
+    for s in states:
+        drawn, i = s.ahead
+        s.ahead = None
+        if s.choosing:
+            allowed = torch.tensor(s.plan.choose_from, device=drawn.logits_RV.device)
+            token = int(allowed[drawn.logits_RV[i][allowed].argmax()])
+        elif s.pending:
+            token, s.pending = s.pending[0], s.pending[1:]
+        else:
+            if id(drawn) not in read:
+                read[id(drawn)] = drawn.read()
+            token = read[id(drawn)][i]
         emit(engine, s, token)
-        s.times.denoise += time.perf_counter() - t0

@@ -265,7 +265,7 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
         step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
         step_graphs=StepGraphs(platform, services.device.type, key_bucket=key_bucket(model),
                                collectives=runtime.step_collectives) if capture else None,
-        synchronize=services.synchronize,
+        synchronize=services.synchronize, to_host=services.to_host_async,
         vae_graphs=StepGraphs(platform, services.device.type, name="vae_decode",
                               max_graphs=2 * recipe.vae.streams) if capture else None,
         text_graphs=text_graphs(platform, services.device.type, model, runtime) if capture and instruct else None,

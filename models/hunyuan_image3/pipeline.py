@@ -78,7 +78,9 @@ class HunyuanImage3T2I:
 
     # ---------------------------------------------------------------- forwards
     def embed(self, ids) -> torch.Tensor:
-        return self.transformer.embed_tokens(torch.tensor(ids, device=self.device))
+        """Token embeddings of ``ids``: a list, or an int tensor on the device (a decode step's, gathered there)."""
+        ids_T = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
+        return self.transformer.embed_tokens(ids_T)
 
     def prefix_input(self, req: ImageRequest, seed: int, rows: list[T2ISequence],
                      cached: int = 0) -> list[torch.Tensor]:

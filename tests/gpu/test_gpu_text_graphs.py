@@ -88,3 +88,18 @@ def test_answers_finishing_one_by_one_replay_row_bucket_graphs():
     assert engine.text_graphs.captures == 5 and engine.text_rows_to(5) == 8
     print(f"5 answers, row buckets: {engine.text_graphs.captures} graphs; logits rel diff to eager {err:.2e}")
     assert captured == eager and err <= 2e-2, (err, captured, eager)
+
+
+def test_lookahead_steps_equal_steps_read_one_at_a_time():
+    """Steps launched before the last one's tokens are read (``text_lookahead``: the unread tokens fed from
+    the device, read through pinned copies and events) give the tokens and logits of steps read one at a
+    time: the same graphs on the same inputs. Greedy and sampled answers of different lengths."""
+    engine = engine_on_cuda()
+    reqs = lambda: [TextRequest(prompt=f"make a {'big ' * i}red square", max_tokens=10 + 7 * i,  # noqa: E731
+                                temperature=0.8 * (i % 2), top_k=50, seed=i, stop_ids=()) for i in range(3)]
+    engine.text_lookahead = False
+    one_at_a_time, sync_logits = answer(engine, reqs())
+    engine.text_lookahead = True
+    ahead, ahead_logits = answer(engine, reqs())
+    assert [len(t) for t in ahead] == [10, 17, 24]
+    assert ahead == one_at_a_time and torch.equal(ahead_logits, sync_logits)
