@@ -56,11 +56,21 @@ def splits(g):
 
 
 def dense_per_expert(xq, xs, wq, ws, counts):
-    """One cuBLAS fp8 GEMM per expert over its rows: the grouped problem as dense calls (empty experts skipped)."""
-    bounds = [0, *counts.cumsum(0).tolist()]
-    parts = [(e, a, b) for e, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
-    return lambda: [torch._scaled_mm(xq[a:b], wq[e].t(), scale_a=xs[a:b].view(-1, 1), scale_b=ws[e].view(1, -1),
-                                     out_dtype=torch.bfloat16, use_fast_accum=True) for e, a, b in parts]
+    """One cuBLAS fp8 GEMM per expert over its rows: the grouped problem as dense calls (empty experts skipped).
+    cuBLAS's row-wise scaled fp8 GEMM needs a multiple of 16 rows, so each expert's rows are copied into a
+    block padded to one (zeros, at most 15 rows an expert: its rate is counted on the real rows only)."""
+    n = counts.tolist()
+    padded = [-(-c // 16) * 16 for c in n]
+    starts, pstarts = [0, *torch.tensor(n).cumsum(0).tolist()], [0, *torch.tensor(padded).cumsum(0).tolist()]
+    xq_p = torch.zeros(pstarts[-1], xq.shape[1], dtype=xq.dtype, device=xq.device)
+    xs_p = torch.ones(pstarts[-1], dtype=xs.dtype, device=xs.device)
+    for e, c in enumerate(n):
+        xq_p[pstarts[e]: pstarts[e] + c] = xq[starts[e]: starts[e] + c]
+        xs_p[pstarts[e]: pstarts[e] + c] = xs[starts[e]: starts[e] + c]
+    parts = [(e, pstarts[e], pstarts[e + 1]) for e, c in enumerate(n) if c]
+    return lambda: [torch._scaled_mm(xq_p[a:b], wq[e].t(), scale_a=xs_p[a:b].view(-1, 1),
+                                     scale_b=ws[e].view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=True)
+                    for e, a, b in parts]
 
 
 def timed(fns: dict, rounds: int, chain: int) -> dict:
