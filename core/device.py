@@ -14,6 +14,19 @@ from dataclasses import dataclass
 import torch
 
 
+def upload(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``data`` (a list or a host tensor) on ``device``, queued without waiting: staged in page-locked memory and
+    copied asynchronously. A plain copy from pageable memory (``torch.tensor(data, device=...)``) makes the host
+    wait until every kernel queued before it has run (a blocking copy synchronizes the stream), which stalls a
+    host that prepares the next step while the device runs the last one. The staging buffer comes from torch's
+    page-locked cache, which does not hand it out again before the copy has run."""
+    t = torch.as_tensor(data, dtype=dtype)
+    device = torch.device(device)
+    if t.device.type != "cpu" or device.type == "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class DeviceServices:
     """Services for one device of type ``device_type`` (``index`` on this host)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .device import upload
 from .specs import VarlenMeta
 
 
@@ -119,10 +120,10 @@ class PoolContext:
         written = [pool.slots(list(r.pages), r.q_start, r.q_end) for r in runs if r.write]
         write_T = torch.cat(written) if written else None
         gather_S = None if paged else _padded(torch.cat([pool.slots(list(r.pages), 0, r.k_end) for r in runs]), keys_to)
-        self.write_slots = None if write_T is None else write_T.to(device)
-        self.gather_S = None if gather_S is None else gather_S.to(device)
+        self.write_slots = None if write_T is None else upload(write_T, device)
+        self.gather_S = None if gather_S is None else upload(gather_S, device)
         fused = pool.store_gather is not None and write_T is not None and gather_S is not None
-        self.fresh_S = fresh_rows(write_T, gather_S).to(device) if fused else None
+        self.fresh_S = upload(fresh_rows(write_T, gather_S), device) if fused else None
         self.meta = _meta(runs, paged, device, keys_to, pool.page_size)
 
     def keys_values(self, layer: int, k_TKH: torch.Tensor, v_TKH: torch.Tensor):
@@ -182,11 +183,10 @@ def _meta(runs: list[Run], paged: bool, device, keys_to: int = 0, page_size: int
     block_table = seqused = None
     if paged:
         width = max(max(len(r.pages) for r in runs), -(-keys_to // page_size))
-        block_table = torch.tensor([list(r.pages) + [0] * (width - len(r.pages)) for r in runs],
-                                   dtype=torch.int32, device=device)
-        seqused = torch.tensor([r.k_end for r in runs], dtype=torch.int32, device=device)
-    return VarlenMeta(cu_seqlens_q_B1=torch.tensor(cu_q, dtype=torch.int32, device=device),
-                      cu_seqlens_k_B1=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        block_table = upload([list(r.pages) + [0] * (width - len(r.pages)) for r in runs], device, torch.int32)
+        seqused = upload([r.k_end for r in runs], device, torch.int32)
+    return VarlenMeta(cu_seqlens_q_B1=upload(cu_q, device, torch.int32),
+                      cu_seqlens_k_B1=upload(cu_k, device, torch.int32),
                       max_seqlen_q=max(r.q_len for r in runs), max_seqlen_k=max([r.k_end for r in runs] + [keys_to]),
                       cu_seqlens_q_host=cu_q, cu_seqlens_k_host=cu_k,
                       block_table_BP=block_table, seqused_k_B=seqused)

@@ -41,7 +41,8 @@ def filtered_probs(logits_V: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1:
         sorted_p, order = probs.sort(descending=True)
         outside = sorted_p.cumsum(0) - sorted_p >= p.top_p  # keep every token until the mass is reached
-        probs = probs.scatter(0, order[outside], 0.0)
+        # every entry written back (the kept ones unchanged): indexing with the mask would wait for the device
+        probs = probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
         probs = probs / probs.sum()
     return probs
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .device import upload
 from .kv_pool import Run
 from .request import StageTimes, TextRequest, TextResult
 from .sampling import SamplingParams, draw
@@ -215,7 +216,7 @@ def _newest(s: TextState) -> tuple[int | None, tuple | None]:
 def _input_ids(engine, newest: list) -> torch.Tensor:
     """``ids_T`` of a step: the host's tokens, and the unread draws gathered on the device from their steps."""
     dev = engine.device
-    ids_T = torch.tensor([t if t is not None else 0 for t, _ in newest], device=dev)
+    ids_T = upload([t if t is not None else 0 for t, _ in newest], dev, torch.long)
     groups: dict[int, tuple[Drawn, list[int], list[int]]] = {}  # one gather per step drawn from
     for row, (_, src) in enumerate(newest):
         if src is not None:
@@ -224,7 +225,7 @@ def _input_ids(engine, newest: list) -> torch.Tensor:
             rows.append(row)
             picks.append(i)
     for drawn, rows, picks in groups.values():
-        ids_T[torch.tensor(rows, device=dev)] = drawn.tokens_R[torch.tensor(picks, device=dev)]
+        ids_T[upload(rows, dev, torch.long)] = drawn.tokens_R[upload(picks, dev, torch.long)]
     return ids_T
 
 
@@ -253,7 +254,7 @@ def draw_step(engine, states: list[TextState], logits_TV: torch.Tensor) -> Drawn
     sampled = [i for i, s in enumerate(states) if not s.sampling.greedy]
     if sampled:
         draws = [draw(logits_TV[i], states[i].sampling, states[i].seed, states[i].generated) for i in sampled]
-        tokens_R[torch.tensor(sampled, device=tokens_R.device)] = torch.stack(draws).to(tokens_R.dtype)
+        tokens_R[upload(sampled, tokens_R.device, torch.long)] = torch.stack(draws).to(tokens_R.dtype)
     return Drawn(tokens_R, *engine.to_host(tokens_R), logits_TV)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from omni.device import upload
 from omni.request import ImageRequest
 
 from .resolution import snap
@@ -72,14 +73,14 @@ class HunyuanImage3T2I:
         return [(p + i, p + i + 1) for i in range(k)] + [(p + k, p + self.block_len(row))]
 
     def rope(self, pos_yx) -> tuple[torch.Tensor, torch.Tensor]:
-        pos_T2 = torch.tensor(pos_yx, dtype=torch.long, device=self.device)
+        pos_T2 = upload(pos_yx, self.device, torch.long)  # queued: the host does not wait for the device here
         cos, sin = rope_cos_sin(pos_T2, self.cfg.head_dim, self.cfg.rope_theta)
         return cos.to(self.dtype), sin.to(self.dtype)
 
     # ---------------------------------------------------------------- forwards
     def embed(self, ids) -> torch.Tensor:
         """Token embeddings of ``ids``: a list, or an int tensor on the device (a decode step's, gathered there)."""
-        ids_T = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
+        ids_T = ids if isinstance(ids, torch.Tensor) else upload(ids, self.device, torch.long)
         return self.transformer.embed_tokens(ids_T)
 
     def prefix_input(self, req: ImageRequest, seed: int, rows: list[T2ISequence],
