@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .device import upload
@@ -90,9 +91,17 @@ class KVPool:
             flat[:, dst] = flat[:, src]
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        """Flat slot indices of row positions ``[start, end)``."""
-        pos = torch.arange(start, end)
-        return torch.tensor(pages, dtype=torch.long)[pos // self.page_size] * self.page_size + pos % self.page_size
+        """Flat slot indices of row positions ``[start, end)`` (int64, on the host)."""
+        return torch.from_numpy(row_slots(pages, start, end, self.page_size))
+
+
+def row_slots(pages, start: int, end: int, page_size: int) -> np.ndarray:
+    """``pages[j // page_size] * page_size + j % page_size`` for ``j`` in ``[start, end)``, as int64. In numpy:
+    the tables of a decode step are built on the host for every row at every token, and a handful of small
+    torch ops per row cost more than the arithmetic (bench/bench_pool_context.py)."""
+    first, last = start // page_size, -(-end // page_size)
+    page_slots = np.asarray(pages[first:last], dtype=np.int64)[:, None] * page_size + np.arange(page_size)
+    return page_slots.reshape(-1)[start - first * page_size: end - first * page_size]
 
 
 @dataclass(frozen=True)
@@ -117,13 +126,15 @@ class PoolContext:
         """``keys_to`` > 0: pad the key tables to that many keys (paged: per row; gathered: in all), so that
         forwards of other prompt lengths have tables of the same shapes (a captured step replays them)."""
         self.pool, self.mask, self.paged = pool, mask, paged
-        written = [pool.slots(list(r.pages), r.q_start, r.q_end) for r in runs if r.write]
-        write_T = torch.cat(written) if written else None
-        gather_S = None if paged else _padded(torch.cat([pool.slots(list(r.pages), 0, r.k_end) for r in runs]), keys_to)
+        ps = pool.page_size
+        written = [row_slots(r.pages, r.q_start, r.q_end, ps) for r in runs if r.write]
+        write_T = np.concatenate(written) if written else None
+        gather_S = None if paged else _padded(np.concatenate([row_slots(r.pages, 0, r.k_end, ps) for r in runs]),
+                                             keys_to)
         self.write_slots = None if write_T is None else upload(write_T, device)
         self.gather_S = None if gather_S is None else upload(gather_S, device)
         fused = pool.store_gather is not None and write_T is not None and gather_S is not None
-        self.fresh_S = upload(fresh_rows(write_T, gather_S), device) if fused else None
+        self.fresh_S = upload(_fresh_rows(write_T, gather_S), device) if fused else None
         self.meta = _meta(runs, paged, device, keys_to, pool.page_size)
 
     def keys_values(self, layer: int, k_TKH: torch.Tensor, v_TKH: torch.Tensor):
@@ -155,11 +166,16 @@ def store_gather_kv(k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fre
 def fresh_rows(write_T: torch.Tensor, gather_S: torch.Tensor) -> torch.Tensor:
     """For each gathered slot, the row of this forward's K/V that is stored there, or -1 (a slot written
     before): a fused kernel reads those keys from the new rows instead of the pool it is writing."""
-    order = torch.argsort(write_T)
+    return torch.from_numpy(_fresh_rows(write_T.numpy(), gather_S.numpy()))
+
+
+def _fresh_rows(write_T: np.ndarray, gather_S: np.ndarray) -> np.ndarray:
+    order = np.argsort(write_T, kind="stable")
     sorted_T = write_T[order]
-    at = torch.searchsorted(sorted_T, gather_S).clamp_max(max(sorted_T.numel() - 1, 0))
-    hit = sorted_T[at] == gather_S
-    return torch.where(hit, order[at], torch.full_like(gather_S, -1))
+    if not sorted_T.size:
+        return np.full_like(gather_S, -1)
+    at = np.searchsorted(sorted_T, gather_S).clip(max=sorted_T.size - 1)
+    return np.where(sorted_T[at] == gather_S, order[at], -1)
 
 
 def _cumsum(lengths: list[int]) -> tuple[int, ...]:
@@ -169,11 +185,11 @@ def _cumsum(lengths: list[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _padded(slots_S: torch.Tensor, keys_to: int) -> torch.Tensor:
+def _padded(slots_S: np.ndarray, keys_to: int) -> np.ndarray:
     """Gathered key slots padded with slot 0 up to ``keys_to`` (past the last sequence: never attended)."""
-    if keys_to <= slots_S.numel():
+    if keys_to <= slots_S.size:
         return slots_S  # nothing to pad (every eager step): no copy
-    return torch.cat([slots_S, slots_S.new_zeros(keys_to - slots_S.numel())])
+    return np.concatenate([slots_S, np.zeros(keys_to - slots_S.size, dtype=slots_S.dtype)])
 
 
 def _meta(runs: list[Run], paged: bool, device, keys_to: int = 0, page_size: int = 1) -> VarlenMeta:

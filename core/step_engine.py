@@ -295,6 +295,13 @@ class StepEngine:
                 s.ahead = (drawn, i)
             text_steps.collect(self, states)
 
+    def read_text(self, states: list) -> None:
+        """Read and emit the tokens of ``states`` that steps drew but the host has not read yet (decode steps
+        look one ahead, ``text_steps.decode_step``): for a caller that stops stepping a text row before it is
+        done and wants every token its steps drew. Launches nothing. The scheduler never needs it (it steps
+        a row until it is done)."""
+        text_steps.collect(self, [s for s in states if getattr(s, "ahead", None) is not None])
+
     def denoise_step(self, states: list) -> None:
         """One step of every running request: a sampler step per image request (their rows share one
         forward), one token per text request (their rows share another)."""

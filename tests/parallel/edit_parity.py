@@ -95,6 +95,7 @@ def run_scenario(pipe, steps: int = 2) -> dict:
         pipe.denoise_step(states)
         for s in images:
             out[s.request.request_id]["latents"].append(s.latents_1Chw.clone())
+    pipe.read_text(states)  # the last step's token (steps look one ahead)
     for rid, preds in pipe.trace.items():
         out[rid]["pred"] = [p.clone() for p in preds]
     out.update({s.request.request_id: {"tokens": list(s.tokens)} for s in states if s not in images})
