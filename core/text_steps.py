@@ -179,18 +179,15 @@ def decode_step(engine, states: list[TextState]) -> None:
     Off: each step's tokens are read right after it (one step at a time).
     """
     t0 = time.perf_counter()
-    unread = [s for s in states if s.ahead is not None]
+    unread = [s for s in states if s.ahead is not None]  # drawn by the last step (none when not looking ahead)
     run = [s for s in states if _needs_step(s)]
     drawn = _launch(engine, run) if run else None
-    if not engine.text_lookahead:
-        unread = run
-    elif unread:
-        collect(engine, unread)
+    collect(engine, unread)  # while the step just launched runs
     for i, s in enumerate(run):
-        if not s.done:
+        if not s.done:  # one that stopped at the token just read: this step's draw is dropped
             s.ahead = (drawn, i)
     if not engine.text_lookahead:
-        collect(engine, unread)
+        collect(engine, run)  # one step at a time: this step's tokens now
     for s in states:
         s.times.denoise += time.perf_counter() - t0
 
