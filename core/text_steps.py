@@ -41,6 +41,8 @@ from .kv_pool import Run
 from .request import StageTimes, TextRequest, TextResult
 from .sampling import SamplingParams, draw
 
+INCOMPLETE = "\ufffd"  # what a byte-level detokenizer shows for a character whose bytes are not all there yet
+
 
 @dataclass(frozen=True)
 class CotPlan:
@@ -87,6 +89,7 @@ class TextState:
     choosing: bool = False  # the next token is the plan's greedy choice
     reserved: list = field(default_factory=list)  # pages held for the image pass's other rows
     ahead: tuple | None = None  # (Drawn, row): a token drawn by a step whose tokens the host has not read yet
+    detok: tuple[int, int] = (0, 0)  # (window start, tokens settled in ``text``): see ``_extend_text``
 
     @property
     def generated(self) -> int:
@@ -160,9 +163,32 @@ def emit(engine, s: TextState, token: int) -> None:
         s.finish_reason = "stop"
     elif len(s.tokens) >= s.max_tokens:
         s.finish_reason = "length"
-    keep_stop = s.plan is not None  # a CoT keeps its closing marker; an answer drops its stop token
-    answer = s.tokens[:-1] if s.finish_reason == "stop" and not keep_stop else s.tokens
-    s.text = engine.model.detokenize(list(answer))
+    if s.done:  # the whole answer once: exact, whatever the detokenizer does across tokens
+        keep_stop = s.plan is not None  # a CoT keeps its closing marker; an answer drops its stop token
+        answer = s.tokens[:-1] if s.finish_reason == "stop" and not keep_stop else s.tokens
+        s.text = engine.model.detokenize(list(answer))
+    else:
+        _extend_text(engine, s)
+
+
+def _extend_text(engine, s: TextState) -> None:
+    """The answer so far, extended by the text of the newest tokens (what a stream sends).
+
+    Detokenizing the whole answer at every token costs O(n) a token (~0.2 ms
+    for 2048 tokens of a byte-level BPE on the development machine, for every
+    row at every step). Instead a short window is decoded twice: from the
+    first token not yet settled, without and with the new ones; the text they
+    add is appended once it does not end in an incomplete character. The
+    window starts at a token boundary both decodes share, so a detokenizer's
+    handling of its first token (a stripped leading space) cancels out. The
+    finished answer is detokenized whole (``emit``), so its text is exact.
+    """
+    start, settled = s.detok
+    before = engine.model.detokenize(list(s.tokens[start:settled]))
+    after = engine.model.detokenize(list(s.tokens[start:]))
+    if len(after) > len(before) and not after.endswith(INCOMPLETE):
+        s.text = s.text + after[len(before):]
+        s.detok = (settled, len(s.tokens))
 
 
 @torch.inference_mode()
