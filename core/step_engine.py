@@ -301,7 +301,8 @@ class StepEngine:
         """Read and emit the tokens of ``states`` that steps drew but the host has not read yet (decode steps
         look one ahead, ``text_steps.decode_step``): for a caller that stops stepping a text row before it is
         done and wants every token its steps drew. Launches nothing. The scheduler never needs it (it steps
-        a row until it is done)."""
+        a row until it is done), and a multi-rank replica's driver does not mirror it (``parallel.driver``):
+        call it on every rank's engine alike."""
         text_steps.collect(self, [s for s in states if getattr(s, "ahead", None) is not None])
 
     def denoise_step(self, states: list) -> None:
