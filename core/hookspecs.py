@@ -168,13 +168,18 @@ def omni_device_services(info: PlatformInfo) -> object | None:
     ``current_stream()``, ``use_stream(stream)`` (a context making it current),
     ``event(enable_timing)``, ``memory_stats() -> dict``,
     ``max_memory_allocated() -> int``, ``reset_peak_memory()``,
-    ``pin(tensor) -> tensor`` and ``empty_cache()``. ``Platform.side_stream()``
-    builds the MoE's side stream (``omni.streams``) from it.
-    Capture safety: ``synchronize`` and ``memory_stats`` must not be used
-    inside a captured region.
+    ``pin(tensor) -> tensor``, ``to_host_async(tensor) -> (host tensor, event
+    or None)`` (a copy into page-locked memory queued behind the work so far,
+    readable once the event has passed: the text decode steps read their
+    tokens through it without waiting for the step they launched next) and
+    ``empty_cache()``. ``Platform.side_stream()`` builds the MoE's side stream
+    (``omni.streams``) from it.
+    Capture safety: ``synchronize``, ``memory_stats`` and ``to_host_async``
+    must not be used inside a captured region.
     Default implementation: ``torch.accelerator``-based services, or the CPU
-    services (synchronize is a no-op, no streams, memory from the process RSS).
-    Versions: 0.2 (``stream(priority)``); 0.1.
+    services (synchronize is a no-op, no streams, memory from the process RSS,
+    ``to_host_async`` copies at once and returns no event).
+    Versions: 0.3 (``to_host_async``); 0.2 (``stream(priority)``); 0.1.
     """
 
 
