@@ -102,8 +102,8 @@ class DeviceServices:
             return t.clone(), None
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
-        ready = self._mod.Event()
-        ready.record(self._mod.current_stream(self.device))
+        ready = self.event()
+        ready.record(self.current_stream())
         return host, ready
 
     def empty_cache(self) -> None:

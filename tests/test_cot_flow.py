@@ -39,7 +39,9 @@ class Script:
         model.text_logits = self
 
     def __call__(self, h_TD):
-        out = self.inner(h_TD)
+        return self.steer(self.inner(h_TD))
+
+    def steer(self, out):
         token = self.ids.pop(0) if self.ids else None
         if token is not None:
             out[:, token] += 1e4

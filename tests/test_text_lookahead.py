@@ -123,8 +123,9 @@ class LoggedScript(Script):
         self.logits = []
 
     def __call__(self, h_TD):
-        self.logits.append(self.inner(h_TD).clone())
-        return super().__call__(h_TD)
+        out = self.inner(h_TD)
+        self.logits.append(out.clone())
+        return self.steer(out)
 
 
 def test_lookahead_cot_pass_with_forced_tokens_and_a_greedy_ratio_choice(engine, instruct_g):
