@@ -19,7 +19,8 @@ in turn, after a warm-up burn, and the median over the rounds is reported.
 
 ``--tokens`` sets the routed tokens (8194: an image step's rows; 1-64: a text
 decode step's, where the GEMMs read a few experts' weights for a few rows and
-the bandwidth of the weights read is the figure: ``weights GB/s``).
+the bandwidth of the weights read is the figure: ``weights GB/s``). A SwiGLU-epilogue build (``*_swiglu``) is
+timed on gate_up only and checked against the SwiGLU of torch's product.
 
     python bench/bench_cutlass_grouped.py --lib a.so --lib b.so --json out.json
     python bench/bench_cutlass_grouped.py --lib a.so --tokens 1,32 --splits routed --chain 8
@@ -35,15 +36,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
 
-from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
+from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs, swiglu_pairs  # noqa: E402
 
 E, TOKENS, TOP_K = 64, 8194, 8
 SHAPES = {"gate_up": (4096, 6144), "down": (3072, 4096)}
 
 
 def call(kernel: CutlassGroupedFp8, xq, xs, wq, ws, offs, raster: int, swizzle: int):
-    """A no-argument call of one configuration, writing one output that starts as NaN (unwritten stays NaN)."""
-    out = torch.full((xq.shape[0], wq.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    """A no-argument call of one configuration, writing one output that starts as NaN (unwritten stays NaN);
+    a SwiGLU-epilogue build writes half the columns."""
+    cols = wq.shape[1] // 2 if kernel.swiglu else wq.shape[1]
+    out = torch.full((xq.shape[0], cols), float("nan"), dtype=torch.bfloat16, device="cuda")
     return lambda: kernel(xq, xs, wq, ws, offs, out=out, raster=raster, swizzle=swizzle)
 
 
@@ -156,13 +159,16 @@ def main():
                    if f"torch grouped {acc}" in fns}
             err = {}
             for kernel in kernels:
+                if kernel.swiglu and name != "gate_up":  # the epilogue serves the first expert GEMM only
+                    continue
                 for raster, swizzle in a.sched:
                     label = kernel.config if (raster, swizzle) == (0, 1) else \
                         f"{kernel.config} r{'MN'[raster]}s{swizzle}"
                     fns[label] = ours = call(kernel, xq, xs, wq, ws, offs, raster, swizzle)
-                    acc = kernel.config.rsplit("_", 1)[1]  # fast | exact: compared with torch's kernel of the same
+                    acc = "fast" if "_fast" in kernel.config else "exact"  # compared with torch's kernel of the same
                     if acc in ref:
-                        err[label] = float((ours().float() - ref[acc]).norm() / ref[acc].norm())
+                        want = swiglu_pairs(ref[acc]) if kernel.swiglu else ref[acc]
+                        err[label] = float((ours().float() - want).norm() / want.norm())
             t = timed(fns, a.rounds, a.chain)
             weight_bytes = int((counts > 0).sum()) * n * k  # e4m3: the experts this split touches, read once
             row = {"tokens": tokens, "split": split, "gemm": name, "rows": R, "max_rows": int(counts.max()),

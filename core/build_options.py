@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .specs import AttentionSpec
+from .specs import GROUPED_SMALL_ROWS, AttentionSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # recipe name -> dtype
 
@@ -36,6 +36,7 @@ class BuildOptions:
     attn_fp8: bool = False  # ``attention.fp8``: e4m3 Q/K/V in the attention products (docs/quality.md gates it)
     fast_accum: bool = False  # ``kernels.fp8_fast_accum``: fp8 GEMMs may skip fp32 promotion (docs/quality.md)
     grouped_fp8: str = "auto"  # ``kernels.grouped_fp8``: the fp8 expert GEMMs' kernel (``omni.specs.GROUPED_FP8``)
+    grouped_small_rows: int = GROUPED_SMALL_ROWS  # ``kernels.grouped_fp8_small_rows``: rows per expert, small tile
     shared_expert_stream: bool = False  # ``kernels.shared_expert_stream``: the shared expert beside the routed path
 
     @classmethod
@@ -46,6 +47,7 @@ class BuildOptions:
                    attn_backend=recipe.attention.backend, capturable=recipe.graph.mode == "capture",
                    memory_bound=recipe.kernels.memory_bound, attn_fp8=recipe.attention.fp8,
                    fast_accum=recipe.kernels.fp8_fast_accum, grouped_fp8=recipe.kernels.grouped_fp8,
+                   grouped_small_rows=recipe.kernels.grouped_fp8_small_rows,
                    shared_expert_stream=recipe.kernels.shared_expert_stream)
 
     def linear_kw(self, quant: str) -> dict:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from . import quant as quant_math
-from .specs import GemmSpec, GroupedGemmSpec, PreparedWeight
+from .specs import GROUPED_SMALL_ROWS, GemmSpec, GroupedGemmSpec, PreparedWeight
 
 FP8_SCHEMES = ("fp8_row", "fp8_tensor")
 
@@ -79,10 +79,12 @@ class GroupedLinear(nn.Module):
     """Per-expert weights ``[E, O, I]`` applied to expert-sorted rows via the grouped GEMM kernel."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, *, platform,
-                 dtype: torch.dtype, quant: str = "none", fast_accum: bool = False, grouped_fp8: str = "auto"):
+                 dtype: torch.dtype, quant: str = "none", fast_accum: bool = False, grouped_fp8: str = "auto",
+                 small_rows: int = GROUPED_SMALL_ROWS):
         super().__init__()
         self.spec = GroupedGemmSpec(num_experts=num_experts, in_features=in_features, out_features=out_features,
-                                    dtype=dtype, quant=quant, fast_accum=fast_accum, grouped_fp8=grouped_fp8)
+                                    dtype=dtype, quant=quant, fast_accum=fast_accum, grouped_fp8=grouped_fp8,
+                                    small_rows=small_rows)
         self.kernel = platform.grouped_gemm(self.spec)
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype), requires_grad=False)
         self.register_buffer("weight_scale", None)

@@ -77,7 +77,7 @@ def add_terms(acc_TD: torch.Tensor, addends: tuple) -> torch.Tensor:
 def expert_gemm_specs(spec: MoESpec) -> tuple[GroupedGemmSpec, GroupedGemmSpec]:
     """The grouped GEMMs of ``spec``: gate_and_up ``[E, 2I, D]`` and down ``[E, D, I]``."""
     kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant, fast_accum=spec.fast_accum,
-              grouped_fp8=spec.grouped_fp8)
+              grouped_fp8=spec.grouped_fp8, small_rows=spec.small_rows)
     return (GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw),
             GroupedGemmSpec(in_features=spec.inner, out_features=spec.hidden, **kw))
 

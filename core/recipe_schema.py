@@ -40,6 +40,7 @@ QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_row", "mxfp8", "nvfp4", "w8a8")  # =
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "fa3", "flex", "fia", "aiter")
 MEMORY_BOUND = ("auto", "triton", "torch")  # == omni.specs.MEMORY_BOUND (tested)
 GROUPED_FP8 = ("auto", "torch", "cutlass")  # == omni.specs.GROUPED_FP8 (tested)
+GROUPED_SMALL_ROWS = 32  # == omni.specs.GROUPED_SMALL_ROWS (tested)
 GiB = 1 << 30
 
 
@@ -134,6 +135,11 @@ class Kernels(_Validated):
                                     "~/.cache/omni-run/kernels; else the stock kernel); torch (torch's "
                                     "_scaled_grouped_mm); cutlass (demand the CUTLASS build: refused where absent)",
                             choices=GROUPED_FP8)
+    grouped_fp8_small_rows: int = _opt(GROUPED_SMALL_ROWS, "where at most this many rows reach each expert on "
+                                       "average (text decode steps, short prompts), the fp8 expert GEMMs run a "
+                                       "smaller-tile build where the platform has one (CUDA: 64-row tiles of the "
+                                       "CUTLASS build, fast accumulation); 0 = never; the same numbers",
+                                       rule=_at_least(0))
     shared_expert_stream: bool = _opt(False, "run each MoE layer's shared expert on a side stream beside the routed "
                                              "path (router, sort, gather, grouped GEMMs), joined at the combine; "
                                              "the same numbers; devices without streams (the CPU) run it inline")

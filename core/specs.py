@@ -26,6 +26,9 @@ MEMORY_BOUND = ("auto", "triton", "torch")
 # can get (on CUDA sm90 our CUTLASS build where nvcc and the CUTLASS headers are found, else torch's); torch =
 # the stock torch kernel; cutlass = the CUTLASS build demanded (a platform without it refuses).
 GROUPED_FP8 = ("auto", "torch", "cutlass")
+# ``kernels.grouped_fp8_small_rows``: a platform with a smaller-tile build of its grouped kernel runs it when the
+# mean rows per expert group are at most this (0: never). The H200's crossover (BENCHMARKS.md "Sixteenth session").
+GROUPED_SMALL_ROWS = 32
 
 
 # ----------------------------------------------------------------- detection
@@ -125,6 +128,11 @@ def _check_grouped_fp8(spec: str, value: str) -> None:
         raise ValueError(f"{spec}.grouped_fp8 (kernels.grouped_fp8) must be one of {GROUPED_FP8}, got {value!r}")
 
 
+def _check_small_rows(spec: str, value: int) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"{spec}.small_rows (kernels.grouped_fp8_small_rows) must be an integer >= 0, got {value!r}")
+
+
 def _check_memory_bound(spec: str, value: str) -> None:
     if value not in MEMORY_BOUND:
         raise ValueError(f"{spec}.memory_bound (kernels.memory_bound) must be one of {MEMORY_BOUND}, got {value!r}")
@@ -162,11 +170,13 @@ class GroupedGemmSpec:
     quant: str = "none"
     fast_accum: bool = False  # fp8 products may accumulate without promotion (``kernels.fp8_fast_accum``)
     grouped_fp8: str = "auto"  # one of GROUPED_FP8: which kernel runs fp8 schemes (``kernels.grouped_fp8``)
+    small_rows: int = GROUPED_SMALL_ROWS  # mean rows per expert for a smaller tile (``kernels.grouped_fp8_small_rows``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"GroupedGemmSpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
         _check_grouped_fp8("GroupedGemmSpec", self.grouped_fp8)
+        _check_small_rows("GroupedGemmSpec", self.small_rows)
 
 
 @dataclass(slots=True)
@@ -287,12 +297,14 @@ class MoESpec:
     capturable: bool = False  # the layer runs inside a captured denoising step (graph.mode: capture)
     fast_accum: bool = False  # fp8 expert products may accumulate without promotion (``kernels.fp8_fast_accum``)
     grouped_fp8: str = "auto"  # one of GROUPED_FP8: the kernel of both fp8 expert GEMMs (``kernels.grouped_fp8``)
+    small_rows: int = GROUPED_SMALL_ROWS  # as GroupedGemmSpec.small_rows, for both expert GEMMs
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"MoESpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
         _check_memory_bound("MoESpec", self.memory_bound)
         _check_grouped_fp8("MoESpec", self.grouped_fp8)
+        _check_small_rows("MoESpec", self.small_rows)
         if not 0 < self.topk <= self.num_experts:
             raise ValueError(f"MoESpec.topk must be in 1..{self.num_experts}, got {self.topk}")
 

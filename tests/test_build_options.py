@@ -34,11 +34,11 @@ def test_from_recipe_maps_every_field():
         "model.dtype": "bfloat16", "quant.scheme": "fp8_row", "quant.experts_only": True, "kv_cache.mode": "paged",
         "kv_cache.page_tokens": 32, "attention.backend": "sdpa", "graph.mode": "capture",
         "kernels.memory_bound": "torch", "attention.fp8": True, "kernels.fp8_fast_accum": True,
-        "kernels.grouped_fp8": "torch", "kernels.shared_expert_stream": True})
+        "kernels.grouped_fp8": "torch", "kernels.shared_expert_stream": True, "kernels.grouped_fp8_small_rows": 0})
     opts = BuildOptions.from_recipe(recipe)
     assert opts == BuildOptions(dtype=torch.bfloat16, quant="fp8_row", experts_only=True, paged_kv=True, page_size=32,
                                 attn_backend="sdpa", capturable=True, memory_bound="torch", attn_fp8=True,
-                                fast_accum=True, grouped_fp8="torch", shared_expert_stream=True)
+                                fast_accum=True, grouped_fp8="torch", shared_expert_stream=True, grouped_small_rows=0)
     defaults = BuildOptions(dtype=torch.float32)
     unchanged = [f.name for f in dataclasses.fields(BuildOptions) if getattr(opts, f.name) == getattr(defaults, f.name)]
     assert not unchanged, f"fields the test does not move off their defaults: {unchanged}"
@@ -133,6 +133,7 @@ def test_memory_bound_choices_match_the_platform_contract():
 
     assert recipe.MEMORY_BOUND == specs.MEMORY_BOUND
     assert recipe.GROUPED_FP8 == specs.GROUPED_FP8
+    assert recipe.GROUPED_SMALL_ROWS == specs.GROUPED_SMALL_ROWS
 
 
 @pytest.mark.parametrize("make", [lambda: dataclasses.replace(MOE, memory_bound="fast"),

@@ -41,7 +41,7 @@ from omni.group_norm import use_group_norm_kernel
 from omni.weights import LoadTarget, load_state_dict
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
                          finalize_experts, unhooked)
-from omni.specs import GlueSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
+from omni.specs import GROUPED_SMALL_ROWS, GlueSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 from omni.streams import INLINE
 
 from .config import HunyuanImage3Config
@@ -151,9 +151,11 @@ class RoutedExperts(KernelOwner):
     """
 
     def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, memory_bound,
-                 fast_accum: bool = False, grouped_fp8: str = "auto", topk: int = 1, capturable: bool = False):
+                 fast_accum: bool = False, grouped_fp8: str = "auto", small_rows: int = GROUPED_SMALL_ROWS,
+                 topk: int = 1, capturable: bool = False):
         super().__init__()
-        kw = dict(platform=platform, dtype=dtype, quant=quant, fast_accum=fast_accum, grouped_fp8=grouped_fp8)
+        kw = dict(platform=platform, dtype=dtype, quant=quant, fast_accum=fast_accum, grouped_fp8=grouped_fp8,
+                  small_rows=small_rows)
         self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, **kw)
         self.down_proj = GroupedLinear(num_experts, inner, dim, **kw)
         self.platform, self.topk, self.memory_bound, self.capturable = platform, topk, memory_bound, capturable
@@ -165,7 +167,7 @@ class RoutedExperts(KernelOwner):
         return MoESpec(num_experts=g13.num_experts, topk=min(self.topk, g13.num_experts), hidden=g13.in_features,
                        inner=self.down_proj.spec.in_features, dtype=g13.dtype, quant=g13.quant,
                        memory_bound=self.memory_bound, capturable=self.capturable, fast_accum=g13.fast_accum,
-                       grouped_fp8=g13.grouped_fp8)
+                       grouped_fp8=g13.grouped_fp8, small_rows=g13.small_rows)
 
     @property
     def num_experts(self) -> int:  # read off the weights: a plan may keep only some experts on a rank
@@ -217,6 +219,7 @@ class MoE(nn.Module):
                                  **opts.linear_kw(opts.dense_quant))
         self.experts = RoutedExperts(E, D, inner, platform=platform, topk=cfg.moe_topk[layer_idx],
                                      capturable=opts.capturable, grouped_fp8=opts.grouped_fp8,
+                                     small_rows=opts.grouped_small_rows,
                                      **opts.linear_kw(opts.quant))
         self.side = platform.side_stream() if opts.shared_expert_stream else INLINE
         self._shared_runner = None  # where the shared expert runs: decided at the first forward (``_beside``)

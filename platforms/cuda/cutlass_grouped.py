@@ -90,6 +90,12 @@ CONFIGS = {True: TileConfig((128, 128, 128), (1, 2), pingpong=True, fast_accum=T
 # same bits; exact: the same tiles as without the epilogue (not measured at other tiles).
 SWIGLU_CONFIGS = {True: TileConfig((128, 192, 128), (1, 2), pingpong=True, fast_accum=True, swiglu=True),
                   False: dataclasses.replace(CONFIGS[False], swiglu=True)}
+# Where few rows reach each expert (a text decode step: 8 rows a token over 64 experts) a GEMM reads each
+# expert's weight for a handful of rows and the 128-row tiles compute mostly padding: ping-pong 64x128 in 1x1
+# clusters read the weights 15-17% faster at one token (BENCHMARKS.md "Fifteenth session", call 5). Fast
+# accumulation only (the recipes that serve text on the H200); exact builds keep one tile.
+SMALL_CONFIGS = {True: TileConfig((64, 128, 128), (1, 1), pingpong=True, fast_accum=True)}
+SMALL_SWIGLU_CONFIGS = {True: dataclasses.replace(SMALL_CONFIGS[True], swiglu=True)}
 
 
 def find_nvcc() -> str | None:
@@ -223,11 +229,57 @@ def exported_configs(library: Path) -> list[str]:
     return sorted({m.decode() for m in re.findall(rb"omni_gg_(\w+?)_run\x00", library.read_bytes())})
 
 
-def load(fast_accum: bool, nvcc: str, include: str, tester=None, swiglu: bool = False) -> CutlassGroupedFp8:
-    """The kernel for ``fast_accum`` (with the SwiGLU epilogue when ``swiglu``), built (or found in the cache),
-    self-tested on this device model in a child process (once per machine; ``tester`` replaces the child, for
-    tests) and loaded; raises with the reason."""
-    cfg = (SWIGLU_CONFIGS if swiglu else CONFIGS)[fast_accum]
+class BySize:
+    """Two builds of one GEMM, the same function: ``small`` where at most ``small_rows`` rows reach each expert
+    group on average (rows / groups, read off the operands' shapes on the host, so a captured call keeps its
+    choice), ``large`` otherwise. The tile's rows change which rows a tile holds, not a row's sums: the same bits.
+    """
+
+    def __init__(self, large: CutlassGroupedFp8, small: CutlassGroupedFp8, small_rows: int):
+        if large.swiglu != small.swiglu:
+            raise ValueError(f"{large.config} and {small.config} compute different epilogues")
+        self.large, self.small, self.small_rows, self.swiglu = large, small, small_rows, large.swiglu
+        self.config = f"{large.config}|{small.config}<={small_rows}"
+        self.name = f"cutlass-grouped-fp8[{self.config}]"
+
+    def pick(self, rows: int, groups: int) -> CutlassGroupedFp8:
+        return self.small if rows <= self.small_rows * groups else self.large
+
+    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw) -> torch.Tensor:
+        return self.pick(xq_RK.shape[0], wq_ENK.shape[0])(xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw)
+
+
+def config_of(fast_accum: bool, swiglu: bool = False, small: bool = False) -> TileConfig | None:
+    """The configuration ``load`` builds for these choices; None: no small-tile build for ``fast_accum``."""
+    table = ((SMALL_SWIGLU_CONFIGS if swiglu else SMALL_CONFIGS) if small else
+             (SWIGLU_CONFIGS if swiglu else CONFIGS))
+    return table.get(fast_accum)
+
+
+def prebuild(configs: list[TileConfig], nvcc: str, include: str) -> list[Path | Exception]:
+    """Compile ``configs`` side by side (one nvcc each, a minute or more apiece): the first start builds every
+    object the recipe needs in about the time of one. Each result is its object or why it failed (``load``
+    then finds the objects in the cache, or reports the failure itself)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(cfg):
+        try:
+            return build(cfg, nvcc, include)
+        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+            return err
+
+    with ThreadPoolExecutor(max(1, len(configs))) as pool:
+        return list(pool.map(one, configs))
+
+
+def load(fast_accum: bool, nvcc: str, include: str, tester=None, swiglu: bool = False,
+         small: bool = False) -> CutlassGroupedFp8:
+    """The kernel for ``fast_accum`` (with the SwiGLU epilogue when ``swiglu``; the small-tile build when
+    ``small``), built (or found in the cache), self-tested on this device model in a child process (once per
+    machine; ``tester`` replaces the child, for tests) and loaded; raises with the reason."""
+    cfg = config_of(fast_accum, swiglu, small)
+    if cfg is None:
+        raise RuntimeError(f"no small-tile build with fast_accum={fast_accum} (cutlass_grouped.SMALL_CONFIGS)")
     library = build(cfg, nvcc, include)
     device = torch.cuda.current_device()
     passed = library.with_name(f"{library.stem}.ok-{device_tag(device)}")

@@ -25,6 +25,7 @@ from omni import quant
 from omni.specs import GemmSpec, GroupedGemmSpec, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
+from .cutlass_grouped import BySize, config_of, load, prebuild
 
 log = logging.getLogger("omni.platforms")
 
@@ -316,7 +317,7 @@ def grouped_fp8_kernel(spec, caps: Caps):
     if reason is None:
         kernel = _load_cutlass(spec.fast_accum, caps.nvcc, caps.cutlass_include)
         if not isinstance(kernel, str):
-            return kernel
+            return with_small_tile(kernel, spec, caps)
         reason = kernel
     if spec.grouped_fp8 == "auto":
         _log_once(f"cuda: fp8 grouped GEMMs run torch._scaled_grouped_mm: {reason}")
@@ -330,18 +331,37 @@ def grouped_swiglu_kernel(spec, caps: Caps):
     if isinstance(kernel, str):
         _log_once(f"cuda-moe: the SwiGLU epilogue is off, the MoE runs a separate SwiGLU pass: {kernel}")
         return None
-    return kernel
+    return with_small_tile(kernel, spec, caps, swiglu=True)
+
+
+def with_small_tile(kernel, spec, caps: Caps, swiglu: bool = False):
+    """``kernel`` with its small-tile build for few rows per expert (``spec.small_rows``, ``cutlass_grouped.BySize``),
+    or alone where the spec turns it off, no such build exists (exact accumulation) or building it failed (logged)."""
+    if not spec.small_rows or config_of(spec.fast_accum, swiglu, small=True) is None:
+        return kernel
+    small = _load_cutlass(spec.fast_accum, caps.nvcc, caps.cutlass_include, swiglu, small=True)
+    if isinstance(small, str):
+        _log_once(f"cuda: every grouped fp8 call runs {kernel.config}; the small-tile build is off: {small}")
+        return kernel
+    return BySize(kernel, small, spec.small_rows)
 
 
 @functools.lru_cache(maxsize=None)
-def _load_cutlass(fast_accum: bool, nvcc: str, include: str, swiglu: bool = False):
-    """One build and one ctypes load per process and configuration; a failure is kept as its reason (no retry)."""
-    from .cutlass_grouped import load
-
+def _load_cutlass(fast_accum: bool, nvcc: str, include: str, swiglu: bool = False, small: bool = False):
+    """One build and one ctypes load per process and configuration; a failure is kept as its reason (no retry).
+    The first call compiles every configuration of ``fast_accum`` side by side (``_prebuild``)."""
+    _prebuild(fast_accum, nvcc, include)
     try:
-        return load(fast_accum, nvcc, include, swiglu=swiglu)
+        return load(fast_accum, nvcc, include, swiglu=swiglu, small=small)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
         return f"building or loading it failed: {type(err).__name__}: {err}"
+
+
+@functools.lru_cache(maxsize=None)
+def _prebuild(fast_accum: bool, nvcc: str, include: str) -> None:
+    """Once per process: the objects a recipe with ``fast_accum`` may load (plain, SwiGLU epilogue, small tiles)."""
+    configs = [config_of(fast_accum, swiglu, small) for swiglu in (False, True) for small in (False, True)]
+    prebuild([c for c in configs if c is not None], nvcc, include)
 
 
 @functools.lru_cache(maxsize=None)

@@ -116,7 +116,7 @@ class CudaMoE:
         self.accepts_row_quantized = spec.quant == "fp8_row"  # rows the glue quantized: gathered, not requantized
         self.accepts_addends = True  # the combine kernel adds the shared expert and the residual (no extra pass)
         kw = dict(num_experts=spec.num_experts, dtype=spec.dtype, quant=spec.quant, fast_accum=spec.fast_accum,
-                  grouped_fp8=spec.grouped_fp8)
+                  grouped_fp8=spec.grouped_fp8, small_rows=spec.small_rows)
         g13 = GroupedGemmSpec(in_features=spec.hidden, out_features=2 * spec.inner, **kw)
         g2 = GroupedGemmSpec(in_features=spec.inner, out_features=spec.hidden, **kw)
         if spec.quant in FP8:  # both expert GEMMs on one kernel: ours (grouped_kernel) or torch's (None)

@@ -36,8 +36,8 @@ class Fp32GroupedDouble:
     """Stands in for the loaded kernel: records each call and computes its documented product in fp32 (with the
     SwiGLU epilogue: ``x1 * silu(x2)`` of each column pair of it, ``cg.swiglu_pairs``)."""
 
-    def __init__(self, fast_accum: bool, swiglu: bool = False):
-        self.config, self.calls = (cg.SWIGLU_CONFIGS if swiglu else cg.CONFIGS)[fast_accum].name, []
+    def __init__(self, fast_accum: bool, swiglu: bool = False, small: bool = False):
+        self.config, self.calls = cg.config_of(fast_accum, swiglu, small).name, []
         self.name, self.swiglu = f"double[{self.config}]", swiglu
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E):
@@ -53,12 +53,13 @@ class Fp32GroupedDouble:
 
 @pytest.fixture
 def loaded(monkeypatch):
-    """The build-and-load step answered by a double (what gemm resolves with), keyed by (fast_accum, swiglu)."""
-    doubles: dict[tuple[bool, bool], Fp32GroupedDouble] = {}
+    """The build-and-load step answered by a double (what gemm resolves with), keyed by (fast_accum, swiglu,
+    small)."""
+    doubles: dict[tuple[bool, bool, bool], Fp32GroupedDouble] = {}
 
-    def load(fast_accum, nvcc, include, swiglu=False):
+    def load(fast_accum, nvcc, include, swiglu=False, small=False):
         assert (nvcc, include) == (H200.nvcc, H200.cutlass_include)
-        return doubles.setdefault((fast_accum, swiglu), Fp32GroupedDouble(fast_accum, swiglu))
+        return doubles.setdefault((fast_accum, swiglu, small), Fp32GroupedDouble(fast_accum, swiglu, small))
     monkeypatch.setattr(gemm, "_load_cutlass", load)
     return doubles
 
@@ -70,11 +71,11 @@ def loaded(monkeypatch):
 def test_auto_and_a_demand_take_our_kernel_where_it_builds(loaded, choice):
     impl = gemm.resolve_grouped(dataclasses.replace(GROUPED, grouped_fp8=choice), H200, pytest.fail)
     fused = moe.resolve_moe(dataclasses.replace(MOE, grouped_fp8=choice), H200, pytest.fail)
-    assert impl.name == "cuda-scaled-grouped-mm[fp8_row,fast-accum,pong_128x128_c1x2_fast]"
+    assert impl.name == "cuda-scaled-grouped-mm[fp8_row,fast-accum,pong_128x128_c1x2_fast|pong_64x128_c1x1_fast<=32]"
     assert fused.name == ("cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact,"  # no fast_accum
                           "swiglu-epilogue[coop_128x128_c1x2_exact_swiglu]]")
-    assert fused.gemm2.kernel is loaded[False, False]  # GEMM 1 runs the build with the SwiGLU epilogue
-    assert fused.gemm13.kernel is fused.paired is loaded[False, True]
+    assert fused.gemm2.kernel is loaded[False, False, False]  # GEMM 1 runs the build with the SwiGLU epilogue
+    assert fused.gemm13.kernel is fused.paired is loaded[False, True, False]  # exact: no small-tile build
     assert fused.paired.config == "coop_128x128_c1x2_exact_swiglu"
 
 
@@ -122,6 +123,39 @@ def test_vendors_without_the_kernel_refuse_a_cutlass_demand(name):
     assert cuda.grouped_refusal(dataclasses.replace(MOE, grouped_fp8="cutlass")) is None  # cuda decides itself
 
 
+def test_fast_builds_pair_a_small_tile_picked_by_mean_rows_per_expert(loaded):
+    """``spec.small_rows`` = 32 over 4 experts: up to 128 rows take the 64-row build, more the 128-row one; both
+    get the same operands (one function)."""
+    impl = gemm.resolve_grouped(GROUPED, H200, pytest.fail)
+    assert isinstance(impl.kernel, cg.BySize) and impl.kernel.small_rows == 32
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 48, 64, generator=g).bfloat16()
+    prepared = impl.prepare_weight(w)
+    for rows, picked in ((128, (True, False, True)), (129, (True, False, False))):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        offsets = torch.tensor([rows // 4, rows // 2, 3 * rows // 4, rows])
+        y = impl(x, prepared, offsets)
+        assert len(loaded[picked].calls) == 1 and loaded[picked].calls[-1]["x"][1] == (rows, 64)
+        ref = naive_grouped(GROUPED, x, w, offsets)
+        assert float((y.double() - ref).norm() / ref.norm()) < 0.01
+    fused = moe.resolve_moe(dataclasses.replace(MOE, fast_accum=True), H200, pytest.fail)
+    assert fused.paired.config == "pong_128x192_c1x2_fast_swiglu|pong_64x128_c1x1_fast_swiglu<=32"
+
+
+def test_small_rows_zero_builds_no_small_tile_and_a_failed_one_costs_only_itself(loaded, monkeypatch):
+    off = gemm.resolve_grouped(dataclasses.replace(GROUPED, small_rows=0), H200, pytest.fail)
+    assert off.kernel is loaded[True, False, False] and (True, False, True) not in loaded
+    double = gemm._load_cutlass
+    monkeypatch.setattr(gemm, "_load_cutlass", lambda fast, nvcc, include, swiglu=False, small=False: (
+        "building or loading it failed: RuntimeError: nvcc failed" if small else double(fast, nvcc, include)))
+    assert gemm.resolve_grouped(GROUPED, H200, pytest.fail).kernel is loaded[True, False, False]
+
+
+def test_the_spec_refuses_a_negative_small_rows():
+    with pytest.raises(ValueError, match=r"GroupedGemmSpec.small_rows \(kernels.grouped_fp8_small_rows\)"):
+        dataclasses.replace(GROUPED, small_rows=-1)
+
+
 # ----------------------------------------------------------------- operands
 
 
@@ -133,7 +167,7 @@ def test_scaled_grouped_mm_hands_the_kernel_the_documented_operands(loaded):
     y = impl(x, impl.prepare_weight(w), offsets)
     ref = naive_grouped(GROUPED, x, w, offsets)
     assert float((y.double() - ref).norm() / ref.norm()) < 0.01  # bf16 output of the same e4m3 product
-    call = loaded[True, False].calls[0]
+    call = loaded[True, False, True].calls[0]  # 25 rows over 4 experts: the small tile
     assert call == dict(x=(torch.float8_e4m3fn, (25, 64), True), xs=(25,), w=(4, 48, 64), ws=(4, 48),
                         offs=torch.int32)
 
@@ -181,7 +215,7 @@ def test_the_swiglu_epilogue_pairs_w13_rows_and_keeps_the_moe_s_function(loaded)
     y, y_separate = fused(x, w, ids, paired), separate(x, w, ids, halves)
     rel = float((y.float() - y_separate.float()).norm() / y_separate.float().norm())
     assert 0 < rel < 0.03, rel  # not bit-equal (other roundings), within e4m3's step
-    [call] = loaded[False, True].calls
+    [call] = loaded[False, True, False].calls
     assert call["w"] == (4, 64, 64) and call["x"] == (torch.float8_e4m3fn, (74, 64), True)
     ref = naive_moe(MOE, x, w, ids, w13, w2)
     err, err_separate = (float((v.float() - ref).norm() / ref.norm()) for v in (y, y_separate))
@@ -193,7 +227,7 @@ def test_the_swiglu_epilogue_pairs_w13_rows_and_keeps_the_moe_s_function(loaded)
 def test_a_swiglu_build_that_fails_costs_only_the_fusion(loaded, monkeypatch):
     """The epilogue's build failing leaves the MoE on our plain kernel with its separate SwiGLU pass."""
     double = gemm._load_cutlass
-    monkeypatch.setattr(gemm, "_load_cutlass", lambda fast, nvcc, include, swiglu=False: (
+    monkeypatch.setattr(gemm, "_load_cutlass", lambda fast, nvcc, include, swiglu=False, small=False: (
         "building or loading it failed: RuntimeError: nvcc failed" if swiglu else double(fast, nvcc, include)))
     fused = moe.resolve_moe(MOE, H200, pytest.fail)
     assert fused.paired is None and fused.name == "cuda-fused-moe[fp8_row,torch,coop_128x128_c1x2_exact]"

@@ -35,11 +35,11 @@ def platform():
     return p
 
 
-def _operands(seed: int = 0, n: int = N):
+def _operands(seed: int = 0, n: int = N, counts=COUNTS):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(sum(COUNTS), K, device="cuda", generator=g).bfloat16()
+    x = torch.randn(sum(counts), K, device="cuda", generator=g).bfloat16()
     w = torch.randn(E, n, K, device="cuda", generator=g).bfloat16()
-    offs = torch.tensor(COUNTS, device="cuda").cumsum(0).to(torch.int32)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
     return x, w, offs
 
 
@@ -101,7 +101,8 @@ def test_swiglu_epilogue_against_fp64(platform, fast, n):
     spec = MoESpec(num_experts=E, topk=2, hidden=K, inner=n // 2, dtype=torch.bfloat16, quant="fp8_row",
                    fast_accum=fast, grouped_fp8="cutlass")
     kernel = grouped_swiglu_kernel(spec, detect_caps(0))
-    assert kernel is not None and kernel.swiglu and kernel.config == cg.SWIGLU_CONFIGS[fast].name
+    assert kernel is not None and kernel.swiglu
+    assert getattr(kernel, "large", kernel).config == cg.SWIGLU_CONFIGS[fast].name  # COUNTS: 175 rows an expert
     x, w, offs = _operands(4, n)
     pw = quant.prepare_weight(w, "fp8_row")
     xq, xs = quant.quantize_fp8(x, per_row=True)
@@ -114,6 +115,30 @@ def test_swiglu_epilogue_against_fp64(platform, fast, n):
     # error is absolute (a near-zero x1 has a large relative error), hence a floor of 5% of the RMS
     bound = 0.01 * exact.abs() + 0.05 * exact.pow(2).mean().sqrt()
     assert ((y.double() - exact).abs() <= bound).all(), float(((y.double() - exact).abs() - bound).max())
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
+def test_the_small_tile_build_gives_the_large_build_s_bits(platform, swiglu):
+    """The 64-row build (few rows per expert: decode steps) against the 128-row one on the same operands, at a
+    decode step's group sizes and at COUNTS: the same bits, every row written; ``BySize`` picks by the mean rows
+    per expert."""
+    from omni.platforms.cuda import cutlass_grouped as cg
+    from omni.platforms.cuda.capabilities import detect_caps
+
+    caps = detect_caps(0)
+    large = cg.load(True, caps.nvcc, caps.cutlass_include, swiglu=swiglu)
+    small = cg.load(True, caps.nvcc, caps.cutlass_include, swiglu=swiglu, small=True)
+    assert small.config == cg.config_of(True, swiglu, small=True).name and small.swiglu == swiglu
+    for seed, counts in enumerate(([1, 0, 2, 1, 0, 3, 0, 1], [9, 70, 0, 64, 65, 1, 128, 3], COUNTS)):
+        x, w, offs = _operands(10 + seed, counts=counts)
+        pw = quant.prepare_weight(w, "fp8_row")
+        xq, xs = quant.quantize_fp8(x, per_row=True)
+        args = (xq, xs.reshape(-1).float(), pw.data, pw.scale.view(E, N), offs)
+        y_small, y_large = small(*args), large(*args)
+        assert y_small.shape == (sum(counts), N // 2 if swiglu else N) and torch.isfinite(y_small).all()
+        torch.testing.assert_close(y_small, y_large, atol=0, rtol=0)
+    both = cg.BySize(large, small, 4)
+    assert both.pick(32, E) is small and both.pick(33, E) is large
 
 
 def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
@@ -130,8 +155,8 @@ def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
     x = torch.randn(333, K, device="cuda", generator=g).bfloat16()
     weights, ids = torch.rand(333, E, device="cuda", generator=g).softmax(-1).topk(2, -1)
     y, y_torch = ours(x, weights, ids, ours.prepare_weights(w13, w2)), stock(x, weights, ids, stock.prepare_weights(w13, w2))
-    assert f"{cg.CONFIGS[True].name},swiglu-epilogue[{cg.SWIGLU_CONFIGS[True].name}]" in ours.name
-    assert ours.paired.config == cg.SWIGLU_CONFIGS[True].name
+    assert ours.paired.large.config == cg.SWIGLU_CONFIGS[True].name and ours.paired.small_rows > 0
+    assert f",{cg.CONFIGS[True].name}|" in ours.name and f"swiglu-epilogue[{cg.SWIGLU_CONFIGS[True].name}|" in ours.name
     assert float((y - y_torch).float().norm() / y_torch.float().norm()) < 0.03
     h = torch.einsum("tk,enk->ten", x.double(), w13.double())  # every expert for every token, then pick
     x1, x2 = h.chunk(2, dim=-1)
