@@ -105,34 +105,57 @@ def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr)
     tl.store(counts_ptr + b * EB + tl.arange(0, EB), tl.sum(hit, axis=0))
 
 
+@triton.jit
+def _place_chunk(ids_ptr, token_ptr, inverse_ptr, first, R, K, base, experts, EB: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """Places assignments ``first .. first + CHUNK``: each one's sorted row is its expert's ``base`` plus its rank
+    among the earlier rows of the chunk with the same expert (index order: the sort is stable). Ranks come from a
+    [CHUNK, CHUNK] comparison summed along rows: reductions only, no scan (a scan of the [rows, experts] one-hot
+    matrix took 70 us a layer on the H200). Returns ``base`` advanced past the chunk's rows."""
+    lanes = tl.arange(0, CHUNK)
+    i = first + lanes
+    m = i < R
+    e = tl.load(ids_ptr + i, mask=m, other=EB)
+    e_row = tl.load(ids_ptr + i, mask=m, other=EB)  # the same ids again, to lie along the other axis
+    rank = tl.sum(((e[:, None] == e_row[None, :]) & (lanes[None, :] < lanes[:, None])).to(tl.int32), axis=1)
+    hit = (e[:, None] == experts[None, :]).to(tl.int32)
+    pos = (tl.sum(hit * base[None, :], axis=1) + rank).to(tl.int64)
+    tl.store(inverse_ptr + i, pos, mask=m)
+    tl.store(token_ptr + pos, (i // K).to(tl.int64), mask=m)
+    return base + tl.sum(hit, axis=0)
+
+
 @triton.jit(do_not_specialize=["R", "NB"])
 def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, NB, EB: tl.constexpr,
                   NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """Sorted row of each assignment of block b: its expert's start, the rows of that expert in blocks and
-    chunks before it, and its rank among the earlier rows of its chunk with the same expert (index order: the
-    sort is stable). Ranks come from a [CHUNK, CHUNK] comparison summed along rows: reductions only, no scan
-    (a scan of the [rows, experts] one-hot matrix took 70 us a layer on the H200)."""
+    chunks before it, and its rank in its chunk (``_place_chunk``)."""
     b = tl.program_id(0)
-    blocks, experts, lanes = tl.arange(0, NBP), tl.arange(0, EB), tl.arange(0, CHUNK)
+    blocks, experts = tl.arange(0, NBP), tl.arange(0, EB)
     c = tl.load(counts_ptr + blocks[:, None] * EB + experts[None, :], mask=(blocks < NB)[:, None], other=0)
     totals = tl.sum(c, axis=0)
     ends = tl.cumsum(totals, axis=0)
     base = ends - totals + tl.sum(tl.where((blocks < b)[:, None], c, 0), axis=0)
-    earlier = lanes[None, :] < lanes[:, None]  # [i, j]: j comes before i
     for start in tl.static_range(0, BLOCK, CHUNK):
-        if b * BLOCK + start < R:  # chunks past the last row are skipped (a decode step routes a few rows)
-            i = b * BLOCK + start + lanes
-            m = i < R
-            e = tl.load(ids_ptr + i, mask=m, other=EB)
-            e_row = tl.load(ids_ptr + i, mask=m, other=EB)  # the same ids again, to lie along the other axis
-            rank = tl.sum(((e[:, None] == e_row[None, :]) & earlier).to(tl.int32), axis=1)
-            hit = (e[:, None] == experts[None, :]).to(tl.int32)
-            pos = (tl.sum(hit * base[None, :], axis=1) + rank).to(tl.int64)
-            tl.store(inverse_ptr + i, pos, mask=m)
-            tl.store(token_ptr + pos, (i // K).to(tl.int64), mask=m)
-            base += tl.sum(hit, axis=0)
+        if b * BLOCK + start < R:  # chunks past the last row are skipped
+            base = _place_chunk(ids_ptr, token_ptr, inverse_ptr, b * BLOCK + start, R, K, base, experts, EB, CHUNK)
     if b == 0:
         tl.store(ends_ptr + experts, ends, mask=experts < E)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _route_one_block_kernel(ids_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, EB: tl.constexpr,
+                            RB: tl.constexpr, CHUNK: tl.constexpr):
+    """The whole sort of at most ``RB`` assignments in one program: the counts, then the places chunk by chunk
+    (a decode step's few rows: one launch instead of the count and place kernels)."""
+    experts, i = tl.arange(0, EB), tl.arange(0, RB)
+    e = tl.load(ids_ptr + i, mask=i < R, other=EB)  # EB matches no expert column
+    totals = tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    ends = tl.cumsum(totals, axis=0)
+    base = ends - totals
+    for start in tl.static_range(0, RB, CHUNK):
+        base = _place_chunk(ids_ptr, token_ptr, inverse_ptr, start, R, K, base, experts, EB, CHUNK)
+    tl.store(ends_ptr + experts, ends, mask=experts < E)
 
 
 # The counting sort's shape: SORT_BLOCK assignments per program, ranked SORT_CHUNK at a time; its programs read
@@ -143,6 +166,10 @@ SORT_BLOCK, SORT_CHUNK, MAX_BLOCKS, MAX_EXPERTS = 1024, 128, 256, 256
 # [32, 32] tiles instead of [128, 128] ones. The 1024-row chunks of 128 took 101 us a layer for 8 rows on the
 # H200 (bench/profile_decode.py, BENCHMARKS.md fourteenth session).
 SMALL_ROWS, SMALL_CHUNK = 256, 32
+# Up to this many assignments (a decode step of up to 64 answers, a short prompt) one program sorts them all in one
+# launch (``_route_one_block_kernel``): the count and place kernels took 3.8 + 11.6 us a layer for one answer's 8
+# rows on the H200 (bench/profile_decode.py, BENCHMARKS.md "Fifteenth session").
+ONE_BLOCK_ROWS = 1024
 
 
 def _warps(block: int) -> int:
@@ -233,20 +260,26 @@ class TritonKernels:
                 ADDENDS=len(addends), BLOCK_D=block, ROWS=tile.rows, num_warps=tile.warps)
         return out
 
-    def route_rows(self, ids_Tk: torch.Tensor, num_experts: int):
-        """``(token_R, inverse_R, offsets_E)`` of the stable sort by expert, in two launches (the torch sort
-        beyond ``MAX_BLOCKS`` blocks or ``MAX_EXPERTS`` experts)."""
+    def route_rows(self, ids_Tk: torch.Tensor, num_experts: int, one_block: bool = True):
+        """``(token_R, inverse_R, offsets_E)`` of the stable sort by expert: one launch up to ``ONE_BLOCK_ROWS``
+        assignments (``one_block``; False: the two-launch sort, for the benchmark), two launches up to
+        ``MAX_BLOCKS`` blocks and ``MAX_EXPERTS`` experts, the torch sort beyond."""
         ids = ids_Tk.reshape(-1).contiguous()
         R, k, dev = ids.numel(), ids_Tk.shape[1], ids.device
         nb = triton.cdiv(R, SORT_BLOCK)
         if not 0 < nb <= MAX_BLOCKS or num_experts > MAX_EXPERTS:
             return torch_route_rows(ids_Tk, num_experts)
         eb = triton.next_power_of_2(num_experts)
-        counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
         token_R, inverse_R = torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.int64, device=dev)
         ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=SORT_BLOCK, num_warps=8)
         chunk = SMALL_CHUNK if R <= SMALL_ROWS else SORT_CHUNK
+        if one_block and R <= ONE_BLOCK_ROWS:
+            rb = max(chunk, triton.next_power_of_2(R))
+            _route_one_block_kernel[(1,)](ids, token_R, inverse_R, ends_E, R, num_experts, k, EB=eb, RB=rb,
+                                          CHUNK=chunk, num_warps=4 if chunk == SMALL_CHUNK else 8)
+            return token_R, inverse_R, ends_E
+        counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
+        _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=SORT_BLOCK, num_warps=8)
         _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
                              NBP=triton.next_power_of_2(nb), BLOCK=SORT_BLOCK, CHUNK=chunk,
                              num_warps=4 if chunk == SMALL_CHUNK else 8)

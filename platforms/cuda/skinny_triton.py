@@ -1,0 +1,90 @@
+"""The dense e4m3 GEMM at a decode step's few rows (Triton): ``y = (xq @ wq^T) * xs[m] * ws[n]`` -> bf16.
+
+Why: a decode step multiplies a few rows (one per answer) by each dense
+weight of the layer (the attention's qkv and o_proj, the shared expert's two),
+so the GEMM is a read of the weight, nothing more. cuBLAS runs these rows on
+128x128 tiles: 32-48 tiles for N = 4096-6144, a third of the H200's SMs,
+which read the weights at about a third of the memory's rate (1.64 ms of a
+7.3 ms step for one answer at 32 layers, bench/profile_decode.py,
+BENCHMARKS.md "Fifteenth session"). Here each program owns ``BLOCK_N``
+output columns across the whole K: a few hundred programs, every SM reading.
+
+May assume: ``triton`` imports; contiguous CUDA tensors; ``K`` a multiple of
+``BLOCK_K`` (``SkinnyFp8.fits`` says which shapes qualify). Row-wise scales
+only (``fp8_row``), no bias. The tensor cores accumulate in fp32 (Triton's
+default for e4m3 on sm90 promotes partial sums no less often than cuBLAS's
+fast accumulation does); the product differs from cuBLAS's by its summation
+order, within bf16's rounding (tests/gpu/test_gpu_skinny_fp8.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class SkinnyTile:
+    """Launch shape: output columns and K per program iteration, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# Chosen by bench/bench_skinny_fp8.py on the H200 (BENCHMARKS.md "Sixteenth session"); MAX_ROWS: the most rows
+# for which this kernel measured faster than cuBLAS at every dense shape of the released model.
+TILE = SkinnyTile(block_n=32, block_k=256, warps=4, stages=4)
+MAX_ROWS = 16
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """Columns ``[pid * BLOCK_N, +BLOCK_N)`` of all ``M`` rows (padded to ``BLOCK_M``): the whole K in one program."""
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    mm, nm = rm < M, rn < N
+    x_ptrs = x_ptr + rm[:, None] * K + rk[None, :]
+    w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]: W^T's tile, read along K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=mm[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=nm[None, :], other=0.0)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    xs = tl.load(xs_ptr + rm, mask=mm, other=0.0)
+    ws = tl.load(ws_ptr + rn, mask=nm, other=0.0)
+    y = acc * xs[:, None] * ws[None, :]
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+class SkinnyFp8:
+    """The kernel at one launch shape (``tile``) for up to ``max_rows`` rows (``fits``)."""
+
+    def __init__(self, tile: SkinnyTile = TILE, max_rows: int = MAX_ROWS):
+        self.tile, self.max_rows = tile, max_rows
+        self.name = f"triton-skinny-fp8[n{tile.block_n},k{tile.block_k},w{tile.warps},s{tile.stages},<={max_rows}]"
+
+    def fits(self, rows: int, K: int) -> bool:
+        """Whether this kernel takes ``rows`` rows of width ``K`` (``rows`` is a host-side shape: capture-safe)."""
+        return 0 < rows <= self.max_rows and K % self.tile.block_k == 0
+
+    def __call__(self, xq_MK: torch.Tensor, xs_M1: torch.Tensor, wq_NK: torch.Tensor, ws_N: torch.Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """e4m3 rows ``[M, K]`` with fp32 row scales times the e4m3 weight ``[N, K]`` (row-major, the platform's
+        ``[O, I]``) with fp32 ``[N]`` scales -> ``[M, N]`` in ``out_dtype``."""
+        M, K = xq_MK.shape
+        N = wq_NK.shape[0]
+        y = torch.empty(M, N, dtype=out_dtype, device=xq_MK.device)
+        t = self.tile
+        _skinny_fp8_kernel[(triton.cdiv(N, t.block_n),)](
+            xq_MK, xs_M1.reshape(-1).float().contiguous(), wq_NK, ws_N.reshape(-1).float().contiguous(), y, M, N, K,
+            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            num_warps=t.warps, num_stages=t.stages)
+        return y
