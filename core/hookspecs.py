@@ -293,11 +293,17 @@ def omni_linear_impl(spec: GemmSpec, reject: Reject) -> LinearImpl | None:
     bf16 rows an fp32 router takes) are taken as exactly that value in
     ``spec.dtype``.
 
+    Few rows: ``spec.skinny_rows`` (``kernels.fp8_skinny_rows``) permits an
+    ``fp8_row`` implementation to run calls of at most that many rows (a
+    decode step's; read off ``x``'s shape on the host, so a captured call
+    keeps its choice) on a kernel made for few rows; the same product summed
+    in another order; 0 forbids it. A platform without one ignores it.
+
     Capture safety: ``__call__`` must be capturable (no host sync).
     Default implementation: ``F.linear``; fp8 schemes quantize to e4m3 and
     compute the dequantized product in fp32 (reference semantics, exact:
-    ignores ``fast_accum``); refuses ``memory_bound="triton"``.
-    Versions: 0.3 (``fast_accum``; 0.2 ``memory_bound``).
+    ignores ``fast_accum`` and ``skinny_rows``); refuses ``memory_bound="triton"``.
+    Versions: 0.4 (``skinny_rows``); 0.3 (``fast_accum``; 0.2 ``memory_bound``).
     """
 
 
@@ -325,12 +331,17 @@ def omni_grouped_gemm_impl(spec: GroupedGemmSpec, reject: Reject) -> GroupedGemm
     platform without one refuses with a reason naming the field; the cuda
     platform compiles it once per machine with nvcc). Every choice computes
     the same function; schemes without quantization ignore the field.
+    ``spec.small_rows`` (``kernels.grouped_fp8_small_rows``) permits a
+    smaller-tile build of that kernel where at most that many rows reach
+    each expert on average (rows / E, from the shapes on the host: capture
+    safe); the same bits where the tiles differ only in rows (the cuda
+    platform's 64- and 128-row builds); 0 forbids it.
 
     Capture safety: must not read ``offsets_E`` on the host when the MoE runs
     in a captured region (the reference does, so it is never captured).
     Default implementation: a loop over experts with ``F.linear`` (exact);
     refuses ``grouped_fp8="cutlass"`` for quantized schemes.
-    Versions: 0.3 (``grouped_fp8``; 0.2 ``fast_accum``).
+    Versions: 0.4 (``small_rows``); 0.3 (``grouped_fp8``; 0.2 ``fast_accum``).
     """
 
 
@@ -362,7 +373,8 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     ``omni_linear_impl`` says: ``auto``, ``torch``, or a ``triton`` demand
     that a platform without Triton refuses with a reason naming the field.
     ``spec.fast_accum`` permits fast accumulation in both expert GEMMs, as
-    ``omni_linear_impl`` says; ``spec.grouped_fp8`` picks their kernel, as
+    ``omni_linear_impl`` says; ``spec.grouped_fp8`` picks their kernel and
+    ``spec.small_rows`` permits its small-tile build, as
     ``omni_grouped_gemm_impl`` says. An ``fp8_row`` implementation may set
     ``accepts_row_quantized = True``: ``__call__`` then also takes an
     ``omni.specs.RowQuantized`` for ``x_TD`` (the normed rows the fused glue
@@ -397,7 +409,7 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     and, for quantized schemes, ``grouped_fp8="cutlass"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.7 (``addends`` as a callable); 0.6 (``accepts_addends``); 0.5 (``grouped_fp8``,
+    Versions: 0.8 (``small_rows``); 0.7 (``addends`` as a callable); 0.6 (``accepts_addends``); 0.5 (``grouped_fp8``,
     ``accepts_row_quantized``; 0.4 ``fast_accum``;
     0.3 ``memory_bound``).
     """

@@ -65,6 +65,7 @@ from .recipe_schema import (
     GROUPED_FP8,
     GROUPED_SMALL_ROWS,
     MEMORY_BOUND,
+    SKINNY_ROWS,
     QUANT_SCHEMES,
     TINY_FLAVOR,
     Attention,
@@ -87,7 +88,7 @@ from .recipe_schema import (
 
 __all__ = [
     "RECIPES_PACKAGE", "PLATFORM_GROUP", "BUILTIN_PLATFORMS", "TINY_FLAVOR", "DTYPES", "QUANT_SCHEMES",
-    "ATTENTION_BACKENDS", "MEMORY_BOUND", "GROUPED_FP8", "GROUPED_SMALL_ROWS", "VALIDATED_REQUIRED", "GiB",
+    "ATTENTION_BACKENDS", "MEMORY_BOUND", "GROUPED_FP8", "GROUPED_SMALL_ROWS", "SKINNY_ROWS", "VALIDATED_REQUIRED", "GiB",
     "RecipeError", "parse_size", "parse_bytes", "parse_requirement", "unmet_requirement", "FrozenDict",
     "platform_choices",
     "Device", "Model", "Parallel", "Quant", "Attention", "Kernels", "KvCache", "Offload", "StepCache", "Graph", "Vae",

@@ -29,6 +29,9 @@ GROUPED_FP8 = ("auto", "torch", "cutlass")
 # ``kernels.grouped_fp8_small_rows``: a platform with a smaller-tile build of its grouped kernel runs it when the
 # mean rows per expert group are at most this (0: never). The H200's crossover (BENCHMARKS.md "Sixteenth session").
 GROUPED_SMALL_ROWS = 32
+# ``kernels.fp8_skinny_rows``: dense fp8_row GEMMs of at most this many rows (a decode step's) may run a platform's
+# kernel for few rows (0: never). The H200's measurement (BENCHMARKS.md "Sixteenth session").
+SKINNY_ROWS = 64
 
 
 # ----------------------------------------------------------------- detection
@@ -128,9 +131,13 @@ def _check_grouped_fp8(spec: str, value: str) -> None:
         raise ValueError(f"{spec}.grouped_fp8 (kernels.grouped_fp8) must be one of {GROUPED_FP8}, got {value!r}")
 
 
-def _check_small_rows(spec: str, value: int) -> None:
+def _check_rows(spec: str, field: str, key: str, value: int) -> None:
     if not isinstance(value, int) or value < 0:
-        raise ValueError(f"{spec}.small_rows (kernels.grouped_fp8_small_rows) must be an integer >= 0, got {value!r}")
+        raise ValueError(f"{spec}.{field} ({key}) must be an integer >= 0, got {value!r}")
+
+
+def _check_small_rows(spec: str, value: int) -> None:
+    _check_rows(spec, "small_rows", "kernels.grouped_fp8_small_rows", value)
 
 
 def _check_memory_bound(spec: str, value: str) -> None:
@@ -152,11 +159,13 @@ class GemmSpec:
     bias: bool = False
     memory_bound: str = "auto"  # one of MEMORY_BOUND: the activation quantization of fp8 schemes
     fast_accum: bool = False  # fp8 products may accumulate without promotion (``kernels.fp8_fast_accum``)
+    skinny_rows: int = SKINNY_ROWS  # at most this many rows may take a few-row kernel (``kernels.fp8_skinny_rows``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"GemmSpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
         _check_memory_bound("GemmSpec", self.memory_bound)
+        _check_rows("GemmSpec", "skinny_rows", "kernels.fp8_skinny_rows", self.skinny_rows)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

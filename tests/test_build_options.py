@@ -34,11 +34,13 @@ def test_from_recipe_maps_every_field():
         "model.dtype": "bfloat16", "quant.scheme": "fp8_row", "quant.experts_only": True, "kv_cache.mode": "paged",
         "kv_cache.page_tokens": 32, "attention.backend": "sdpa", "graph.mode": "capture",
         "kernels.memory_bound": "torch", "attention.fp8": True, "kernels.fp8_fast_accum": True,
-        "kernels.grouped_fp8": "torch", "kernels.shared_expert_stream": True, "kernels.grouped_fp8_small_rows": 0})
+        "kernels.grouped_fp8": "torch", "kernels.shared_expert_stream": True, "kernels.grouped_fp8_small_rows": 0,
+        "kernels.fp8_skinny_rows": 0})
     opts = BuildOptions.from_recipe(recipe)
     assert opts == BuildOptions(dtype=torch.bfloat16, quant="fp8_row", experts_only=True, paged_kv=True, page_size=32,
                                 attn_backend="sdpa", capturable=True, memory_bound="torch", attn_fp8=True,
-                                fast_accum=True, grouped_fp8="torch", shared_expert_stream=True, grouped_small_rows=0)
+                                fast_accum=True, grouped_fp8="torch", shared_expert_stream=True, grouped_small_rows=0,
+                                skinny_rows=0)
     defaults = BuildOptions(dtype=torch.float32)
     unchanged = [f.name for f in dataclasses.fields(BuildOptions) if getattr(opts, f.name) == getattr(defaults, f.name)]
     assert not unchanged, f"fields the test does not move off their defaults: {unchanged}"
@@ -65,7 +67,9 @@ def test_derived_helpers():
     assert (spec.mask, spec.paged, spec.page_size, spec.backend, spec.capturable) == ("none", True, 16, "sdpa", True)
     assert not opts.attention_spec(8, 2, 64, "causal").capturable  # only the denoising step is captured
     kw = dataclasses.replace(opts, fast_accum=True).linear_kw("none")
-    assert kw == dict(dtype=torch.bfloat16, quant="none", memory_bound="auto", fast_accum=True)
+    assert kw == dict(dtype=torch.bfloat16, quant="none", memory_bound="auto", fast_accum=True, skinny_rows=64)
+    assert opts.expert_kw() == dict(dtype=torch.bfloat16, quant="fp8_row", memory_bound="auto", fast_accum=False,
+                                    grouped_fp8="auto", small_rows=32)
 
 
 def test_fast_accum_reaches_every_fp8_kernel_spec():
@@ -88,8 +92,9 @@ def test_fast_accum_reaches_every_fp8_kernel_spec():
 
 
 def test_grouped_fp8_choice_reaches_every_expert_spec():
-    """kernels.grouped_fp8 lands in every grouped GEMM and MoE spec the model builds (and in a TP rebuild)."""
-    from omni.layers import GroupedLinear
+    """kernels.grouped_fp8 and grouped_fp8_small_rows land in every grouped GEMM and MoE spec the model builds,
+    kernels.fp8_skinny_rows in every quantized dense linear's (and in TP rebuilds)."""
+    from omni.layers import GroupedLinear, Linear
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
     from omni.models.hunyuan_image3.tiny import TINY_CONFIG
     from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
@@ -97,18 +102,23 @@ def test_grouped_fp8_choice_reaches_every_expert_spec():
     from omni.platform_manager import select
 
     cfg = HunyuanImage3Config.from_json_dict(TINY_CONFIG)
-    opts = BuildOptions(dtype=torch.float32, quant="fp8_row", grouped_fp8="torch")
+    opts = BuildOptions(dtype=torch.float32, quant="fp8_row", grouped_fp8="torch", grouped_small_rows=5,
+                        skinny_rows=7)
     platform = select("cpu")
     with torch.device("meta"):
         model = HunyuanImage3Transformer(cfg, platform, opts)
     grouped = [m for m in model.modules() if isinstance(m, GroupedLinear)]
-    assert len(grouped) == 2 * cfg.num_hidden_layers and all(g.spec.grouped_fp8 == "torch" for g in grouped)
+    assert len(grouped) == 2 * cfg.num_hidden_layers
+    assert all((g.spec.grouped_fp8, g.spec.small_rows) == ("torch", 5) for g in grouped)
     moes = [m.moe_spec for m in model.modules() if hasattr(m, "moe_spec")]
-    assert len(moes) == cfg.num_hidden_layers and all(s.grouped_fp8 == "torch" for s in moes)
+    assert len(moes) == cfg.num_hidden_layers and all((s.grouped_fp8, s.small_rows) == ("torch", 5) for s in moes)
+    dense = [m for m in model.modules() if isinstance(m, Linear) and m.spec.quant == "fp8_row"]
+    assert len(dense) >= 4 * cfg.num_hidden_layers and all(m.spec.skinny_rows == 7 for m in dense)
     with torch.device("meta"):
         half = _rebuild(grouped[0], grouped[0].spec.in_features, grouped[0].spec.out_features // 2,
                         grouped[0].spec.num_experts, platform)
-    assert half.spec.grouped_fp8 == "torch"
+        half_dense = _rebuild(dense[0], dense[0].spec.in_features, dense[0].spec.out_features // 2, None, platform)
+    assert (half.spec.grouped_fp8, half.spec.small_rows, half_dense.spec.skinny_rows) == ("torch", 5, 7)
 
 
 # ----------------------------------------------------------------- the recipe field
@@ -134,6 +144,7 @@ def test_memory_bound_choices_match_the_platform_contract():
     assert recipe.MEMORY_BOUND == specs.MEMORY_BOUND
     assert recipe.GROUPED_FP8 == specs.GROUPED_FP8
     assert recipe.GROUPED_SMALL_ROWS == specs.GROUPED_SMALL_ROWS
+    assert recipe.SKINNY_ROWS == specs.SKINNY_ROWS
 
 
 @pytest.mark.parametrize("make", [lambda: dataclasses.replace(MOE, memory_bound="fast"),

@@ -218,9 +218,7 @@ class MoE(nn.Module):
         self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, glue=glue,
                                  **opts.linear_kw(opts.dense_quant))
         self.experts = RoutedExperts(E, D, inner, platform=platform, topk=cfg.moe_topk[layer_idx],
-                                     capturable=opts.capturable, grouped_fp8=opts.grouped_fp8,
-                                     small_rows=opts.grouped_small_rows,
-                                     **opts.linear_kw(opts.quant))
+                                     capturable=opts.capturable, **opts.expert_kw())
         self.side = platform.side_stream() if opts.shared_expert_stream else INLINE
         self._shared_runner = None  # where the shared expert runs: decided at the first forward (``_beside``)
 

@@ -130,12 +130,21 @@ class SplitFp32Linear:
 
 
 class Fp8Linear:
-    """``torch._scaled_mm`` with e4m3 weights and dynamic per-tensor / per-token activations."""
+    """``torch._scaled_mm`` with e4m3 weights and dynamic per-tensor / per-token activations.
+
+    ``skinny``: with ``fp8_row``, fast accumulation and Triton, calls of at most ``spec.skinny_rows`` rows (a
+    decode step's; the row count is a shape, so a captured call keeps its choice) and no bias run the Triton
+    kernel for few rows (``skinny_triton``), which reads the weight on every SM where cuBLAS's 128-row tiles
+    occupy a third of them (1.39-1.99x at 1-64 rows on the H200, BENCHMARKS.md "Sixteenth session").
+    """
 
     def __init__(self, spec: GemmSpec, caps: Caps, kernels):
         self.spec, self.per_row, self.kernels = spec, spec.quant == "fp8_row", kernels
         fast = fast_accum_tag(spec)
-        self.name = f"cuda-scaled-mm[{spec.quant},{kernels.name}{fast}]" if self.per_row else \
+        few = self.per_row and spec.fast_accum and spec.skinny_rows > 0
+        self.skinny = kernels.skinny_fp8(spec.skinny_rows) if few else None
+        rows = f",{self.skinny.name}" if self.skinny is not None else ""
+        self.name = f"cuda-scaled-mm[{spec.quant},{kernels.name}{fast}{rows}]" if self.per_row else \
             f"cuda-scaled-mm[{spec.quant}{fast}]"
         # row-wise on other than sm90 + cuBLAS >= 12.9 runs a CUTLASS kernel that writes bf16 only
         any_out = not self.per_row or (caps.sm[0] == 9 and caps.cuda_version >= (12, 9))
@@ -152,6 +161,9 @@ class Fp8Linear:
         else:
             lead, xq, x_scale = self._quantize(x_TI)
         w_scale = w.scale.view(1, -1) if self.per_row else w.scale
+        if self.skinny is not None and bias_O is None and self.skinny.fits(xq):
+            y = self.skinny(xq, x_scale, w.data, w_scale, out_dtype=self.out_dtype).to(self.spec.dtype)
+            return y.reshape(*lead, self.spec.out_features)
         bias = bias_O.to(self.out_dtype) if bias_O is not None and self.fuse_bias else None
         y = _unwrap(torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale, bias=bias,
                                      out_dtype=self.out_dtype, use_fast_accum=self.spec.fast_accum)).to(self.spec.dtype)

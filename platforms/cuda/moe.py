@@ -83,6 +83,10 @@ class TorchKernels:
     def combine(self, y_RD, inverse_R, w_Tk, dtype, addends: tuple = ()):
         return add_terms(weighted_sum(y_RD, inverse_R, w_Tk), addends).to(dtype)
 
+    def skinny_fp8(self, max_rows: int):
+        """No few-row dense fp8 kernel among the torch ops: cuBLAS keeps every row count."""
+        return None
+
 
 def triton_found() -> bool:
     return importlib.util.find_spec("triton") is not None

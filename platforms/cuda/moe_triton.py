@@ -166,10 +166,11 @@ SORT_BLOCK, SORT_CHUNK, MAX_BLOCKS, MAX_EXPERTS = 1024, 128, 256, 256
 # [32, 32] tiles instead of [128, 128] ones. The 1024-row chunks of 128 took 101 us a layer for 8 rows on the
 # H200 (bench/profile_decode.py, BENCHMARKS.md fourteenth session).
 SMALL_ROWS, SMALL_CHUNK = 256, 32
-# Up to this many assignments (a decode step of up to 64 answers, a short prompt) one program sorts them all in one
-# launch (``_route_one_block_kernel``): the count and place kernels took 3.8 + 11.6 us a layer for one answer's 8
-# rows on the H200 (bench/profile_decode.py, BENCHMARKS.md "Fifteenth session").
-ONE_BLOCK_ROWS = 1024
+# Up to this many assignments (a decode step of up to 32 answers) one program sorts them all in one launch
+# (``_route_one_block_kernel``). bench/bench_route_rows.py on the H200, graphs of 32 sorts (BENCHMARKS.md "Sixteenth
+# session"): 8 assignments 1.72 us against 9.37 for the count and place kernels, 64 5.23 vs 10.63, 256 8.21 vs
+# 15.07; at 512 and 1024 the one program is slower (27.8 vs 23.0 us, 55.8 vs 46.0).
+ONE_BLOCK_ROWS = 256
 
 
 def _warps(block: int) -> int:
@@ -193,6 +194,12 @@ class TritonKernels:
         # + 2 addends): rows (tokens) per program and warps
         self.gather_tile = Tile(1, 4)
         self.combine_tile = Tile(1, 4)
+
+    def skinny_fp8(self, max_rows: int):
+        """The dense e4m3 GEMM for at most ``max_rows`` rows (``skinny_triton``), for ``Fp8Linear``."""
+        from .skinny_triton import SkinnyFp8
+
+        return SkinnyFp8(max_rows)
 
     def quant_gather(self, x_TD: torch.Tensor, token_R: torch.Tensor):
         x = x_TD.contiguous()

@@ -11,10 +11,10 @@ output columns across the whole K: a few hundred programs, every SM reading.
 
 May assume: ``triton`` imports; contiguous CUDA tensors; ``K`` a multiple of
 ``BLOCK_K`` (``SkinnyFp8.fits`` says which shapes qualify). Row-wise scales
-only (``fp8_row``), no bias. The tensor cores accumulate in fp32 (Triton's
-default for e4m3 on sm90 promotes partial sums no less often than cuBLAS's
-fast accumulation does); the product differs from cuBLAS's by its summation
-order, within bf16's rounding (tests/gpu/test_gpu_skinny_fp8.py).
+only (``fp8_row``), no bias; the cuda platform runs it in recipes with fast
+accumulation only (``Fp8Linear``). The tensor cores accumulate in fp32; the
+product differs from cuBLAS's in its summation order: no further from the
+fp64 product than cuBLAS's fast accumulation (tests/gpu/test_gpu_skinny_fp8.py).
 """
 from __future__ import annotations
 
@@ -35,10 +35,12 @@ class SkinnyTile:
     stages: int
 
 
-# Chosen by bench/bench_skinny_fp8.py on the H200 (BENCHMARKS.md "Sixteenth session"); MAX_ROWS: the most rows
-# for which this kernel measured faster than cuBLAS at every dense shape of the released model.
-TILE = SkinnyTile(block_n=32, block_k=256, warps=4, stages=4)
-MAX_ROWS = 16
+# (most rows, launch shape) by rows, chosen by bench/bench_skinny_fp8.py on the H200 at the released model's dense
+# shapes (BENCHMARKS.md "Sixteenth session"): 1.39-1.99x cuBLAS's time at 1-64 rows. Beyond the last row count
+# cuBLAS keeps the GEMM (not measured past it).
+TILES = ((16, SkinnyTile(block_n=32, block_k=512, warps=4, stages=3)),
+         (32, SkinnyTile(block_n=64, block_k=512, warps=4, stages=3)),
+         (64, SkinnyTile(block_n=32, block_k=256, warps=4, stages=3)))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -65,15 +67,22 @@ def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, BLOCK_M: tl
 
 
 class SkinnyFp8:
-    """The kernel at one launch shape (``tile``) for up to ``max_rows`` rows (``fits``)."""
+    """The kernel for up to ``max_rows`` rows (``fits``), launched with the first shape of ``tiles`` (most rows,
+    tile) that takes the call's rows."""
 
-    def __init__(self, tile: SkinnyTile = TILE, max_rows: int = MAX_ROWS):
-        self.tile, self.max_rows = tile, max_rows
-        self.name = f"triton-skinny-fp8[n{tile.block_n},k{tile.block_k},w{tile.warps},s{tile.stages},<={max_rows}]"
+    def __init__(self, max_rows: int, tiles=TILES):
+        self.tiles, self.max_rows = tiles, min(max_rows, tiles[-1][0])
+        shapes = ",".join(f"{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in tiles)
+        self.name = f"triton-skinny-fp8[{shapes},<={self.max_rows}]"
 
-    def fits(self, rows: int, K: int) -> bool:
-        """Whether this kernel takes ``rows`` rows of width ``K`` (``rows`` is a host-side shape: capture-safe)."""
-        return 0 < rows <= self.max_rows and K % self.tile.block_k == 0
+    def tile_for(self, rows: int) -> SkinnyTile:
+        return next(t for most, t in self.tiles if rows <= most)
+
+    def fits(self, xq_MK: torch.Tensor) -> bool:
+        """Whether this kernel takes these rows: on the device, at most ``max_rows`` of them, K a multiple of the
+        tile's (shapes only, read on the host: capture-safe)."""
+        rows, K = xq_MK.shape
+        return xq_MK.is_cuda and 0 < rows <= self.max_rows and K % self.tile_for(rows).block_k == 0
 
     def __call__(self, xq_MK: torch.Tensor, xs_M1: torch.Tensor, wq_NK: torch.Tensor, ws_N: torch.Tensor,
                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -82,9 +91,9 @@ class SkinnyFp8:
         M, K = xq_MK.shape
         N = wq_NK.shape[0]
         y = torch.empty(M, N, dtype=out_dtype, device=xq_MK.device)
-        t = self.tile
+        t = self.tile_for(M)
         _skinny_fp8_kernel[(triton.cdiv(N, t.block_n),)](
-            xq_MK, xs_M1.reshape(-1).float().contiguous(), wq_NK, ws_N.reshape(-1).float().contiguous(), y, M, N, K,
+            xq_MK.contiguous(), xs_M1.reshape(-1).float().contiguous(), wq_NK, ws_N.reshape(-1).float().contiguous(), y, M, N, K,
             BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
             num_warps=t.warps, num_stages=t.stages)
         return y

@@ -22,6 +22,7 @@ from conformance_cases import (TOL, attention_grid, attention_spec, make_attenti
                                naive_grouped, naive_linear)
 from omni.platforms.common.sdpa import SdpaAttention
 from omni.platforms.cuda import attention, gemm
+from omni.platforms.cuda.moe import TorchKernels
 from omni.platforms.cuda.capabilities import Caps, Fa3
 from omni.specs import GemmSpec, GroupedGemmSpec
 
@@ -216,6 +217,56 @@ def test_cuda_linear_kernels_on_cpu_tensors(quant, dtype):
     y = impl(x, impl.prepare_weight(w), b)
     assert y.dtype == dtype and y.shape == (3, 7, 48)
     torch.testing.assert_close(y.float(), naive_linear(spec, x, w, b).float(), **TOL[torch.bfloat16])
+
+
+class SkinnyDouble:
+    """Stands in for the Triton few-row kernel: takes up to ``max_rows`` rows, records each call's operands and
+    computes the documented product in fp32."""
+
+    def __init__(self, max_rows: int):
+        self.max_rows, self.name, self.calls = max_rows, f"skinny-double[<={max_rows}]", []
+
+    def fits(self, xq_MK) -> bool:
+        return 0 < xq_MK.shape[0] <= self.max_rows
+
+    def __call__(self, xq_MK, xs_M1, wq_NK, ws_1N, out_dtype):
+        self.calls.append((tuple(xq_MK.shape), tuple(xs_M1.shape), tuple(wq_NK.shape), tuple(ws_1N.shape), out_dtype))
+        return ((xq_MK.float() * xs_M1.float()) @ (wq_NK.float() * ws_1N.float().view(-1, 1)).T).to(out_dtype)
+
+
+class KernelsWithSkinny(TorchKernels):
+    def skinny_fp8(self, max_rows: int):
+        self.skinny = SkinnyDouble(max_rows)
+        return self.skinny
+
+
+@pytest.mark.parametrize("fast,skinny_rows,bias", [(True, 8, False), (False, 8, False), (True, 0, False),
+                                                   (True, 8, True)])
+def test_few_rows_take_the_skinny_kernel_only_where_the_spec_allows(fast, skinny_rows, bias, monkeypatch):
+    """fp8_row with fast accumulation: up to ``spec.skinny_rows`` rows without a bias run the platform's few-row
+    kernel (the same product); more rows, exact accumulation, ``skinny_rows`` 0 or a bias keep ``_scaled_mm``
+    (recorded here: this CPU's ``_scaled_mm`` may not take row-wise scales)."""
+    cublas = []
+    monkeypatch.setattr(torch, "_scaled_mm", lambda xq, *a, **kw: cublas.append(xq.shape[0]) or torch.zeros(
+        xq.shape[0], 48, dtype=kw["out_dtype"]))
+    spec = GemmSpec(in_features=64, out_features=48, dtype=torch.bfloat16, quant="fp8_row", fast_accum=fast,
+                    skinny_rows=skinny_rows, bias=bias)
+    kernels = KernelsWithSkinny()
+    impl = gemm.Fp8Linear(spec, H100, kernels)
+    assert (impl.skinny is not None) == (fast and skinny_rows > 0)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=g).bfloat16()
+    pw, b = impl.prepare_weight(w), (torch.randn(48, generator=g).bfloat16() if bias else None)
+    takes = fast and skinny_rows > 0 and not bias
+    for rows in (1, 8, 9):
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        y = impl(x, pw, b)
+        assert y.shape == (rows, 48) and y.dtype == torch.bfloat16
+        if takes and rows <= skinny_rows:
+            assert kernels.skinny.calls[-1] == ((rows, 64), (rows, 1), (48, 64), (1, 48), torch.bfloat16)
+            ref = naive_linear(spec, x, w, None).float()
+            assert float((y.float() - ref).norm() / ref.norm()) < 0.05  # e4m3 operands, as _scaled_mm's
+    assert cublas == ([9] if takes else [1, 8, 9])
 
 
 def test_grouped_mm_kernel_on_cpu_tensors():
