@@ -1,11 +1,13 @@
-"""The MoE's counting sort at decode sizes: one launch against the count and place kernels (issue 17).
+"""The MoE's counting sort at decode sizes: its launch plans against each other (issue 17).
 
 A decode step routes top-8 of 64 experts for each answer's one token: 8 to
-512 assignments. ``TritonKernels.route_rows`` sorts up to ``ONE_BLOCK_ROWS``
-of them in one program (``one_block``) instead of a count kernel and a place
-kernel. Both plans run on the same ids, each captured ``--chain`` times into a
-CUDA graph (as the decode step is) and replayed round robin; the medians are
-reported with the outputs checked equal to the torch sort's.
+512 assignments and more. ``TritonKernels.route_rows`` launches the sort by one
+of ``ROUTE_PLANS`` (``route_plan`` picks by the row count): ``one launch`` (one
+program sorts them all), ``chunks`` (count and place kernels, a program per
+128 rows) or ``blocks`` (a program per 1024 rows, a chunk at a time). Every
+plan runs on the same ids, each captured ``--chain`` times into a CUDA graph
+(as the decode step is) and replayed round robin; the medians are reported
+with the outputs checked equal to the torch sort's.
 
     python bench/bench_route_rows.py --tokens 1,8,32,64,128 --json out.json
 """
@@ -21,14 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
 
 from omni.platforms.cuda.moe import TorchKernels  # noqa: E402
-from omni.platforms.cuda.moe_triton import TritonKernels  # noqa: E402
+from omni.platforms.cuda.moe_triton import ROUTE_PLANS, TritonKernels, route_plan  # noqa: E402
 
 E, TOP_K = 64, 8
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", default="1,8,32,64,128", help="tokens routed (top-8 of 64 each), comma-separated")
+    p.add_argument("--tokens", default="1,8,32,64,128,512", help="tokens routed (top-8 of 64 each), comma-separated")
     p.add_argument("--chain", type=int, default=32, help="sorts per captured graph (a step's layers)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--json", type=Path)
@@ -39,16 +41,14 @@ def main() -> int:
     for tokens in map(int, a.tokens.split(",")):
         ids = torch.rand(tokens, E, device="cuda", generator=g).topk(TOP_K, -1).indices
         want = ref.route_rows(ids, E)
-        plans = {"one launch": True, "count + place": False}
-        equal = {name: all(torch.equal(x, y) for x, y in zip(kernels.route_rows(ids, E, one_block=ob), want))
-                 for name, ob in plans.items()}
-        graphs = {name: captured(lambda ob=ob: kernels.route_rows(ids, E, one_block=ob), a.chain)
-                  for name, ob in plans.items()}
-        t = round_robin({name: gr.replay for name, gr in graphs.items()}, a.rounds, burn=20, iters=5)
-        row = {"tokens": tokens, "assignments": tokens * TOP_K,
-               **{f"{name} us": round(1e6 * s / a.chain, 2) for name, s in t.items()},
+        plans = [p for p in ROUTE_PLANS if p != "one launch" or tokens * TOP_K <= 1024]
+        equal = {p: all(torch.equal(x, y) for x, y in zip(kernels.route_rows(ids, E, plan=p), want)) for p in plans}
+        graphs = {p: captured(lambda p=p: kernels.route_rows(ids, E, plan=p), a.chain) for p in plans}
+        t = round_robin({p: gr.replay for p, gr in graphs.items()}, a.rounds, burn=20, iters=5)
+        row = {"tokens": tokens, "assignments": tokens * TOP_K, "chosen": route_plan(tokens * TOP_K),
+               **{f"{p} us": round(1e6 * s / a.chain, 2) for p, s in t.items()},
                "equal to the torch sort": equal}
-        row["speedup"] = round(row["count + place us"] / row["one launch us"], 2)
+        row["chosen vs blocks"] = round(row["blocks us"] / row[f"{row['chosen']} us"], 2)
         print(row, flush=True)
         rows.append(row)
     return emit({"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "chain": a.chain, "rows": rows}, a.json)

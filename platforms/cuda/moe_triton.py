@@ -171,6 +171,11 @@ SMALL_ROWS, SMALL_CHUNK = 256, 32
 # session"): 8 assignments 1.72 us against 9.37 for the count and place kernels, 64 5.23 vs 10.63, 256 8.21 vs
 # 15.07; at 512 and 1024 the one program is slower (27.8 vs 23.0 us, 55.8 vs 46.0).
 ONE_BLOCK_ROWS = 256
+# Past it and up to CHUNK_ROWS assignments (a decode step of 33-1024 answers, a prompt of up to 1024 tokens) the
+# count and place kernels run one program per CHUNK_BLOCK rows, so the places of all chunks are made at once: with
+# one program per 1024 rows a step of 64 answers (512 assignments) spent 36 us a layer in the place kernel, one
+# chunk after another (bench/profile_decode.py, BENCHMARKS.md "Sixteenth session").
+CHUNK_BLOCK, CHUNK_ROWS = 128, 8192
 
 
 def _warps(block: int) -> int:
@@ -267,27 +272,40 @@ class TritonKernels:
                 ADDENDS=len(addends), BLOCK_D=block, ROWS=tile.rows, num_warps=tile.warps)
         return out
 
-    def route_rows(self, ids_Tk: torch.Tensor, num_experts: int, one_block: bool = True):
-        """``(token_R, inverse_R, offsets_E)`` of the stable sort by expert: one launch up to ``ONE_BLOCK_ROWS``
-        assignments (``one_block``; False: the two-launch sort, for the benchmark), two launches up to
-        ``MAX_BLOCKS`` blocks and ``MAX_EXPERTS`` experts, the torch sort beyond."""
+    def route_rows(self, ids_Tk: torch.Tensor, num_experts: int, plan: str | None = None):
+        """``(token_R, inverse_R, offsets_E)`` of the stable sort by expert, as ``route_plan`` launches it for
+        these rows (``plan``: one of ``ROUTE_PLANS`` instead, for the benchmark and the tests); the torch sort
+        beyond ``MAX_BLOCKS`` blocks or ``MAX_EXPERTS`` experts."""
         ids = ids_Tk.reshape(-1).contiguous()
         R, k, dev = ids.numel(), ids_Tk.shape[1], ids.device
-        nb = triton.cdiv(R, SORT_BLOCK)
+        plan = plan or route_plan(R)
+        block = CHUNK_BLOCK if plan == "chunks" else SORT_BLOCK
+        nb = triton.cdiv(R, block)
         if not 0 < nb <= MAX_BLOCKS or num_experts > MAX_EXPERTS:
             return torch_route_rows(ids_Tk, num_experts)
         eb = triton.next_power_of_2(num_experts)
         token_R, inverse_R = torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.int64, device=dev)
         ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
         chunk = SMALL_CHUNK if R <= SMALL_ROWS else SORT_CHUNK
-        if one_block and R <= ONE_BLOCK_ROWS:
-            rb = max(chunk, triton.next_power_of_2(R))
-            _route_one_block_kernel[(1,)](ids, token_R, inverse_R, ends_E, R, num_experts, k, EB=eb, RB=rb,
-                                          CHUNK=chunk, num_warps=4 if chunk == SMALL_CHUNK else 8)
+        warps = 4 if chunk == SMALL_CHUNK else 8
+        if plan == "one launch":
+            _route_one_block_kernel[(1,)](ids, token_R, inverse_R, ends_E, R, num_experts, k, EB=eb,
+                                          RB=max(chunk, triton.next_power_of_2(R)), CHUNK=chunk, num_warps=warps)
             return token_R, inverse_R, ends_E
         counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
-        _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=SORT_BLOCK, num_warps=8)
+        _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=block, num_warps=8)
         _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
-                             NBP=triton.next_power_of_2(nb), BLOCK=SORT_BLOCK, CHUNK=chunk,
-                             num_warps=4 if chunk == SMALL_CHUNK else 8)
+                             NBP=triton.next_power_of_2(nb), BLOCK=block, CHUNK=min(chunk, block), num_warps=warps)
         return token_R, inverse_R, ends_E
+
+
+def route_plan(R: int) -> str:
+    """How ``route_rows`` launches the sort of ``R`` assignments: ``one launch`` (one program sorts them all),
+    ``chunks`` (count and place kernels, one program per ``CHUNK_BLOCK`` rows: the places in parallel) or
+    ``blocks`` (one program per ``SORT_BLOCK`` rows, ranked a chunk at a time: an image step's 65,552)."""
+    if R <= ONE_BLOCK_ROWS:
+        return "one launch"
+    return "chunks" if R <= CHUNK_ROWS else "blocks"
+
+
+ROUTE_PLANS = ("one launch", "chunks", "blocks")

@@ -35,12 +35,13 @@ class SkinnyTile:
     stages: int
 
 
-# (most rows, launch shape) by rows, chosen by bench/bench_skinny_fp8.py on the H200 at the released model's dense
-# shapes (BENCHMARKS.md "Sixteenth session"): 1.39-1.99x cuBLAS's time at 1-64 rows. Beyond the last row count
-# cuBLAS keeps the GEMM (not measured past it).
+# (most rows, launch shape) by rows: at each of 1, 8, 16, 32 and 64 rows the shape of 12 (BLOCK_N 16/32/64, BLOCK_K
+# 256/512, 4 warps, 3/5 stages) whose slowest speedup over cuBLAS across the released model's three dense shapes
+# was the highest (bench/bench_skinny_fp8.py on the H200, BENCHMARKS.md "Sixteenth session"): 1.39-1.41x at 1-16
+# rows, 1.36x at 32, 1.70x at 64. Past the last row count cuBLAS keeps the GEMM (not measured past it).
 TILES = ((16, SkinnyTile(block_n=32, block_k=512, warps=4, stages=3)),
          (32, SkinnyTile(block_n=64, block_k=512, warps=4, stages=3)),
-         (64, SkinnyTile(block_n=32, block_k=256, warps=4, stages=3)))
+         (64, SkinnyTile(block_n=64, block_k=256, warps=4, stages=3)))
 
 
 @triton.jit(do_not_specialize=["M"])

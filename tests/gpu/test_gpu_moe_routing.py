@@ -3,7 +3,7 @@
 - ``route_rows``: the same three tensors as the torch path (a stable sort) at the released shapes (8194 tokens,
   top-8 of 64; and a prefill of 600), with an expert left empty, one busy expert, a width that is not a power of two, fewer rows
   than one block, decode steps of 1, 32, 40 and 64 tokens (small and large chunks), the one-launch sort's limit
-  (256 assignments) and one past it, each through both launch plans, and beyond the kernel's block limit (where it hands over to the torch sort); replayed from
+  (256 assignments) and the per-chunk plan's (8192), one past each, each through every launch plan, and beyond the kernel's block limit (where it hands over to the torch sort); replayed from
   a CUDA graph on new ids.
 - ``combine`` with zero, one and two addends: within a bf16 rounding of the torch kernels' fp32 sum, and a
   zero addend changes no bit.
@@ -43,24 +43,29 @@ CASES = {"released": (8194, 8, 64, "topk"), "prefill-of-two-prompts": (600, 8, 6
          "under-a-block": (7, 3, 8, "topk"), "beyond-the-block-limit": (33000, 8, 64, "topk"),
          "decode-one-token": (1, 8, 64, "topk"), "decode-32-tokens": (32, 8, 64, "topk"),
          "decode-40-tokens": (40, 8, 64, "topk"), "decode-64-tokens": (64, 8, 64, "topk"),
-         "one-block-limit": (32, 8, 64, "topk"), "past-the-one-block-limit": (33, 8, 64, "topk")}
+         "one-block-limit": (32, 8, 64, "topk"), "past-the-one-block-limit": (33, 8, 64, "topk"),
+         "chunk-limit": (1024, 8, 64, "topk"), "past-the-chunk-limit": (1025, 8, 64, "topk")}
 
 
-@pytest.mark.parametrize("one_block", [True, False], ids=["one-launch", "two-launches"])
+@pytest.mark.parametrize("plan", [None, "one launch", "chunks", "blocks"])
 @pytest.mark.parametrize("case", CASES)
-def test_route_rows_equals_the_stable_sort(kernels, case, one_block):
-    """Both launch plans (up to ``ONE_BLOCK_ROWS`` assignments one program sorts them all) give the torch sort."""
+def test_route_rows_equals_the_stable_sort(kernels, case, plan):
+    """Every launch plan (``route_plan``'s choice, and each one forced) gives the torch sort."""
+    from omni.platforms.cuda.moe_triton import ONE_BLOCK_ROWS
+
     triton_k, torch_k = kernels
     T, k, E, how = CASES[case]
+    if plan == "one launch" and T * k > 4 * ONE_BLOCK_ROWS:
+        pytest.skip("one program for every row: meant for a decode step's few")
     ids = routed_ids(T, k, E, how)
-    got, want = triton_k.route_rows(ids, E, one_block=one_block), torch_k.route_rows(ids, E)
+    got, want = triton_k.route_rows(ids, E, plan=plan), torch_k.route_rows(ids, E)
     for name, a, b in zip(("token_R", "inverse_R", "offsets_E"), got, want):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{case}: {name} differs"
     if how == "busy":
         assert int(got[2][0]) == 0  # the empty expert's group ends where it starts
 
 
-@pytest.mark.parametrize("T", [8194, 4], ids=["image-step", "decode-step"])
+@pytest.mark.parametrize("T", [8194, 64, 4], ids=["image-step", "decode-step-64", "decode-step-4"])
 def test_route_rows_replays_from_a_graph(kernels, T):
     triton_k, torch_k = kernels
     k, E = 8, 64
