@@ -8,8 +8,9 @@ every tensor is a contiguous CUDA tensor. One program per row; no host reads.
     gather_rows    q[token_R[r]], s[token_R[r]]: rows a glue kernel quantized already (1 byte per element moved)
     swiglu         h[r] = [x1 | x2] -> x1 * silu(x2), as bf16 or as e4m3 + per-row scale
     combine        out[t] = sum(addends)[t] + sum_j w[t, j] * y[inverse[t*k + j]] (fp32 accumulate, one rounding)
-    route_rows     a stable counting sort of the T*k expert ids in two launches (counts per block, then
-                   places): each sorted row's token, each assignment's sorted row, the group ends
+    route_rows     a stable counting sort of the T*k expert ids: one launch up to 32 assignments, else two
+                   (counts per block of 128 or 1024 rows, then places; ``route_plan``): each sorted row's
+                   token, each assignment's sorted row, the group ends
 
 The quantization is ``omni.quant``'s (absmax / 448, clamp, round to nearest
 e4m3) computed in fp32 from the bf16 inputs.
@@ -166,15 +167,16 @@ SORT_BLOCK, SORT_CHUNK, MAX_BLOCKS, MAX_EXPERTS = 1024, 128, 256, 256
 # [32, 32] tiles instead of [128, 128] ones. The 1024-row chunks of 128 took 101 us a layer for 8 rows on the
 # H200 (bench/profile_decode.py, BENCHMARKS.md fourteenth session).
 SMALL_ROWS, SMALL_CHUNK = 256, 32
-# Up to this many assignments (a decode step of up to 32 answers) one program sorts them all in one launch
+# Up to this many assignments (a decode step of up to 4 answers) one program sorts them all in one launch
 # (``_route_one_block_kernel``). bench/bench_route_rows.py on the H200, graphs of 32 sorts (BENCHMARKS.md "Sixteenth
-# session"): 8 assignments 1.72 us against 9.37 for the count and place kernels, 64 5.23 vs 10.63, 256 8.21 vs
-# 15.07; at 512 and 1024 the one program is slower (27.8 vs 23.0 us, 55.8 vs 46.0).
-ONE_BLOCK_ROWS = 256
-# Past it and up to CHUNK_ROWS assignments (a decode step of 33-1024 answers, a prompt of up to 1024 tokens) the
+# session"): 8-32 assignments 1.9 us against 3.4-3.6 for the per-chunk count and place kernels and 9.6 for the
+# per-1024-rows ones; from 48 assignments the per-chunk kernels are faster (4.31 vs 4.62 us, 256: 5.94 vs 8.14).
+ONE_BLOCK_ROWS = 32
+# Past it and up to CHUNK_ROWS assignments (a decode step of 5-1024 answers, a prompt of up to 1024 tokens) the
 # count and place kernels run one program per CHUNK_BLOCK rows, so the places of all chunks are made at once: with
 # one program per 1024 rows a step of 64 answers (512 assignments) spent 36 us a layer in the place kernel, one
-# chunk after another (bench/profile_decode.py, BENCHMARKS.md "Sixteenth session").
+# chunk after another (bench/profile_decode.py); per chunk the sort of 512 assignments takes 5.3 us against 23.3,
+# of 4096 6.0 against 28.8 (bench/bench_route_rows.py, BENCHMARKS.md "Sixteenth session").
 CHUNK_BLOCK, CHUNK_ROWS = 128, 8192
 
 
