@@ -23,15 +23,6 @@ N, K, H = 8, 2, 128
 LQ, LK = [64, 17, 128], [64, 100, 256]
 
 
-@pytest.fixture(scope="module")
-def platform():
-    from omni import platform_manager
-
-    p = platform_manager.select("cuda")
-    p.device_services(0)
-    return p
-
-
 def _cu(lengths):
     return tuple(itertools.accumulate(lengths, initial=0))
 

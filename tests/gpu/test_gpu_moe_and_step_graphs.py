@@ -22,15 +22,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")]
 
 
-@pytest.fixture(scope="module")
-def platform():
-    from omni import platform_manager
-
-    p = platform_manager.select("cuda")
-    p.device_services(0)
-    return p
-
-
 def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 

@@ -62,15 +62,6 @@ def test_fits_only_device_rows_up_to_its_limit():
     assert SkinnyFp8(1000).max_rows == 64  # no further than the measured tiles
 
 
-@pytest.fixture(scope="module")
-def platform():
-    from omni import platform_manager
-
-    p = platform_manager.select("cuda")
-    p.device_services(0)
-    return p
-
-
 def test_the_platform_linear_takes_it_for_few_rows_and_replays_it(platform):
     spec = GemmSpec(in_features=K, out_features=N, dtype=torch.bfloat16, quant="fp8_row", fast_accum=True,
                     skinny_rows=16)
