@@ -135,7 +135,7 @@ class Fp8Linear:
     ``skinny``: with ``fp8_row``, fast accumulation and Triton, calls of at most ``spec.skinny_rows`` rows (a
     decode step's; the row count is a shape, so a captured call keeps its choice) and no bias run the Triton
     kernel for few rows (``skinny_triton``), which reads the weight on every SM where cuBLAS's 128-row tiles
-    occupy a third of them (1.39-1.99x at 1-64 rows on the H200, BENCHMARKS.md "Sixteenth session").
+    occupy a third of them (1.36-1.76x at 1-64 rows on the H200, BENCHMARKS.md "Sixteenth session").
     """
 
     def __init__(self, spec: GemmSpec, caps: Caps, kernels):

@@ -310,6 +310,29 @@ def test_the_swiglu_epilogue_is_its_own_object_and_self_test(loading):
     assert len(list(cache.glob("*.ok-*"))) == 2
 
 
+def test_prebuild_compiles_side_by_side_and_reports_each_failure(fake_nvcc, tmp_path, monkeypatch):
+    """Every configuration a fast recipe may load is compiled (one nvcc each); a failing compile is returned as
+    its error, not raised, so ``load`` reports it itself; the small builds exist for fast accumulation only."""
+    nvcc, include, log = fake_nvcc
+    monkeypatch.setenv("OMNI_KERNEL_CACHE", str(tmp_path / "kcache"))
+    configs = [cg.config_of(True, swiglu, small) for swiglu in (False, True) for small in (False, True)]
+    assert [c.name for c in configs] == ["pong_128x128_c1x2_fast", "pong_64x128_c1x1_fast",
+                                         "pong_128x192_c1x2_fast_swiglu", "pong_64x128_c1x1_fast_swiglu"]
+    built = cg.prebuild(configs, str(nvcc), str(include))
+    assert all(isinstance(b, Path) and b.exists() for b in built) and len(log.read_text().splitlines()) == 4
+    assert cg.config_of(False, small=True) is None
+    monkeypatch.setenv("OMNI_KERNEL_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("FAIL_NVCC", "1")
+    failed = cg.prebuild(configs[:2], str(nvcc), str(include))
+    assert all(isinstance(f, RuntimeError) and "nvcc failed (2)" in str(f) for f in failed)
+
+
+def test_no_small_build_with_exact_accumulation(loading):
+    nvcc, include, _, _ = loading
+    with pytest.raises(RuntimeError, match="no small-tile build with fast_accum=False"):
+        cg.load(False, nvcc, include, tester=pytest.fail, small=True)
+
+
 def test_the_self_test_runs_once_per_device_model_before_the_object_is_opened(loading):
     nvcc, include, opened, cache = loading
     tested = []
