@@ -63,11 +63,20 @@ def test_chat_help_teaches(capsys):
     assert "no history" in out and "one per line" in out and "exits 2" in out
 
 
-def test_one_shot_streams_the_answer_then_a_newline(one_shot):
+def test_one_shot_writes_the_answer_then_a_newline(one_shot):
     answer = one_shot.text
     assert answer.endswith("\n") and answer.count("\n") == 1 and answer.strip()
-    pieces = [w for w in one_shot.writes if w.strip()]
-    assert len(pieces) >= 2  # written as it was generated, not in one go at the end
+
+
+def test_one_shot_streams_a_long_answer_in_pieces(monkeypatch):
+    """Written as it is generated, not in one go at the end. The CLI polls every ``POLL_S`` (20 ms) and writes
+    what was published since: the tiny model decodes 8 tokens in about one poll (so an 8-token answer may
+    arrive whole), 128 in about a dozen."""
+    out = Recorder()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["chat", "--prompt", "a red cat", *GREEDY, "--max-tokens", "128"]) == 0
+    pieces = [w for w in out.writes if w.strip()]
+    assert len(pieces) >= 2 and out.text.endswith("\n") and out.text.count("\n") == 1
 
 
 def test_interactive_answers_each_stdin_line(one_shot, monkeypatch, caplog):

@@ -118,6 +118,16 @@ def test_n_answers_use_seed_plus_i(instruct):
 # ------------------------------------------------------------------ streaming
 
 
+def test_a_long_answer_arrives_in_pieces(instruct):
+    """Streamed as it is generated, not in one go: the stream looks at its ticket every ``POLL_S`` (10 ms); the
+    tiny model decodes 8 tokens in about two looks (so a short answer may come whole), 128 in a couple of dozen."""
+    url, _, scheduler = instruct
+    texts, reasons, chunks = streamed(url, max_tokens=128, temperature=0.0, seed=2)
+    contents = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(contents) >= 2 and "".join(c.choices[0].delta.content for c in contents) == texts[0]
+    assert reasons == {0: "length"} and not scheduler.has_work()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.6])
 def test_stream_deltas_add_up_to_the_answer(instruct, temperature):
     url, _, scheduler = instruct
@@ -127,8 +137,6 @@ def test_stream_deltas_add_up_to_the_answer(instruct, temperature):
     assert texts == {0: plain.choices[0].message.content} and reasons == {0: "length"}
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
     assert len({c.id for c in chunks}) == 1
-    contents = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(contents) >= 2  # the answer arrives in pieces as it is generated, not in one go
     last = chunks[-1]
     assert last.choices == [] and last.usage.model_dump() == plain.usage.model_dump()
     assert all(c.usage is None for c in chunks[:-1])
