@@ -92,3 +92,12 @@ def captured(fn: Callable[[], object], chain: int = 1) -> torch.cuda.CUDAGraph:
         for _ in range(chain):
             fn()
     return graph
+
+
+def chained_seconds(fns: dict, chain: int, rounds: int, burn: int, iters: int) -> dict:
+    """Median seconds per call of each function: ``chain`` calls captured into one graph (``captured``), the
+    graphs replayed in turn over ``rounds`` rounds (``round_robin``), so the kernels run back to back at the
+    clocks of sustained running, as in a captured step."""
+    graphs = {name: captured(fn, chain) for name, fn in fns.items()}
+    t = round_robin({name: g.replay for name, g in graphs.items()}, rounds, burn=burn, iters=iters)
+    return {name: s / chain for name, s in t.items()}

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
+from bench_common import chained_seconds, emit, git_commit, round_robin  # noqa: E402
 
 from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs, swiglu_pairs  # noqa: E402
 
@@ -98,9 +98,7 @@ def timed(fns: dict, rounds: int, chain: int) -> dict:
     """Median seconds per call: eager calls round robin, or (``chain``) replays of ``chain`` captured calls."""
     if not chain:
         return round_robin(fns, rounds)
-    graphs = {name: captured(fn, chain) for name, fn in fns.items()}
-    t = round_robin({name: g.replay for name, g in graphs.items()}, rounds, burn=3 * len(graphs), iters=3)
-    return {name: s / chain for name, s in t.items()}
+    return chained_seconds(fns, chain, rounds, burn=3 * len(fns), iters=3)
 
 
 def kernel_names(fn) -> list[str]:

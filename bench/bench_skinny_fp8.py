@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
+from bench_common import chained_seconds, emit, git_commit  # noqa: E402
 
 from omni import quant  # noqa: E402
 from omni.platforms.cuda.skinny_triton import SkinnyFp8, SkinnyTile  # noqa: E402
@@ -68,9 +68,7 @@ def main() -> int:
                 print(f"skipped {k.name}: {type(e).__name__}", flush=True)
                 continue
             fns[k.name] = fn
-        graphs = {n: captured(fn, a.chain) for n, fn in fns.items()}
-        t = round_robin({n: gr.replay for n, gr in graphs.items()}, a.rounds, burn=20, iters=5)
-        us = {n: s * 1e6 / a.chain for n, s in t.items()}
+        us = {n: s * 1e6 for n, s in chained_seconds(fns, a.chain, a.rounds, burn=20, iters=5).items()}
         best = min((n for n in us if n != "cublas"), key=us.get)
         row = {"shape": name, "M": M, "K": K, "N": N, "us": {n: round(v, 2) for n, v in us.items()},
                "weight TB/s": {n: round(N * K / v / 1e6, 2) for n, v in us.items()},

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import captured, emit, git_commit, round_robin  # noqa: E402
+from bench_common import chained_seconds, emit, git_commit  # noqa: E402
 
 from omni.platform_manager import select  # noqa: E402
 from omni.platforms.cuda import moe as cuda_moe  # noqa: E402
@@ -37,9 +37,8 @@ T, D, I, E, TOPK = 8194, 4096, 3072, 64, 8
 
 def per_call_ms(fns: dict, chain: int, rounds: int) -> dict:
     """ms per call of each function, captured ``chain`` calls to a graph and replayed round robin."""
-    graphs = {name: captured(fn, chain) for name, fn in fns.items()}
-    t = round_robin({name: g.replay for name, g in graphs.items()}, rounds, burn=3 * len(graphs), iters=3)
-    return {name: round(sec * 1e3 / chain, 4) for name, sec in t.items()}
+    t = chained_seconds(fns, chain, rounds, burn=3 * len(fns), iters=3)
+    return {name: round(sec * 1e3, 4) for name, sec in t.items()}
 
 
 def operands(g):

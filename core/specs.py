@@ -136,10 +136,6 @@ def _check_rows(spec: str, field: str, key: str, value: int) -> None:
         raise ValueError(f"{spec}.{field} ({key}) must be an integer >= 0, got {value!r}")
 
 
-def _check_small_rows(spec: str, value: int) -> None:
-    _check_rows(spec, "small_rows", "kernels.grouped_fp8_small_rows", value)
-
-
 def _check_memory_bound(spec: str, value: str) -> None:
     if value not in MEMORY_BOUND:
         raise ValueError(f"{spec}.memory_bound (kernels.memory_bound) must be one of {MEMORY_BOUND}, got {value!r}")
@@ -185,7 +181,7 @@ class GroupedGemmSpec:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"GroupedGemmSpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
         _check_grouped_fp8("GroupedGemmSpec", self.grouped_fp8)
-        _check_small_rows("GroupedGemmSpec", self.small_rows)
+        _check_rows("GroupedGemmSpec", "small_rows", "kernels.grouped_fp8_small_rows", self.small_rows)
 
 
 @dataclass(slots=True)
@@ -313,7 +309,7 @@ class MoESpec:
             raise ValueError(f"MoESpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
         _check_memory_bound("MoESpec", self.memory_bound)
         _check_grouped_fp8("MoESpec", self.grouped_fp8)
-        _check_small_rows("MoESpec", self.small_rows)
+        _check_rows("MoESpec", "small_rows", "kernels.grouped_fp8_small_rows", self.small_rows)
         if not 0 < self.topk <= self.num_experts:
             raise ValueError(f"MoESpec.topk must be in 1..{self.num_experts}, got {self.topk}")
 

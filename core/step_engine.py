@@ -241,7 +241,7 @@ class StepEngine:
         self._release_rows(state.rows)
         self.pool.release(state.reserved)  # a CoT pass's pages for the image pass that did not come
         state.rows, state.reserved = [], []
-        if getattr(state, "ahead", None) is not None:  # an answer released mid-way: drop its unread draw's tensors
+        if hasattr(state, "ahead"):  # an answer released mid-way: drop its unread draw's tensors
             state.ahead = None
 
     def _release_rows(self, rows: list[Row]) -> None:

@@ -163,13 +163,15 @@ class Fp8Linear:
         w_scale = w.scale.view(1, -1) if self.per_row else w.scale
         if self.skinny is not None and bias_O is None and self.skinny.fits(xq):
             y = self.skinny(xq, x_scale, w.data, w_scale, out_dtype=self.out_dtype).to(self.spec.dtype)
-            return y.reshape(*lead, self.spec.out_features)
-        bias = bias_O.to(self.out_dtype) if bias_O is not None and self.fuse_bias else None
-        y = _unwrap(torch._scaled_mm(xq, w.data.t(), scale_a=x_scale, scale_b=w_scale, bias=bias,
-                                     out_dtype=self.out_dtype, use_fast_accum=self.spec.fast_accum)).to(self.spec.dtype)
-        if bias_O is not None and bias is None:
-            y = y + bias_O
+        else:
+            y = self._scaled_mm(xq, x_scale, w.data, w_scale, bias_O)
         return y.reshape(*lead, self.spec.out_features)
+
+    def _scaled_mm(self, xq, x_scale, wq, w_scale, bias_O) -> torch.Tensor:
+        bias = bias_O.to(self.out_dtype) if bias_O is not None and self.fuse_bias else None
+        y = _unwrap(torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale, bias=bias,
+                                     out_dtype=self.out_dtype, use_fast_accum=self.spec.fast_accum)).to(self.spec.dtype)
+        return y + bias_O if bias_O is not None and bias is None else y
 
     def _quantize(self, x_TI):
         lead, x = x_TI.shape[:-1], x_TI.reshape(-1, self.spec.in_features).to(self.spec.dtype)

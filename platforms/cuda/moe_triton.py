@@ -297,7 +297,7 @@ class TritonKernels:
         counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
         _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=block, num_warps=8)
         _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
-                             NBP=triton.next_power_of_2(nb), BLOCK=block, CHUNK=min(chunk, block), num_warps=warps)
+                             NBP=triton.next_power_of_2(nb), BLOCK=block, CHUNK=chunk, num_warps=warps)
         return token_R, inverse_R, ends_E
 
 
