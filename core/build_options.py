@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .specs import GROUPED_SMALL_ROWS, SKINNY_ROWS, AttentionSpec
+from .specs import GROUPED_SKINNY_ROWS, GROUPED_SMALL_ROWS, SKINNY_ROWS, AttentionSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # recipe name -> dtype
 
@@ -37,6 +37,7 @@ class BuildOptions:
     fast_accum: bool = False  # ``kernels.fp8_fast_accum``: fp8 GEMMs may skip fp32 promotion (docs/quality.md)
     grouped_fp8: str = "auto"  # ``kernels.grouped_fp8``: the fp8 expert GEMMs' kernel (``omni.specs.GROUPED_FP8``)
     grouped_small_rows: int = GROUPED_SMALL_ROWS  # ``kernels.grouped_fp8_small_rows``: rows per expert, small tile
+    grouped_skinny_rows: int = GROUPED_SKINNY_ROWS  # ``kernels.grouped_fp8_skinny_rows``: rows/expert, few-row kernel
     skinny_rows: int = SKINNY_ROWS  # ``kernels.fp8_skinny_rows``: dense fp8 GEMMs of this many rows, few-row kernel
     shared_expert_stream: bool = False  # ``kernels.shared_expert_stream``: the shared expert beside the routed path
 
@@ -49,6 +50,7 @@ class BuildOptions:
                    memory_bound=recipe.kernels.memory_bound, attn_fp8=recipe.attention.fp8,
                    fast_accum=recipe.kernels.fp8_fast_accum, grouped_fp8=recipe.kernels.grouped_fp8,
                    grouped_small_rows=recipe.kernels.grouped_fp8_small_rows,
+                   grouped_skinny_rows=recipe.kernels.grouped_fp8_skinny_rows,
                    skinny_rows=recipe.kernels.fp8_skinny_rows,
                    shared_expert_stream=recipe.kernels.shared_expert_stream)
 
@@ -60,7 +62,8 @@ class BuildOptions:
     def expert_kw(self) -> dict:
         """The kernel choices of the routed experts (``quant`` and the grouped GEMMs' own)."""
         return dict(dtype=self.dtype, quant=self.quant, memory_bound=self.memory_bound, fast_accum=self.fast_accum,
-                    grouped_fp8=self.grouped_fp8, small_rows=self.grouped_small_rows)
+                    grouped_fp8=self.grouped_fp8, small_rows=self.grouped_small_rows,
+                    skinny_rows=self.grouped_skinny_rows)
 
     @property
     def dense_quant(self) -> str:

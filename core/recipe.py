@@ -63,6 +63,7 @@ from .recipe_schema import (
     ATTENTION_BACKENDS,
     DTYPES,
     GROUPED_FP8,
+    GROUPED_SKINNY_ROWS,
     GROUPED_SMALL_ROWS,
     MEMORY_BOUND,
     SKINNY_ROWS,
@@ -88,7 +89,8 @@ from .recipe_schema import (
 
 __all__ = [
     "RECIPES_PACKAGE", "PLATFORM_GROUP", "BUILTIN_PLATFORMS", "TINY_FLAVOR", "DTYPES", "QUANT_SCHEMES",
-    "ATTENTION_BACKENDS", "MEMORY_BOUND", "GROUPED_FP8", "GROUPED_SMALL_ROWS", "SKINNY_ROWS", "VALIDATED_REQUIRED", "GiB",
+    "ATTENTION_BACKENDS", "MEMORY_BOUND", "GROUPED_FP8", "GROUPED_SMALL_ROWS", "GROUPED_SKINNY_ROWS",
+    "SKINNY_ROWS", "VALIDATED_REQUIRED", "GiB",
     "RecipeError", "parse_size", "parse_bytes", "parse_requirement", "unmet_requirement", "FrozenDict",
     "platform_choices",
     "Device", "Model", "Parallel", "Quant", "Attention", "Kernels", "KvCache", "Offload", "StepCache", "Graph", "Vae",

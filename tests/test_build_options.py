@@ -35,12 +35,12 @@ def test_from_recipe_maps_every_field():
         "kv_cache.page_tokens": 32, "attention.backend": "sdpa", "graph.mode": "capture",
         "kernels.memory_bound": "torch", "attention.fp8": True, "kernels.fp8_fast_accum": True,
         "kernels.grouped_fp8": "torch", "kernels.shared_expert_stream": True, "kernels.grouped_fp8_small_rows": 0,
-        "kernels.fp8_skinny_rows": 0})
+        "kernels.fp8_skinny_rows": 0, "kernels.grouped_fp8_skinny_rows": 0})
     opts = BuildOptions.from_recipe(recipe)
     assert opts == BuildOptions(dtype=torch.bfloat16, quant="fp8_row", experts_only=True, paged_kv=True, page_size=32,
                                 attn_backend="sdpa", capturable=True, memory_bound="torch", attn_fp8=True,
                                 fast_accum=True, grouped_fp8="torch", shared_expert_stream=True, grouped_small_rows=0,
-                                skinny_rows=0)
+                                skinny_rows=0, grouped_skinny_rows=0)
     defaults = BuildOptions(dtype=torch.float32)
     unchanged = [f.name for f in dataclasses.fields(BuildOptions) if getattr(opts, f.name) == getattr(defaults, f.name)]
     assert not unchanged, f"fields the test does not move off their defaults: {unchanged}"
@@ -69,7 +69,7 @@ def test_derived_helpers():
     kw = dataclasses.replace(opts, fast_accum=True).linear_kw("none")
     assert kw == dict(dtype=torch.bfloat16, quant="none", memory_bound="auto", fast_accum=True, skinny_rows=64)
     assert opts.expert_kw() == dict(dtype=torch.bfloat16, quant="fp8_row", memory_bound="auto", fast_accum=False,
-                                    grouped_fp8="auto", small_rows=32)
+                                    grouped_fp8="auto", small_rows=32, skinny_rows=8)
 
 
 def test_fast_accum_reaches_every_fp8_kernel_spec():
@@ -93,7 +93,8 @@ def test_fast_accum_reaches_every_fp8_kernel_spec():
 
 def test_grouped_fp8_choice_reaches_every_expert_spec():
     """kernels.grouped_fp8 and grouped_fp8_small_rows land in every grouped GEMM and MoE spec the model builds,
-    kernels.fp8_skinny_rows in every quantized dense linear's (and in TP rebuilds)."""
+    grouped_fp8_skinny_rows in every MoE spec (also after finalize re-derives it), kernels.fp8_skinny_rows in every
+    quantized dense linear's (and in TP rebuilds)."""
     from omni.layers import GroupedLinear, Linear
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
     from omni.models.hunyuan_image3.tiny import TINY_CONFIG
@@ -103,7 +104,7 @@ def test_grouped_fp8_choice_reaches_every_expert_spec():
 
     cfg = HunyuanImage3Config.from_json_dict(TINY_CONFIG)
     opts = BuildOptions(dtype=torch.float32, quant="fp8_row", grouped_fp8="torch", grouped_small_rows=5,
-                        skinny_rows=7)
+                        skinny_rows=7, grouped_skinny_rows=3)
     platform = select("cpu")
     with torch.device("meta"):
         model = HunyuanImage3Transformer(cfg, platform, opts)
@@ -111,7 +112,10 @@ def test_grouped_fp8_choice_reaches_every_expert_spec():
     assert len(grouped) == 2 * cfg.num_hidden_layers
     assert all((g.spec.grouped_fp8, g.spec.small_rows) == ("torch", 5) for g in grouped)
     moes = [m.moe_spec for m in model.modules() if hasattr(m, "moe_spec")]
-    assert len(moes) == cfg.num_hidden_layers and all((s.grouped_fp8, s.small_rows) == ("torch", 5) for s in moes)
+    assert len(moes) == cfg.num_hidden_layers
+    assert all((s.grouped_fp8, s.small_rows, s.skinny_rows) == ("torch", 5, 3) for s in moes)
+    experts = [m for m in model.modules() if hasattr(m, "moe_spec")]
+    assert all(m._spec() == m.moe_spec for m in experts)  # what finalize re-derives after a plan keeps the same
     dense = [m for m in model.modules() if isinstance(m, Linear) and m.spec.quant == "fp8_row"]
     assert len(dense) >= 4 * cfg.num_hidden_layers and all(m.spec.skinny_rows == 7 for m in dense)
     with torch.device("meta"):
@@ -144,6 +148,7 @@ def test_memory_bound_choices_match_the_platform_contract():
     assert recipe.MEMORY_BOUND == specs.MEMORY_BOUND
     assert recipe.GROUPED_FP8 == specs.GROUPED_FP8
     assert recipe.GROUPED_SMALL_ROWS == specs.GROUPED_SMALL_ROWS
+    assert recipe.GROUPED_SKINNY_ROWS == specs.GROUPED_SKINNY_ROWS
     assert recipe.SKINNY_ROWS == specs.SKINNY_ROWS
 
 

@@ -230,23 +230,28 @@ def exported_configs(library: Path) -> list[str]:
 
 
 class BySize:
-    """Two builds of one GEMM, the same function: ``small`` where at most ``small_rows`` rows reach each expert
+    """Two kernels of one GEMM, the same function: ``small`` where at most ``small_rows`` rows reach each expert
     group on average (rows / groups, read off the operands' shapes on the host, so a captured call keeps its
-    choice), ``large`` otherwise. The tile's rows change which rows a tile holds, not a row's sums: the same bits.
+    choice) and ``small`` takes the shapes (its ``fits``, where it has one), ``large`` otherwise. Two CUTLASS
+    builds whose tiles differ only in rows give the same bits; a few-row kernel of another kind
+    (``grouped_skinny_triton``) sums in another order. Nests: ``large`` may itself be a ``BySize``.
     """
 
-    def __init__(self, large: CutlassGroupedFp8, small: CutlassGroupedFp8, small_rows: int):
+    def __init__(self, large, small, small_rows: int):
         if large.swiglu != small.swiglu:
             raise ValueError(f"{large.config} and {small.config} compute different epilogues")
         self.large, self.small, self.small_rows, self.swiglu = large, small, small_rows, large.swiglu
         self.config = f"{large.config}|{small.config}<={small_rows}"
         self.name = f"cutlass-grouped-fp8[{self.config}]"
 
-    def pick(self, rows: int, groups: int) -> CutlassGroupedFp8:
+    def pick(self, rows: int, groups: int):
         return self.small if rows <= self.small_rows * groups else self.large
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw) -> torch.Tensor:
-        return self.pick(xq_RK.shape[0], wq_ENK.shape[0])(xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw)
+        kernel = self.pick(xq_RK.shape[0], wq_ENK.shape[0])
+        if kernel is self.small and not getattr(kernel, "fits", lambda *_: True)(xq_RK, wq_ENK):
+            kernel = self.large
+        return kernel(xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw)
 
 
 def config_of(fast_accum: bool, swiglu: bool = False, small: bool = False) -> TileConfig | None:

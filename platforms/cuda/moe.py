@@ -49,6 +49,7 @@ from omni.moe import add_terms, sort_by_expert, swiglu as torch_swiglu, weighted
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
 from .capabilities import Caps
+from .cutlass_grouped import BySize
 from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8_grouped_choice, grouped_swiglu_kernel
 
 FP8 = ("fp8_row", "fp8_tensor")
@@ -86,6 +87,10 @@ class TorchKernels:
 
     def skinny_fp8(self, max_rows: int):
         """No few-row dense fp8 kernel among the torch ops: cuBLAS keeps every row count."""
+        return None
+
+    def grouped_skinny_fp8(self, max_rows: int, swiglu: bool):
+        """No few-row grouped fp8 kernel among the torch ops: the grouped kernel keeps every row count."""
         return None
 
 
@@ -191,4 +196,15 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
     if kernels is None:
         return None
     paired = grouped_swiglu_kernel(spec, caps) if grouped_kernel is not None and spec.quant == "fp8_row" else None
-    return CudaMoE(spec, kernels, grouped_kernel, paired)
+    return CudaMoE(spec, kernels, with_few_rows(grouped_kernel, spec, kernels), with_few_rows(paired, spec, kernels))
+
+
+def with_few_rows(kernel, spec: MoESpec, kernels):
+    """Our CUTLASS ``kernel`` with the memory-bound kernels' grouped GEMM for a decode step's few rows per expert
+    in front (``grouped_skinny_triton``: up to ``spec.skinny_rows`` and its measured limit), for ``fp8_row`` with
+    fast accumulation (where it was measured); ``kernel`` alone otherwise (no Triton, torch's grouped kernel,
+    exact accumulation, ``skinny_rows`` 0)."""
+    if kernel is None or spec.quant != "fp8_row" or not spec.fast_accum or not spec.skinny_rows:
+        return kernel
+    few = kernels.grouped_skinny_fp8(spec.skinny_rows, kernel.swiglu)
+    return kernel if few is None else BySize(kernel, few, few.max_rows)

@@ -238,6 +238,66 @@ def test_a_swiglu_build_that_fails_costs_only_the_fusion(loaded, monkeypatch):
     assert float((fused(x, w, ids, prepared).float() - ref).norm() / ref.norm()) < 0.03  # 0.006-0.016 measured
 
 
+class FewRowsDouble(Fp32GroupedDouble):
+    """Stands in for the memory-bound kernels' few-row grouped GEMM (``grouped_skinny_triton``): the same product,
+    a ``max_rows`` limit and a ``fits`` that can refuse every shape."""
+
+    def __init__(self, max_rows: int, swiglu: bool, takes_shapes: bool = True):
+        self.config, self.calls, self.swiglu = f"few<={max_rows}{'_swiglu' if swiglu else ''}", [], swiglu
+        self.name, self.max_rows, self.takes_shapes = f"double[{self.config}]", min(max_rows, 8), takes_shapes
+
+    def fits(self, xq_RK, wq_ENK) -> bool:
+        return self.takes_shapes
+
+    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **_):
+        return super().__call__(xq_RK, xs_R, wq_ENK, ws_EN, offs_E)
+
+
+def _few_rows_moe(monkeypatch, takes_shapes: bool = True, **spec):
+    """The fused MoE resolved with memory-bound kernels that offer a few-row grouped GEMM (a recording double)."""
+    made: dict[bool, FewRowsDouble] = {}
+
+    class WithFewRows(moe.TorchKernels):
+        def grouped_skinny_fp8(self, max_rows, swiglu):
+            return made.setdefault(swiglu, FewRowsDouble(max_rows, swiglu, takes_shapes))
+    monkeypatch.setattr(moe, "memory_kernels", lambda choice, reject: WithFewRows())
+    return moe.resolve_moe(dataclasses.replace(MOE, fast_accum=True, **spec), H200, pytest.fail), made
+
+
+def test_few_rows_per_expert_take_the_memory_bound_kernels_grouped_gemm(loaded, monkeypatch):
+    """fp8_row with fast accumulation: up to the few-row kernel's limit (8 rows an expert on average, here 32
+    rows over 4 experts) both expert GEMMs run it, then the CUTLASS builds by size; the layer's function holds."""
+    fused, few = _few_rows_moe(monkeypatch)
+    assert fused.paired.small is few[True] and fused.gemm2.kernel.small is few[False]
+    assert fused.paired.large.config == "pong_128x192_c1x2_fast_swiglu|pong_64x128_c1x1_fast_swiglu<=32"
+    assert fused.name.endswith("swiglu-epilogue[pong_128x192_c1x2_fast_swiglu|pong_64x128_c1x1_fast_swiglu<=32|"
+                               "few<=8_swiglu<=8]]")
+    x, w, ids, w13, w2 = _moe_operands(4)
+    prepared = fused.prepare_weights(w13, w2)
+    for tokens, kernel in ((16, few), (17, loaded)):  # 2 rows a token: 32 rows = 8 an expert; 34 past it
+        fused(x[:tokens], w[:tokens], ids[:tokens], prepared)
+        picked = (few[True], few[False]) if kernel is few else (loaded[True, True, True], loaded[True, False, True])
+        assert [k.calls[-1]["x"][1][0] for k in picked] == [2 * tokens] * 2
+    assert len(few[True].calls) == len(few[False].calls) == 1
+    ref = naive_moe(MOE, x[:16], w[:16], ids[:16], w13, w2)
+    y = fused(x[:16], w[:16], ids[:16], prepared)
+    assert float((y.float() - ref).norm() / ref.norm()) < 0.005  # as the CUTLASS builds' epilogue (above)
+
+
+def test_the_few_row_kernel_stays_out_where_not_allowed_or_not_fitting(loaded, monkeypatch):
+    """skinny_rows 0, exact accumulation or fp8_tensor build no few-row tier; shapes it does not take (its
+    ``fits``) go to the CUTLASS builds."""
+    for spec in (dict(skinny_rows=0), dict(quant="fp8_tensor")):
+        fused, few = _few_rows_moe(monkeypatch, **spec)
+        assert not few and fused.gemm2.kernel.config.count("|") <= 1  # asked for none; at most 128|64 rows
+    exact = moe.resolve_moe(dataclasses.replace(MOE, fast_accum=False), H200, pytest.fail)
+    assert exact.gemm2.kernel is loaded[False, False, False]
+    fused, few = _few_rows_moe(monkeypatch, takes_shapes=False)
+    x, w, ids, w13, w2 = _moe_operands(5)
+    fused(x[:4], w[:4], ids[:4], fused.prepare_weights(w13, w2))
+    assert not few[True].calls and not few[False].calls and loaded[True, True, True].calls
+
+
 # ----------------------------------------------------------------- the build
 
 

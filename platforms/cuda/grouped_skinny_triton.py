@@ -1,0 +1,146 @@
+"""The grouped e4m3 expert GEMM at a decode step's few rows per expert (Triton).
+
+    y[rows of expert e] = (xq[rows] @ wq[e]^T) * xs[row] * ws[e, col]   -> bf16 [R, N]
+    or, with ``swiglu``: x1 * silu(x2) of each adjacent column pair      -> bf16 [R, N / 2]
+
+the same function, operands and layouts as our CUTLASS build (``cutlass_grouped``:
+rows sorted by expert, ``offs_E`` the int32 cumulative group ends on the device,
+experts ``[E, N, K]`` row-major, SwiGLU weights with their rows in (x1, x2) pairs).
+
+Why: a decode step sends each answer's token to 8 of 64 experts, so its expert
+GEMMs read a few experts' whole weights for a handful of rows each: a read of
+the weights, nothing more. The CUTLASS builds run these rows on 64- or 128-row
+tiles of 128 columns (48 tiles an expert at N = 6144): the 32-layer step of one
+answer read its expert weights at about 3.3 TB/s of the memory's 4.8
+(BENCHMARKS.md, "Sixteenth session"). Here a program owns ``BLOCK_N`` columns of
+one expert's ``BLOCK_M``-row tile across the whole K, as the dense skinny kernel
+does (``skinny_triton``): several hundred programs an expert, every SM reading.
+
+How a program finds its rows without a host read (capturable): the grid's second
+axis counts (expert, row block) tiles up to a bound known from the shapes
+(``tile_bound``); each program recomputes the experts' tile counts from
+``offs_E`` (64 integers) and takes the expert whose cumulative count passes its
+index; programs past the last tile return at once.
+
+May assume: ``triton`` imports; contiguous CUDA operands; ``K`` a multiple of
+``BLOCK_K`` and ``N`` of ``BLOCK_N`` (``fits``). The sums run in another order than
+CUTLASS's (not its bits): tests/gpu/test_gpu_grouped_skinny.py holds them to the
+fp64 product as closely as the CUTLASS build's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class GroupedSkinnyTile:
+    """Launch shape: rows per tile, output columns and K per program iteration, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# (most rows per expert on average, launch shape): of 16 shapes (BLOCK_M 16/32, BLOCK_N 32/64, BLOCK_K 256/512,
+# 3/4 stages, 4 warps) the one whose slowest speedup over the faster CUTLASS build (64- or 128-row tiles) was the
+# highest across 1-64 decode tokens, both expert GEMMs (bench/bench_grouped_skinny.py on the H200, BENCHMARKS.md
+# "Seventeenth session"): 1.05-1.29x, the weights read at 3.5-4.4 TB/s. Measured up to 64 tokens (8 rows an
+# expert on average); past that the CUTLASS builds keep the GEMM.
+TILES = ((8, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=4)),)
+
+
+def tile_bound(rows: int, experts: int, block_m: int) -> int:
+    """An upper bound on the (expert, row block) tiles of ``rows`` rows over ``experts`` groups: at most
+    ``min(experts, rows)`` groups hold rows and ceil(c / B) <= floor((c - 1) / B) + 1, whose sum over the groups
+    is at most floor(rows / B) + (groups with rows)."""
+    return min(experts, rows) + rows // block_m
+
+
+@triton.jit
+def _expert_tile(offs_ptr, t, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tile ``t``'s expert, first row and the expert's end row (expert == E: past the last tile)."""
+    ei = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + tl.minimum(ei, E - 1))
+    starts = tl.where(ei == 0, 0, tl.load(offs_ptr + tl.maximum(tl.minimum(ei, E) - 1, 0)))
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M  # 0 for the experts past E (ends == starts there)
+    cum = tl.cumsum(tiles, 0)
+    e = tl.sum((cum <= t).to(tl.int32), 0)
+    mine = ei == e
+    first = tl.sum(tl.where(mine, starts, 0), 0) + (t - tl.sum(tl.where(mine, cum - tiles, 0), 0)) * BLOCK_M
+    return e, first, tl.sum(tl.where(mine, ends, 0), 0)
+
+
+@triton.jit
+def _grouped_skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, y_ptr, N, K, E, BLOCK_E: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               SWIGLU: tl.constexpr):
+    """Columns ``[pid0 * BLOCK_N, +BLOCK_N)`` of tile ``pid1``'s rows (one expert's), the whole K in one program."""
+    e, first, end = _expert_tile(offs_ptr, tl.program_id(1), E, BLOCK_E, BLOCK_M)
+    if e < E:
+        rm = first + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mm = rm < end
+        x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
+        w_ptrs = w_ptr + (e.to(tl.int64) * N + rn.to(tl.int64))[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            acc = tl.dot(tl.load(x_ptrs, mask=mm[:, None], other=0.0), tl.load(w_ptrs), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        xs = tl.load(xs_ptr + rm, mask=mm, other=0.0)
+        y = acc * xs[:, None] * tl.load(ws_ptr + e * N + rn)[None, :]  # the CUTLASS epilogue's order
+        if SWIGLU:
+            x1, x2 = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+            rh = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(y_ptr + rm[:, None] * (N // 2) + rh[None, :], (x1 * (x2 / (1.0 + tl.exp(-x2)))).to(tl.bfloat16),
+                     mask=mm[:, None])
+        else:
+            tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(tl.bfloat16), mask=mm[:, None])
+
+
+class GroupedSkinnyFp8:
+    """The kernel where at most ``max_rows`` rows reach each expert on average (``fits``), launched with the first
+    shape of ``tiles`` (most rows, tile) that takes the call's average; ``swiglu``: the SwiGLU epilogue. Called as
+    ``cutlass_grouped.CutlassGroupedFp8`` is."""
+
+    def __init__(self, max_rows: int, swiglu: bool = False, tiles=TILES):
+        self.tiles, self.max_rows, self.swiglu = tiles, min(max_rows, tiles[-1][0]), swiglu
+        shapes = ",".join(f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in tiles)
+        self.config = f"triton-skinny[{shapes},<={self.max_rows}]{'_swiglu' if swiglu else ''}"
+        self.name = f"grouped-fp8[{self.config}]"
+
+    def tile_for(self, rows: int, experts: int) -> GroupedSkinnyTile:
+        return next(t for most, t in self.tiles if rows <= most * experts)
+
+    def fits(self, xq_RK: torch.Tensor, wq_ENK: torch.Tensor) -> bool:
+        """Whether this kernel takes the call: CUDA rows, at most ``max_rows`` an expert on average, K and N whole
+        multiples of the tile's (shapes only, read on the host: capture-safe)."""
+        (rows, K), (E, N, _) = xq_RK.shape, wq_ENK.shape
+        if not (xq_RK.is_cuda and 0 < rows <= self.max_rows * E):
+            return False
+        t = self.tile_for(rows, E)
+        return K % t.block_k == 0 and N % t.block_n == 0
+
+    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, **_) -> torch.Tensor:
+        """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ fp32 ``[E, N]``) -> bf16
+        ``[R, N]`` (``[R, N / 2]`` with ``swiglu``); ``out``: written in place when given. Other keywords (the
+        CUTLASS kernel's tile order) do not apply here."""
+        (R, K), (E, N, _) = xq_RK.shape, wq_ENK.shape
+        if out is None:
+            out = torch.empty(R, N // 2 if self.swiglu else N, dtype=torch.bfloat16, device=xq_RK.device)
+        if R == 0:
+            return out
+        t = self.tile_for(R, E)
+        grid = (N // t.block_n, tile_bound(R, E, t.block_m))
+        _grouped_skinny_fp8_kernel[grid](xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out, N, K, E,
+                                         BLOCK_E=triton.next_power_of_2(E), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                                         BLOCK_K=t.block_k, SWIGLU=self.swiglu, num_warps=t.warps,
+                                         num_stages=t.stages)
+        return out
