@@ -2,7 +2,9 @@
 
 At the released MoE shapes (64 experts; gate_up K 4096 -> N 6144 with the
 SwiGLU epilogue, as the decode step runs it; down K 3072 -> N 4096) and the
-row counts of ``--tokens`` decode tokens routed top-8 by random logits, every
+row counts of ``--tokens`` decode tokens routed top-8 (``--routing``: by random
+logits, or ``same``: every token to the same 8 experts, as identical prompts
+decoded greedily route; the groups then hold as many rows as tokens), every
 launch shape of ``--tiles`` of ``platforms/cuda/grouped_skinny_triton.py`` is
 timed beside the CUTLASS builds given with ``--lib`` (the 128-row and 64-row
 tiles, plain and SwiGLU epilogue) on the same operands. Each kernel is captured
@@ -14,7 +16,7 @@ and each kernel's relative error against the fp64 product of the same e4m3
 operands (the SwiGLU of it for the epilogue builds).
 
     python bench/bench_grouped_skinny.py --lib pong_64x128_c1x1_fast.so --lib pong_64x128_c1x1_fast_swiglu.so \\
-        --tokens 1,8,32,64 --json out.json
+        --tokens 1,8,32,64 --routing random,same --json out.json
 """
 from __future__ import annotations
 
@@ -51,16 +53,24 @@ def reference(xq, xs, wq, ws, counts, swiglu: bool) -> torch.Tensor:
     return y[:, 0::2] * torch.nn.functional.silu(y[:, 1::2]) if swiglu else y
 
 
-def alternating(kernel, xq, xs, weights, offs, cols: int):
+def alternating(kernel, xq, xs, weights, offs, cols: int, group_rows: int):
     """A no-argument call that multiplies by the next copy of the weights at each call (so a captured chain of
-    calls reads them from memory, not L2), into one output."""
+    calls reads them from memory, not L2), into one output; ``group_rows`` as the MoE passes it (its tokens)."""
     out = torch.empty(xq.shape[0], cols, dtype=torch.bfloat16, device="cuda")
     turn = itertools.cycle(weights)
 
     def run():
         wq, ws = next(turn)
-        return kernel(xq, xs, wq, ws, offs, out=out)
+        return kernel(xq, xs, wq, ws, offs, out=out, group_rows=group_rows)
     return run
+
+
+def route(tokens: int, routing: str, g) -> torch.Tensor:
+    """Rows per expert of ``tokens`` tokens routed top-8: by random logits, or all to experts 0-7 (``same``)."""
+    if routing == "same":
+        return torch.tensor([tokens] * TOP_K + [0] * (E - TOP_K), device="cuda")
+    ids = torch.randn(tokens, E, device="cuda", generator=g).topk(TOP_K, -1).indices
+    return torch.bincount(ids.flatten(), minlength=E)
 
 
 def relative(y, ref) -> float:
@@ -71,8 +81,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lib", type=Path, action="append", default=[], help="CUTLASS objects to time beside")
     p.add_argument("--tokens", default="1,2,4,8,16,32,64")
-    p.add_argument("--tiles", default="16:32,64:256,512:4:3,4", help="block_m list:block_n list:block_k list:"
+    p.add_argument("--tiles", default="16,32,64:64:256:4:3,4", help="block_m list:block_n list:block_k list:"
                    "warps list:stages list (every combination is timed)")
+    p.add_argument("--routing", default="random,same", help="comma-separated: random, same")
     p.add_argument("--chain", type=int, default=8)
     p.add_argument("--copies", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
@@ -81,10 +92,10 @@ def main() -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     cutlass = [CutlassGroupedFp8(lib, name) for lib in a.lib for name in exported_configs(lib)]
     rows = []
-    for tokens, (gemm, (K, N)) in itertools.product(map(int, a.tokens.split(",")), SHAPES.items()):
+    cases = itertools.product(a.routing.split(","), map(int, a.tokens.split(",")), SHAPES.items())
+    for routing, tokens, (gemm, (K, N)) in cases:
         swiglu = gemm == "gate_up"  # the decode step's GEMM 1 runs the SwiGLU epilogue
-        counts = torch.bincount(torch.randn(tokens, E, device="cuda", generator=g).topk(TOP_K, -1).indices.flatten(),
-                                minlength=E)
+        counts = route(tokens, routing, g)
         offs, R = counts.cumsum(0).to(torch.int32), tokens * TOP_K
         xq, xs = fp8(torch.randn(R, K, device="cuda", generator=g).bfloat16())
         xs = xs.view(-1).contiguous()
@@ -97,25 +108,25 @@ def main() -> int:
         kernels = {k.config: k for k in cutlass if k.swiglu == swiglu}
         for t in tiles(a.tiles):
             k = GroupedSkinnyFp8(max(1, -(-R // E)), swiglu, tiles=((R, t),))
-            if k.fits(xq, weights[0][0]):
+            if k.fits(xq, weights[0][0], group_rows=tokens):
                 kernels[k.config] = k
         fns, err = {}, {}
         for name, k in kernels.items():
             try:
-                err[name] = relative(k(xq, xs, *weights[0], offs), ref)
+                err[name] = relative(k(xq, xs, *weights[0], offs, group_rows=tokens), ref)
             except Exception as e:  # a launch shape over the shared memory (triton's OutOfResources)
                 print(f"skipped {name}: {type(e).__name__}", flush=True)
                 continue
-            fns[name] = alternating(k, xq, xs, weights, offs, cols)
+            fns[name] = alternating(k, xq, xs, weights, offs, cols, tokens)
         us = {n: s * 1e6 for n, s in chained_seconds(fns, a.chain, a.rounds, burn=20, iters=5).items()}
         touched = int((counts > 0).sum()) * N * K
         best = min(us, key=us.get)
-        row = {"tokens": tokens, "rows": R, "gemm": gemm, "max_rows": int(counts.max()),
+        row = {"routing": routing, "tokens": tokens, "rows": R, "gemm": gemm, "max_rows": int(counts.max()),
                "experts": int((counts > 0).sum()),
                "us": {n: round(v, 2) for n, v in us.items()},
                "weights TB/s": {n: round(touched / v / 1e6, 2) for n, v in us.items()},
                "rel err vs fp64": err, "best": best}
-        print({k: row[k] for k in ("tokens", "gemm", "best")}, round(us[best], 2),
+        print({k: row[k] for k in ("routing", "tokens", "gemm", "best")}, round(us[best], 2),
               {n: round(v, 1) for n, v in us.items() if not n.startswith("triton")}, flush=True)
         rows.append(row)
     return emit({"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "chain": a.chain, "copies": a.copies,

@@ -193,12 +193,14 @@ class CutlassGroupedFp8:
         self._scratch_bytes: dict[tuple[int, int], int] = {}
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, raster: int = 0,
-                 swizzle: int = 1) -> torch.Tensor:
+                 swizzle: int = 1, group_rows: int | None = None) -> torch.Tensor:
         """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ ``[E, N]``) -> bf16 ``[R, N]``
         (``[R, N / 2]`` with the SwiGLU epilogue).
 
         ``raster`` (0 along M, 1 along N) and ``swizzle`` (1-8) order the tiles; the defaults, CUTLASS's own for
         groups, measured fastest (bench/bench_cutlass_grouped.py --sched). ``out``: written in place when given.
+        ``group_rows`` (a bound on any group's rows, which few-row kernels size their tiles by) does not change
+        these tiles.
         """
         E, N, K = wq_ENK.shape
         if out is None:
@@ -249,7 +251,7 @@ class BySize:
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw) -> torch.Tensor:
         kernel = self.pick(xq_RK.shape[0], wq_ENK.shape[0])
-        if kernel is self.small and not getattr(kernel, "fits", lambda *_: True)(xq_RK, wq_ENK):
+        if kernel is self.small and not getattr(kernel, "fits", lambda *_, **__: True)(xq_RK, wq_ENK, **kw):
             kernel = self.large
         return kernel(xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw)
 

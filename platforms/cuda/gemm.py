@@ -261,13 +261,14 @@ class ScaledGroupedMM:
             return self.scaled(*quant.quantize_fp8(x, per_row=True), w, offs)
         return self.group_quantized(x, w, offs)
 
-    def scaled(self, xq_RI, xs_R1, w: PreparedWeight, offs_E) -> torch.Tensor:
+    def scaled(self, xq_RI, xs_R1, w: PreparedWeight, offs_E, group_rows: int | None = None) -> torch.Tensor:
         """e4m3 rows with their ``[R, 1]`` scales times the prepared experts, bf16 ``[R, O]`` (``[R, O / 2]``
-        when ``kernel`` is our build with the SwiGLU epilogue, which the cuda MoE gives its GEMM 1)."""
+        when ``kernel`` is our build with the SwiGLU epilogue, which the cuda MoE gives its GEMM 1);
+        ``group_rows``: a bound on any group's rows (the MoE's token count), for kernels that size tiles by it."""
         e, o = w.data.shape[:2]
         if self.kernel is not None:
             return self.kernel(xq_RI.contiguous(), xs_R1.reshape(-1).float().contiguous(), w.data,
-                               w.scale.view(e, o), offs_E.to(torch.int32).contiguous())
+                               w.scale.view(e, o), offs_E.to(torch.int32).contiguous(), group_rows=group_rows)
         return torch._scaled_grouped_mm(xq_RI, w.data.transpose(-2, -1), xs_R1.reshape(-1), w.scale.view(e, o),
                                         offs=offs_E, out_dtype=torch.bfloat16, use_fast_accum=self.spec.fast_accum)
 

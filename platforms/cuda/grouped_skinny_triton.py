@@ -22,6 +22,12 @@ axis counts (expert, row block) tiles up to a bound known from the shapes
 ``offs_E`` (64 integers) and takes the expert whose cumulative count passes its
 index; programs past the last tile return at once.
 
+Rows per tile: a group split over two row blocks has its weight read twice.
+Routing may send every token to the same experts (identical prompts decoded
+greedily do), so the caller passes ``group_rows``, a bound on any group's rows
+(the MoE's token count: a token's k experts are distinct), and the tile is the
+smallest that holds such a group whole.
+
 May assume: ``triton`` imports; contiguous CUDA operands; ``K`` a multiple of
 ``BLOCK_K`` and ``N`` of ``BLOCK_N`` (``fits``). The sums run in another order than
 CUTLASS's (not its bits): tests/gpu/test_gpu_grouped_skinny.py holds them to the
@@ -47,12 +53,14 @@ class GroupedSkinnyTile:
     stages: int
 
 
-# (most rows per expert on average, launch shape): of 16 shapes (BLOCK_M 16/32, BLOCK_N 32/64, BLOCK_K 256/512,
-# 3/4 stages, 4 warps) the one whose slowest speedup over the faster CUTLASS build (64- or 128-row tiles) was the
-# highest across 1-64 decode tokens, both expert GEMMs (bench/bench_grouped_skinny.py on the H200, BENCHMARKS.md
-# "Seventeenth session"): 1.05-1.29x, the weights read at 3.5-4.4 TB/s. Measured up to 64 tokens (8 rows an
-# expert on average); past that the CUTLASS builds keep the GEMM.
-TILES = ((8, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=4)),)
+# (most rows in one group, launch shape): chosen by bench/bench_grouped_skinny.py on the H200 (BENCHMARKS.md
+# "Seventeenth session"), random and concentrated routing of 1-64 decode tokens, both expert GEMMs.
+TILES = ((16, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=4)),
+         (32, GroupedSkinnyTile(block_m=32, block_n=64, block_k=256, warps=4, stages=3)),
+         (64, GroupedSkinnyTile(block_m=64, block_n=64, block_k=256, warps=4, stages=3)))
+# Mean rows per expert up to which it was measured (64 tokens over 64 experts, top-8); past that the CUTLASS
+# builds keep the GEMM.
+MEAN_ROWS = 8
 
 
 def tile_bound(rows: int, experts: int, block_m: int) -> int:
@@ -106,38 +114,42 @@ def _grouped_skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, y_ptr, N,
 
 
 class GroupedSkinnyFp8:
-    """The kernel where at most ``max_rows`` rows reach each expert on average (``fits``), launched with the first
-    shape of ``tiles`` (most rows, tile) that takes the call's average; ``swiglu``: the SwiGLU epilogue. Called as
-    ``cutlass_grouped.CutlassGroupedFp8`` is."""
+    """The kernel where at most ``max_rows`` rows reach each expert on average and any group's rows (the caller's
+    ``group_rows`` bound) fit the largest tile of ``tiles`` (``fits``); launched with the first shape of ``tiles``
+    (most rows in one group, tile) that holds a whole group; ``swiglu``: the SwiGLU epilogue. Called as
+    ``cutlass_grouped.CutlassGroupedFp8`` is, plus ``group_rows``."""
 
     def __init__(self, max_rows: int, swiglu: bool = False, tiles=TILES):
-        self.tiles, self.max_rows, self.swiglu = tiles, min(max_rows, tiles[-1][0]), swiglu
+        self.tiles, self.max_rows, self.swiglu = tiles, min(max_rows, MEAN_ROWS), swiglu
         shapes = ",".join(f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in tiles)
         self.config = f"triton-skinny[{shapes},<={self.max_rows}]{'_swiglu' if swiglu else ''}"
         self.name = f"grouped-fp8[{self.config}]"
 
-    def tile_for(self, rows: int, experts: int) -> GroupedSkinnyTile:
-        return next(t for most, t in self.tiles if rows <= most * experts)
+    def tile_for(self, most: int) -> GroupedSkinnyTile | None:
+        """The tile for groups of at most ``most`` rows; None past the largest."""
+        return next((t for limit, t in self.tiles if most <= limit), None)
 
-    def fits(self, xq_RK: torch.Tensor, wq_ENK: torch.Tensor) -> bool:
-        """Whether this kernel takes the call: CUDA rows, at most ``max_rows`` an expert on average, K and N whole
-        multiples of the tile's (shapes only, read on the host: capture-safe)."""
+    def fits(self, xq_RK: torch.Tensor, wq_ENK: torch.Tensor, group_rows: int | None = None, **_) -> bool:
+        """Whether this kernel takes the call: CUDA rows, at most ``max_rows`` an expert on average, a group of
+        ``group_rows`` (default: every row) within the largest tile, K and N whole multiples of the tile's
+        (shapes only, read on the host: capture-safe)."""
         (rows, K), (E, N, _) = xq_RK.shape, wq_ENK.shape
         if not (xq_RK.is_cuda and 0 < rows <= self.max_rows * E):
             return False
-        t = self.tile_for(rows, E)
-        return K % t.block_k == 0 and N % t.block_n == 0
+        t = self.tile_for(min(rows, group_rows or rows))
+        return t is not None and K % t.block_k == 0 and N % t.block_n == 0
 
-    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, **_) -> torch.Tensor:
+    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, group_rows: int | None = None,
+                 **_) -> torch.Tensor:
         """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ fp32 ``[E, N]``) -> bf16
-        ``[R, N]`` (``[R, N / 2]`` with ``swiglu``); ``out``: written in place when given. Other keywords (the
-        CUTLASS kernel's tile order) do not apply here."""
+        ``[R, N]`` (``[R, N / 2]`` with ``swiglu``); ``out``: written in place when given; ``group_rows``: no group
+        has more rows (default R). Other keywords (the CUTLASS kernel's tile order) do not apply here."""
         (R, K), (E, N, _) = xq_RK.shape, wq_ENK.shape
         if out is None:
             out = torch.empty(R, N // 2 if self.swiglu else N, dtype=torch.bfloat16, device=xq_RK.device)
         if R == 0:
             return out
-        t = self.tile_for(R, E)
+        t = self.tile_for(min(R, group_rows or R)) or self.tiles[-1][1]
         grid = (N // t.block_n, tile_bound(R, E, t.block_m))
         _grouped_skinny_fp8_kernel[grid](xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out, N, K, E,
                                          BLOCK_E=triton.next_power_of_2(E), BLOCK_M=t.block_m, BLOCK_N=t.block_n,

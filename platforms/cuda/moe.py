@@ -161,9 +161,10 @@ class CudaMoE:
         if self.spec.quant == "fp8_row":
             xq, xs = (self.kernels.gather_rows(rows.q_TI, rows.scale_T1, token_R) if rows is not None
                       else self.kernels.quant_gather(x, token_R))
-            h = self.gemm13.scaled(xq, xs, prepared.w13, offs)  # with the epilogue: the SwiGLU already
+            most = topk_ids_Tk.shape[0]  # no expert gets more rows than tokens: a token's k experts are distinct
+            h = self.gemm13.scaled(xq, xs, prepared.w13, offs, most)  # with the epilogue: the SwiGLU already
             aq, as_ = self.kernels.quant_rows(h) if self.paired is not None else self.kernels.swiglu(h, quantize=True)
-            y = self.gemm2.scaled(aq, as_, prepared.w2, offs)
+            y = self.gemm2.scaled(aq, as_, prepared.w2, offs, most)
         elif self.spec.quant == "fp8_tensor":
             h = self.gemm13.group_quantized(x[token_R], prepared.w13, offs)
             y = self.gemm2.group_quantized(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)

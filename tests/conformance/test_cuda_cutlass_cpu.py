@@ -40,9 +40,10 @@ class Fp32GroupedDouble:
         self.config, self.calls = cg.config_of(fast_accum, swiglu, small).name, []
         self.name, self.swiglu = f"double[{self.config}]", swiglu
 
-    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E):
+    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, group_rows=None):
         self.calls.append(dict(x=(xq_RK.dtype, tuple(xq_RK.shape), xq_RK.is_contiguous()), xs=tuple(xs_R.shape),
-                               w=tuple(wq_ENK.shape), ws=tuple(ws_EN.shape), offs=offs_E.dtype))
+                               w=tuple(wq_ENK.shape), ws=tuple(ws_EN.shape), offs=offs_E.dtype,
+                               group_rows=group_rows))
         out, start = torch.zeros(xq_RK.shape[0], wq_ENK.shape[1]), 0
         for e, end in enumerate(offs_E.tolist()):
             a = xq_RK[start:end].float() * xs_R[start:end, None]
@@ -169,7 +170,7 @@ def test_scaled_grouped_mm_hands_the_kernel_the_documented_operands(loaded):
     assert float((y.double() - ref).norm() / ref.norm()) < 0.01  # bf16 output of the same e4m3 product
     call = loaded[True, False, True].calls[0]  # 25 rows over 4 experts: the small tile
     assert call == dict(x=(torch.float8_e4m3fn, (25, 64), True), xs=(25,), w=(4, 48, 64), ws=(4, 48),
-                        offs=torch.int32)
+                        offs=torch.int32, group_rows=None)  # a lone grouped GEMM knows no bound on its groups
 
 
 def test_fused_moe_gathers_rows_the_glue_quantized_as_they_are(loaded):
@@ -246,11 +247,9 @@ class FewRowsDouble(Fp32GroupedDouble):
         self.config, self.calls, self.swiglu = f"few<={max_rows}{'_swiglu' if swiglu else ''}", [], swiglu
         self.name, self.max_rows, self.takes_shapes = f"double[{self.config}]", min(max_rows, 8), takes_shapes
 
-    def fits(self, xq_RK, wq_ENK) -> bool:
+    def fits(self, xq_RK, wq_ENK, group_rows=None) -> bool:
+        self.asked = group_rows
         return self.takes_shapes
-
-    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **_):
-        return super().__call__(xq_RK, xs_R, wq_ENK, ws_EN, offs_E)
 
 
 def _few_rows_moe(monkeypatch, takes_shapes: bool = True, **spec):
@@ -278,6 +277,7 @@ def test_few_rows_per_expert_take_the_memory_bound_kernels_grouped_gemm(loaded, 
         fused(x[:tokens], w[:tokens], ids[:tokens], prepared)
         picked = (few[True], few[False]) if kernel is few else (loaded[True, True, True], loaded[True, False, True])
         assert [k.calls[-1]["x"][1][0] for k in picked] == [2 * tokens] * 2
+        assert [k.calls[-1]["group_rows"] for k in picked] == [tokens] * 2  # a token's 2 experts are distinct
     assert len(few[True].calls) == len(few[False].calls) == 1
     ref = naive_moe(MOE, x[:16], w[:16], ids[:16], w13, w2)
     y = fused(x[:16], w[:16], ids[:16], prepared)
@@ -296,6 +296,7 @@ def test_the_few_row_kernel_stays_out_where_not_allowed_or_not_fitting(loaded, m
     x, w, ids, w13, w2 = _moe_operands(5)
     fused(x[:4], w[:4], ids[:4], fused.prepare_weights(w13, w2))
     assert not few[True].calls and not few[False].calls and loaded[True, True, True].calls
+    assert few[True].asked == few[False].asked == 4  # asked with the groups' bound: the token count
 
 
 # ----------------------------------------------------------------- the build
