@@ -37,7 +37,7 @@ class BuildOptions:
     fast_accum: bool = False  # ``kernels.fp8_fast_accum``: fp8 GEMMs may skip fp32 promotion (docs/quality.md)
     grouped_fp8: str = "auto"  # ``kernels.grouped_fp8``: the fp8 expert GEMMs' kernel (``omni.specs.GROUPED_FP8``)
     grouped_small_rows: int = GROUPED_SMALL_ROWS  # ``kernels.grouped_fp8_small_rows``: rows per expert, small tile
-    grouped_skinny_rows: int = GROUPED_SKINNY_ROWS  # ``kernels.grouped_fp8_skinny_rows``: rows/expert, few-row kernel
+    grouped_skinny_rows: int = GROUPED_SKINNY_ROWS  # ``kernels.grouped_fp8_skinny_rows``: tokens, few-row kernel
     skinny_rows: int = SKINNY_ROWS  # ``kernels.fp8_skinny_rows``: dense fp8 GEMMs of this many rows, few-row kernel
     shared_expert_stream: bool = False  # ``kernels.shared_expert_stream``: the shared expert beside the routed path
 

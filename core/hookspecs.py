@@ -376,12 +376,12 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     ``omni_linear_impl`` says; ``spec.grouped_fp8`` picks their kernel and
     ``spec.small_rows`` permits its small-tile build, as
     ``omni_grouped_gemm_impl`` says. ``spec.skinny_rows``
-    (``kernels.grouped_fp8_skinny_rows``) permits, where at most that many
-    rows reach each expert on average (rows / E, from the shapes on the host:
-    capture safe), a kernel made for a decode step's few rows in both expert
-    GEMMs: the same product, possibly summed in another order (the cuda
-    platform's Triton grouped kernel, with ``fp8_row`` and fast accumulation);
-    0 forbids it. An ``fp8_row`` implementation may set
+    (``kernels.grouped_fp8_skinny_rows``) permits, where no expert can get
+    more rows than that (a call of at most that many tokens: a token's k
+    experts are distinct; a shape, read on the host: capture safe), a kernel
+    made for a decode step's few rows in both expert GEMMs: the same product,
+    possibly summed in another order (the cuda platform's Triton grouped
+    kernel, with ``fp8_row`` and fast accumulation); 0 forbids it. An ``fp8_row`` implementation may set
     ``accepts_row_quantized = True``: ``__call__`` then also takes an
     ``omni.specs.RowQuantized`` for ``x_TD`` (the normed rows the fused glue
     quantized for the shared expert) and gathers its e4m3 rows and scales as

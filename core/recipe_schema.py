@@ -41,7 +41,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "fa3", "flex", "fia", "aiter")
 MEMORY_BOUND = ("auto", "triton", "torch")  # == omni.specs.MEMORY_BOUND (tested)
 GROUPED_FP8 = ("auto", "torch", "cutlass")  # == omni.specs.GROUPED_FP8 (tested)
 GROUPED_SMALL_ROWS = 32  # == omni.specs.GROUPED_SMALL_ROWS (tested)
-GROUPED_SKINNY_ROWS = 8  # == omni.specs.GROUPED_SKINNY_ROWS (tested)
+GROUPED_SKINNY_ROWS = 16  # == omni.specs.GROUPED_SKINNY_ROWS (tested)
 SKINNY_ROWS = 64  # == omni.specs.SKINNY_ROWS (tested)
 GiB = 1 << 30
 
@@ -142,12 +142,12 @@ class Kernels(_Validated):
                                        "smaller-tile build where the platform has one (CUDA: 64-row tiles of the "
                                        "CUTLASS build, fast accumulation); 0 = never; the same numbers",
                                        rule=_at_least(0))
-    grouped_fp8_skinny_rows: int = _opt(GROUPED_SKINNY_ROWS, "where at most this many rows reach each expert on "
-                                        "average (text decode steps), the fused MoE's fp8_row expert GEMMs run a "
+    grouped_fp8_skinny_rows: int = _opt(GROUPED_SKINNY_ROWS, "decode steps of at most this many tokens (no "
+                                        "expert then gets more rows) run the fused MoE's fp8_row expert GEMMs on a "
                                         "kernel that spreads each expert's weight read over every SM where the "
-                                        "platform has one (CUDA: Triton, with fp8_fast_accum, up to 8, in front of "
-                                        "the CUTLASS builds); 0 = never; the same product, summed in another order",
-                                        rule=_at_least(0))
+                                        "platform has one (CUDA: Triton, with fp8_fast_accum, up to 16, in front "
+                                        "of the CUTLASS builds); 0 = never; the same product, summed in another "
+                                        "order", rule=_at_least(0))
     fp8_skinny_rows: int = _opt(SKINNY_ROWS, "dense fp8_row GEMMs of at most this many rows (decode steps, short "
                                 "prompts) run a kernel that spreads the weight's read over every SM where the "
                                 "platform has one (CUDA: Triton, with fp8_fast_accum, up to 64 rows); 0 = never; "

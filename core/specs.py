@@ -30,9 +30,10 @@ GROUPED_FP8 = ("auto", "torch", "cutlass")
 # mean rows per expert group are at most this (0: never). The H200's crossover (BENCHMARKS.md "Sixteenth session").
 GROUPED_SMALL_ROWS = 32
 # ``kernels.grouped_fp8_skinny_rows``: a fused MoE whose platform has a grouped kernel for a decode step's few rows
-# per expert runs it in both expert GEMMs when the mean rows per expert are at most this (0: never). The H200's
-# measurement (BENCHMARKS.md "Seventeenth session": up to 8, where it was measured).
-GROUPED_SKINNY_ROWS = 8
+# per expert runs it in both expert GEMMs while no expert can get more rows than this: a step of at most this many
+# tokens, since a token's experts are distinct (0: never). The H200's crossover (BENCHMARKS.md "Seventeenth
+# session").
+GROUPED_SKINNY_ROWS = 16
 # ``kernels.fp8_skinny_rows``: dense fp8_row GEMMs of at most this many rows (a decode step's) may run a platform's
 # kernel for few rows (0: never). The H200's measurement (BENCHMARKS.md "Sixteenth session").
 SKINNY_ROWS = 64
@@ -307,7 +308,7 @@ class MoESpec:
     fast_accum: bool = False  # fp8 expert products may accumulate without promotion (``kernels.fp8_fast_accum``)
     grouped_fp8: str = "auto"  # one of GROUPED_FP8: the kernel of both fp8 expert GEMMs (``kernels.grouped_fp8``)
     small_rows: int = GROUPED_SMALL_ROWS  # as GroupedGemmSpec.small_rows, for both expert GEMMs
-    skinny_rows: int = GROUPED_SKINNY_ROWS  # mean rows per expert, few-row kernel (``kernels.grouped_fp8_skinny_rows``)
+    skinny_rows: int = GROUPED_SKINNY_ROWS  # most rows of one expert, few-row kernel (``kernels.grouped_fp8_skinny_rows``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:

@@ -69,7 +69,7 @@ def test_derived_helpers():
     kw = dataclasses.replace(opts, fast_accum=True).linear_kw("none")
     assert kw == dict(dtype=torch.bfloat16, quant="none", memory_bound="auto", fast_accum=True, skinny_rows=64)
     assert opts.expert_kw() == dict(dtype=torch.bfloat16, quant="fp8_row", memory_bound="auto", fast_accum=False,
-                                    grouped_fp8="auto", small_rows=32, skinny_rows=8)
+                                    grouped_fp8="auto", small_rows=32, skinny_rows=16)
 
 
 def test_fast_accum_reaches_every_fp8_kernel_spec():

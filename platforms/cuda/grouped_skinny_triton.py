@@ -53,14 +53,14 @@ class GroupedSkinnyTile:
     stages: int
 
 
-# (most rows in one group, launch shape): chosen by bench/bench_grouped_skinny.py on the H200 (BENCHMARKS.md
-# "Seventeenth session"), random and concentrated routing of 1-64 decode tokens, both expert GEMMs.
-TILES = ((16, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=4)),
-         (32, GroupedSkinnyTile(block_m=32, block_n=64, block_k=256, warps=4, stages=3)),
-         (64, GroupedSkinnyTile(block_m=64, block_n=64, block_k=256, warps=4, stages=3)))
-# Mean rows per expert up to which it was measured (64 tokens over 64 experts, top-8); past that the CUTLASS
-# builds keep the GEMM.
-MEAN_ROWS = 8
+# (most rows in one group, launch shape) by epilogue (True: SwiGLU, the MoE's GEMM 1): chosen by
+# bench/bench_grouped_skinny.py on the H200 (BENCHMARKS.md "Seventeenth session") from 12 shapes (BLOCK_M 16/32/64,
+# BLOCK_N 32/64, BLOCK_K 256, 3/4 stages, 4 warps) at 1-64 decode tokens routed at random and all to the same 8
+# experts. With groups of up to 16 rows the 16-row tile ran 1.00-1.21x (SwiGLU, 4 stages) and 1.08-1.27x (plain,
+# 3 stages) the faster CUTLASS build; 32-row groups were even at best (0.95-1.06x with 32-row tiles) and 64-row
+# groups slower (0.83-0.87x), so larger groups keep the CUTLASS builds.
+TILES = {True: ((16, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=4)),),
+         False: ((16, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=3)),)}
 
 
 def tile_bound(rows: int, experts: int, block_m: int) -> int:
@@ -114,14 +114,15 @@ def _grouped_skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, y_ptr, N,
 
 
 class GroupedSkinnyFp8:
-    """The kernel where at most ``max_rows`` rows reach each expert on average and any group's rows (the caller's
-    ``group_rows`` bound) fit the largest tile of ``tiles`` (``fits``); launched with the first shape of ``tiles``
-    (most rows in one group, tile) that holds a whole group; ``swiglu``: the SwiGLU epilogue. Called as
+    """The kernel where no group holds more than ``max_rows`` rows (the caller's ``group_rows`` bound, else all
+    the rows; ``fits``), launched with the first shape of ``tiles`` (most rows in one group, tile; default the
+    measured ``TILES`` of the epilogue) that holds a whole group; ``swiglu``: the SwiGLU epilogue. Called as
     ``cutlass_grouped.CutlassGroupedFp8`` is, plus ``group_rows``."""
 
-    def __init__(self, max_rows: int, swiglu: bool = False, tiles=TILES):
-        self.tiles, self.max_rows, self.swiglu = tiles, min(max_rows, MEAN_ROWS), swiglu
-        shapes = ",".join(f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in tiles)
+    def __init__(self, max_rows: int, swiglu: bool = False, tiles=None):
+        self.tiles, self.swiglu = tiles or TILES[swiglu], swiglu
+        self.max_rows = min(max_rows, self.tiles[-1][0])
+        shapes = ",".join(f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in self.tiles)
         self.config = f"triton-skinny[{shapes},<={self.max_rows}]{'_swiglu' if swiglu else ''}"
         self.name = f"grouped-fp8[{self.config}]"
 
@@ -130,20 +131,22 @@ class GroupedSkinnyFp8:
         return next((t for limit, t in self.tiles if most <= limit), None)
 
     def fits(self, xq_RK: torch.Tensor, wq_ENK: torch.Tensor, group_rows: int | None = None, **_) -> bool:
-        """Whether this kernel takes the call: CUDA rows, at most ``max_rows`` an expert on average, a group of
-        ``group_rows`` (default: every row) within the largest tile, K and N whole multiples of the tile's
-        (shapes only, read on the host: capture-safe)."""
-        (rows, K), (E, N, _) = xq_RK.shape, wq_ENK.shape
-        if not (xq_RK.is_cuda and 0 < rows <= self.max_rows * E):
+        """Whether this kernel takes the call: CUDA rows, no group over ``max_rows`` (``group_rows`` bounds them,
+        else every row may be in one), K and N whole multiples of the tile's (shapes only, read on the host:
+        capture-safe)."""
+        (rows, K), (_, N, _) = xq_RK.shape, wq_ENK.shape
+        most = min(rows, group_rows or rows)
+        if not (xq_RK.is_cuda and rows > 0 and most <= self.max_rows):
             return False
-        t = self.tile_for(min(rows, group_rows or rows))
-        return t is not None and K % t.block_k == 0 and N % t.block_n == 0
+        t = self.tile_for(most)
+        return K % t.block_k == 0 and N % t.block_n == 0
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, group_rows: int | None = None,
                  **_) -> torch.Tensor:
         """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ fp32 ``[E, N]``) -> bf16
         ``[R, N]`` (``[R, N / 2]`` with ``swiglu``); ``out``: written in place when given; ``group_rows``: no group
-        has more rows (default R). Other keywords (the CUTLASS kernel's tile order) do not apply here."""
+        has more rows (default R; larger groups span row blocks, each reading the weight). Other keywords (the
+        CUTLASS kernel's tile order) do not apply here."""
         (R, K), (E, N, _) = xq_RK.shape, wq_ENK.shape
         if out is None:
             out = torch.empty(R, N // 2 if self.swiglu else N, dtype=torch.bfloat16, device=xq_RK.device)

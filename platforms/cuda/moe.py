@@ -202,9 +202,9 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
 
 def with_few_rows(kernel, spec: MoESpec, kernels):
     """Our CUTLASS ``kernel`` with the memory-bound kernels' grouped GEMM for a decode step's few rows per expert
-    in front (``grouped_skinny_triton``: up to ``spec.skinny_rows`` and its measured limit), for ``fp8_row`` with
-    fast accumulation (where it was measured); ``kernel`` alone otherwise (no Triton, torch's grouped kernel,
-    exact accumulation, ``skinny_rows`` 0)."""
+    in front (``grouped_skinny_triton``: groups of up to ``spec.skinny_rows`` rows and its measured tiles' limit;
+    ``__call__`` bounds the groups by the tokens), for ``fp8_row`` with fast accumulation (where it was measured);
+    ``kernel`` alone otherwise (no Triton, torch's grouped kernel, exact accumulation, ``skinny_rows`` 0)."""
     if kernel is None or spec.quant != "fp8_row" or not spec.fast_accum or not spec.skinny_rows:
         return kernel
     few = kernels.grouped_skinny_fp8(spec.skinny_rows, kernel.swiglu)

@@ -241,15 +241,16 @@ def test_a_swiglu_build_that_fails_costs_only_the_fusion(loaded, monkeypatch):
 
 class FewRowsDouble(Fp32GroupedDouble):
     """Stands in for the memory-bound kernels' few-row grouped GEMM (``grouped_skinny_triton``): the same product,
-    a ``max_rows`` limit and a ``fits`` that can refuse every shape."""
+    groups of at most ``max_rows`` rows (at most 16, as the measured tiles) and a ``fits`` that can refuse every
+    shape."""
 
     def __init__(self, max_rows: int, swiglu: bool, takes_shapes: bool = True):
         self.config, self.calls, self.swiglu = f"few<={max_rows}{'_swiglu' if swiglu else ''}", [], swiglu
-        self.name, self.max_rows, self.takes_shapes = f"double[{self.config}]", min(max_rows, 8), takes_shapes
+        self.name, self.max_rows, self.takes_shapes = f"double[{self.config}]", min(max_rows, 16), takes_shapes
 
     def fits(self, xq_RK, wq_ENK, group_rows=None) -> bool:
         self.asked = group_rows
-        return self.takes_shapes
+        return self.takes_shapes and min(xq_RK.shape[0], group_rows or xq_RK.shape[0]) <= self.max_rows
 
 
 def _few_rows_moe(monkeypatch, takes_shapes: bool = True, **spec):
@@ -264,16 +265,17 @@ def _few_rows_moe(monkeypatch, takes_shapes: bool = True, **spec):
 
 
 def test_few_rows_per_expert_take_the_memory_bound_kernels_grouped_gemm(loaded, monkeypatch):
-    """fp8_row with fast accumulation: up to the few-row kernel's limit (8 rows an expert on average, here 32
-    rows over 4 experts) both expert GEMMs run it, then the CUTLASS builds by size; the layer's function holds."""
+    """fp8_row with fast accumulation: while no group can hold more rows than the few-row kernel takes (16: the
+    MoE passes its token count as the bound) both expert GEMMs run it, then the CUTLASS builds by size; the
+    layer's function holds."""
     fused, few = _few_rows_moe(monkeypatch)
     assert fused.paired.small is few[True] and fused.gemm2.kernel.small is few[False]
     assert fused.paired.large.config == "pong_128x192_c1x2_fast_swiglu|pong_64x128_c1x1_fast_swiglu<=32"
     assert fused.name.endswith("swiglu-epilogue[pong_128x192_c1x2_fast_swiglu|pong_64x128_c1x1_fast_swiglu<=32|"
-                               "few<=8_swiglu<=8]]")
+                               "few<=16_swiglu<=16]]")
     x, w, ids, w13, w2 = _moe_operands(4)
     prepared = fused.prepare_weights(w13, w2)
-    for tokens, kernel in ((16, few), (17, loaded)):  # 2 rows a token: 32 rows = 8 an expert; 34 past it
+    for tokens, kernel in ((16, few), (17, loaded)):  # 2 rows a token; a group of at most 16 rows, then 17
         fused(x[:tokens], w[:tokens], ids[:tokens], prepared)
         picked = (few[True], few[False]) if kernel is few else (loaded[True, True, True], loaded[True, False, True])
         assert [k.calls[-1]["x"][1][0] for k in picked] == [2 * tokens] * 2

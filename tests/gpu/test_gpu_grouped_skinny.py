@@ -59,18 +59,17 @@ def _cutlass_small(swiglu: bool):
     return cg.load(True, caps.nvcc, caps.cutlass_include, swiglu=swiglu, small=True)
 
 
-@pytest.mark.parametrize("tiles", ["shipped", "16-row"])
 @pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
 @pytest.mark.parametrize("case", range(len(DECODE_COUNTS)))
-def test_against_fp64_and_the_cutlass_small_tile(swiglu, case, tiles):
-    """``shipped``: the tile that holds the largest group (the exact bound passed); ``16-row``: the 16-row tile
-    for every call, so the 17- and 33-row groups span two and three row blocks."""
-    from omni.platforms.cuda.grouped_skinny_triton import TILES, GroupedSkinnyFp8
+def test_against_fp64_and_the_cutlass_small_tile(swiglu, case):
+    """The shipped tiles with the exact bound on the groups passed; the 17- and 33-row groups, past the largest
+    tile (which ``fits`` says), span two and three row blocks: still the same function."""
+    from omni.platforms.cuda.grouped_skinny_triton import GroupedSkinnyFp8
 
     counts = DECODE_COUNTS[case]
-    kernel = GroupedSkinnyFp8(8, swiglu, **({} if tiles == "shipped" else {"tiles": ((64, TILES[0][1]),)}))
+    kernel = GroupedSkinnyFp8(64, swiglu)
     args = _operands(counts, case)
-    assert kernel.fits(args[0], args[2], group_rows=max(counts))
+    assert kernel.fits(args[0], args[2], group_rows=max(counts)) == (max(counts) <= kernel.max_rows)
     cols = N // 2 if swiglu else N
     out = torch.full((sum(counts), cols), float("nan"), dtype=torch.bfloat16, device="cuda")
     y = kernel(*args, out=out, group_rows=max(counts))
@@ -85,20 +84,20 @@ def test_against_fp64_and_the_cutlass_small_tile(swiglu, case, tiles):
 
 
 def test_fits_and_the_tile_bound():
-    from omni.platforms.cuda.grouped_skinny_triton import GroupedSkinnyFp8, tile_bound
+    from omni.platforms.cuda.grouped_skinny_triton import TILES, GroupedSkinnyFp8, tile_bound
 
-    kernel = GroupedSkinnyFp8(4)
+    kernel = GroupedSkinnyFp8(16)
     w = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device="cuda")
     rows = lambda r, k=K: torch.empty(r, k, dtype=torch.float8_e4m3fn, device="cuda")  # noqa: E731
-    assert kernel.fits(rows(4 * E), w) and not kernel.fits(rows(4 * E + 1), w) and not kernel.fits(rows(0), w)
-    eight = GroupedSkinnyFp8(8)
-    assert eight.fits(rows(8 * E), w, group_rows=64) and not eight.fits(rows(8 * E), w, group_rows=65)
-    assert not eight.fits(rows(8 * E), w)  # no bound given: a group may hold all 128 rows, past the largest tile
-    assert all(eight.tile_for(m).block_m >= m for m in range(1, 65))  # a whole group in one row block
-    assert not kernel.fits(rows(8, K + 64), w)  # K off the tile
+    assert kernel.fits(rows(8 * E), w, group_rows=16) and not kernel.fits(rows(8 * E), w, group_rows=17)
+    assert not kernel.fits(rows(8 * E), w)  # no bound given: one group may hold all 128 rows
+    assert kernel.fits(rows(16), w) and not kernel.fits(rows(0), w)
+    assert not kernel.fits(rows(8, K + 64), w, group_rows=1)  # K off the tile
     assert not kernel.fits(rows(8), torch.empty(E, N + 32, K, dtype=torch.float8_e4m3fn, device="cuda"))
     assert not kernel.fits(torch.empty(8, K, dtype=torch.float8_e4m3fn), w)  # host rows
-    assert GroupedSkinnyFp8(1000).max_rows == 8  # no further than the measured tiles
+    assert GroupedSkinnyFp8(1000).max_rows == max(limit for limit, _ in TILES[False])  # the measured tiles only
+    assert GroupedSkinnyFp8(4).max_rows == 4 and not GroupedSkinnyFp8(4).fits(rows(8), w, group_rows=5)
+    assert all(kernel.tile_for(m).block_m >= m for m in range(1, kernel.max_rows + 1))  # a group in one block
     for counts in DECODE_COUNTS:  # the bound covers the real tile count of each split
         tiles = sum(-(-c // 16) for c in counts)
         assert tiles <= tile_bound(sum(counts), E, 16)
