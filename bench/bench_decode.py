@@ -21,7 +21,6 @@ memory they reserved.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
