@@ -87,8 +87,6 @@ def test_against_fp64_and_the_cutlass_small_tile(swiglu, case):
 def test_the_launch_order_changes_no_bit(swiglu):
     """Tiles first or column blocks first: the same programs in another order, the same bits (groups over one
     row block included)."""
-    import dataclasses
-
     from omni.platforms.cuda.grouped_skinny_triton import TILES, GroupedSkinnyFp8
 
     tile = TILES[swiglu][0][1]
