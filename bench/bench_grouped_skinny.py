@@ -108,7 +108,7 @@ def main() -> int:
         cols = N // 2 if swiglu else N
         kernels = {k.config: k for k in cutlass if k.swiglu == swiglu}
         for t in tiles(a.tiles):
-            k = GroupedSkinnyFp8(max(1, -(-R // E)), swiglu, tiles=((R, t),))
+            k = GroupedSkinnyFp8(R, swiglu, tiles=((R, t),))  # every call fits: the tile alone is timed
             if k.fits(xq, weights[0][0], group_rows=tokens):
                 kernels[k.config] = k
         fns, err = {}, {}
