@@ -44,22 +44,13 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GroupedSkinnyTile:
-    """Launch shape: rows per tile, output columns and K per program iteration, warps, pipeline stages, and the
-    launch order: ``tiles_first`` numbers the (expert, row block) tiles along the grid's first axis, so the row
-    blocks of one expert for one column block launch side by side and read the same weight slice at once (one
-    read from memory, the others from L2); else the column blocks of one tile do."""
+    """Launch shape: rows per tile, output columns and K per program iteration, warps, pipeline stages."""
 
     block_m: int
     block_n: int
     block_k: int
     warps: int
     stages: int
-    tiles_first: bool = False
-
-    @property
-    def name(self) -> str:
-        order = "t" if self.tiles_first else ""
-        return f"{self.block_m}x{self.block_n}x{self.block_k}w{self.warps}s{self.stages}{order}"
 
 
 # (most rows in one group, launch shape) by epilogue (True: SwiGLU, the MoE's GEMM 1): chosen by
@@ -96,13 +87,12 @@ def _expert_tile(offs_ptr, t, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _grouped_skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, y_ptr, N, K, E, BLOCK_E: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               SWIGLU: tl.constexpr, TILES_FIRST: tl.constexpr):
-    """Columns ``[col * BLOCK_N, +BLOCK_N)`` of tile ``t``'s rows (one expert's), the whole K in one program."""
-    t, col = (tl.program_id(0), tl.program_id(1)) if TILES_FIRST else (tl.program_id(1), tl.program_id(0))
-    e, first, end = _expert_tile(offs_ptr, t, E, BLOCK_E, BLOCK_M)
+                               SWIGLU: tl.constexpr):
+    """Columns ``[pid0 * BLOCK_N, +BLOCK_N)`` of tile ``pid1``'s rows (one expert's), the whole K in one program."""
+    e, first, end = _expert_tile(offs_ptr, tl.program_id(1), E, BLOCK_E, BLOCK_M)
     if e < E:
         rm = first + tl.arange(0, BLOCK_M)
-        rn = col * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         mm = rm < end
         x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
@@ -116,7 +106,7 @@ def _grouped_skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, y_ptr, N,
         y = acc * xs[:, None] * tl.load(ws_ptr + e * N + rn)[None, :]  # the CUTLASS epilogue's order
         if SWIGLU:
             x1, x2 = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-            rh = col * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            rh = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             tl.store(y_ptr + rm[:, None] * (N // 2) + rh[None, :], (x1 * (x2 / (1.0 + tl.exp(-x2)))).to(tl.bfloat16),
                      mask=mm[:, None])
         else:
@@ -132,7 +122,7 @@ class GroupedSkinnyFp8:
     def __init__(self, max_rows: int, swiglu: bool = False, tiles=None):
         self.tiles, self.swiglu = tiles or TILES[swiglu], swiglu
         self.max_rows = min(max_rows, self.tiles[-1][0])
-        shapes = ",".join(t.name for _, t in self.tiles)
+        shapes = ",".join(f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in self.tiles)
         self.config = f"triton-skinny[{shapes},<={self.max_rows}]{'_swiglu' if swiglu else ''}"
         self.name = f"grouped-fp8[{self.config}]"
 
@@ -164,8 +154,8 @@ class GroupedSkinnyFp8:
             return out
         t = self.tile_for(min(R, group_rows or R)) or self.tiles[-1][1]
         grid = (N // t.block_n, tile_bound(R, E, t.block_m))
-        _grouped_skinny_fp8_kernel[grid[::-1] if t.tiles_first else grid](
-            xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out, N, K, E, BLOCK_E=triton.next_power_of_2(E), BLOCK_M=t.block_m,
-            BLOCK_N=t.block_n, BLOCK_K=t.block_k, SWIGLU=self.swiglu, TILES_FIRST=t.tiles_first, num_warps=t.warps,
-            num_stages=t.stages)
+        _grouped_skinny_fp8_kernel[grid](xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out, N, K, E,
+                                         BLOCK_E=triton.next_power_of_2(E), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+                                         BLOCK_K=t.block_k, SWIGLU=self.swiglu, num_warps=t.warps,
+                                         num_stages=t.stages)
         return out

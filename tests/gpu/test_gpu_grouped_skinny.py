@@ -83,20 +83,6 @@ def test_against_fp64_and_the_cutlass_small_tile(swiglu, case):
         assert rel <= 1.05 * rel_cutlass + 1e-6, (rel, rel_cutlass)
 
 
-@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
-def test_the_launch_order_changes_no_bit(swiglu):
-    """Tiles first or column blocks first: the same programs in another order, the same bits (groups over one
-    row block included)."""
-    from omni.platforms.cuda.grouped_skinny_triton import TILES, GroupedSkinnyFp8
-
-    tile = TILES[swiglu][0][1]
-    for case, counts in enumerate(DECODE_COUNTS):
-        args = _operands(counts, 10 + case)
-        a, b = (GroupedSkinnyFp8(64, swiglu, tiles=((64, dataclasses.replace(tile, tiles_first=order)),))(
-            *args, group_rows=max(counts)) for order in (False, True))
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-
-
 def test_fits_and_the_tile_bound():
     from omni.platforms.cuda.grouped_skinny_triton import TILES, GroupedSkinnyFp8, tile_bound
 
