@@ -381,7 +381,8 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     experts are distinct; a shape, read on the host: capture safe), a kernel
     made for a decode step's few rows in both expert GEMMs: the same product,
     possibly summed in another order (the cuda platform's Triton grouped
-    kernel, with ``fp8_row`` and fast accumulation); 0 forbids it. An ``fp8_row`` implementation may set
+    kernel, with ``fp8_row`` and fast accumulation); 0 forbids it.
+    An ``fp8_row`` implementation may set
     ``accepts_row_quantized = True``: ``__call__`` then also takes an
     ``omni.specs.RowQuantized`` for ``x_TD`` (the normed rows the fused glue
     quantized for the shared expert) and gathers its e4m3 rows and scales as
@@ -415,8 +416,8 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     and, for quantized schemes, ``grouped_fp8="cutlass"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.9 (``skinny_rows``); 0.8 (``small_rows``); 0.7 (``addends`` as a callable); 0.6 (``accepts_addends``); 0.5 (``grouped_fp8``,
-    ``accepts_row_quantized``; 0.4 ``fast_accum``;
+    Versions: 0.9 (``skinny_rows``); 0.8 (``small_rows``); 0.7 (``addends`` as a callable);
+    0.6 (``accepts_addends``); 0.5 (``grouped_fp8``, ``accepts_row_quantized``; 0.4 ``fast_accum``;
     0.3 ``memory_bound``).
     """
 

@@ -25,8 +25,9 @@ index; programs past the last tile return at once.
 Rows per tile: a group split over two row blocks has its weight read twice.
 Routing may send every token to the same experts (identical prompts decoded
 greedily do), so the caller passes ``group_rows``, a bound on any group's rows
-(the MoE's token count: a token's k experts are distinct), and the tile is the
-smallest that holds such a group whole.
+(the MoE's token count: a token's k experts are distinct); ``fits`` takes a
+call only while that bound fits the largest measured tile, which is then the
+smallest tile that holds such a group whole.
 
 May assume: ``triton`` imports; contiguous CUDA operands; ``K`` a multiple of
 ``BLOCK_K`` and ``N`` of ``BLOCK_N`` (``fits``). The sums run in another order than
