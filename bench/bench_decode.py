@@ -47,6 +47,9 @@ def parse() -> argparse.Namespace:
                    "buckets, what the pipeline runs), exact (a graph per row count: the first version); a _sync "
                    "suffix (capture_sync) reads each step's tokens before launching the next (no lookahead)")
     p.add_argument("--staggered", action="store_true", help="answer lengths spread from tokens/4 to tokens")
+    p.add_argument("--distinct", action="store_true", help="each answer its own prompt (the same words from "
+                   "another start): by default every answer decodes the same prompt greedily, so all route their "
+                   "tokens to the same experts, the MoE's most concentrated case")
     p.add_argument("--memory-gib", type=float, default=139, help="device.memory_gib of the recipe")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="recipe override, e.g. --set graph.mode=capture (repeatable)")
@@ -54,12 +57,17 @@ def parse() -> argparse.Namespace:
     return p.parse_args()
 
 
-def answers(c: int, words: int, tokens: int, staggered: bool = False) -> list[TextRequest]:
+def answers(c: int, words: int, tokens: int, staggered: bool = False, distinct: bool = False) -> list[TextRequest]:
     """``c`` answers of ``tokens`` tokens; ``staggered``: lengths spread from tokens / 4 to tokens, so the
-    answers finish one by one and the row count falls from c to 1 (as a server's mix does)."""
-    prompt = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(words))
+    answers finish one by one and the row count falls from c to 1 (as a server's mix does); ``distinct``: answer
+    i's prompt opens with its number and starts i words further into the list (else all share one prompt)."""
+    def prompt(i: int) -> str:
+        start = i if distinct else 0
+        text = " ".join(WORDS[(start + j * 7) % len(WORDS)] for j in range(words))
+        return f"{i}. {text}" if distinct else text
     lengths = [tokens // 4 + (tokens - tokens // 4) * i // max(c - 1, 1) for i in range(c)] if staggered else [tokens] * c
-    return [TextRequest(prompt=prompt, max_tokens=n, temperature=0.0, seed=i, stop_ids=()) for i, n in enumerate(lengths)]
+    return [TextRequest(prompt=prompt(i), max_tokens=n, temperature=0.0, seed=i, stop_ids=())
+            for i, n in enumerate(lengths)]
 
 
 def sync() -> None:
@@ -100,7 +108,7 @@ def run(engine, graphs, mode: str, c: int, a) -> dict:
     engine.text_graphs = None if base == "eager" else graphs
     engine.text_row_buckets = base != "exact"
     engine.text_lookahead = sync_suffix != "sync"
-    make = lambda: answers(c, a.prompt_words, a.tokens, a.staggered)  # noqa: E731
+    make = lambda: answers(c, a.prompt_words, a.tokens, a.staggered, a.distinct)  # noqa: E731
     t0 = time.perf_counter()
     decode(engine, make())  # untimed: captures, JIT compiles
     first_s = time.perf_counter() - t0
@@ -143,7 +151,7 @@ def main() -> int:
         if sync is not None:
             r["speedup_vs_sync"] = round(r["tokens_per_s"] / sync["tokens_per_s"], 2)
     out = {"recipe": a.recipe, "overrides": a.set, "layers": a.layers, "prompt_words": a.prompt_words,
-           "tokens": a.tokens, "staggered": a.staggered,
+           "tokens": a.tokens, "staggered": a.staggered, "distinct": a.distinct,
            "commit": commit, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "reserved_after_build_gib": round(base / 2**30, 2), "rows": rows}
     return emit(out, a.json)
