@@ -36,10 +36,9 @@ from omni.platforms.cuda.grouped_skinny_triton import GroupedSkinnyFp8, GroupedS
 
 
 def tiles(spec: str) -> list[GroupedSkinnyTile]:
-    """``"16:32,64:256,512:4:3,4[:0,1]"`` -> every (block_m, block_n, block_k, warps, stages[, split]) of the
-    lists."""
+    """``"16:32,64:256,512:4:3,4"`` -> every (block_m, block_n, block_k, warps, stages) of the lists."""
     parts = [list(map(int, p.split(","))) for p in spec.split(":")]
-    return [GroupedSkinnyTile(*t[:5], *map(bool, t[5:])) for t in itertools.product(*parts)]
+    return [GroupedSkinnyTile(*t) for t in itertools.product(*parts)]
 
 
 def reference(xq, xs, wq, ws, counts, swiglu: bool) -> torch.Tensor:
@@ -83,7 +82,7 @@ def main() -> int:
     p.add_argument("--lib", type=Path, action="append", default=[], help="CUTLASS objects to time beside")
     p.add_argument("--tokens", default="1,2,4,8,16,32,64")
     p.add_argument("--tiles", default="16,32,64:64:256:4:3,4", help="block_m list:block_n list:block_k list:"
-                   "warps list:stages list[:split list, 0/1] (every combination is timed)")
+                   "warps list:stages list (every combination is timed)")
     p.add_argument("--routing", default="random,same", help="comma-separated: random, same")
     p.add_argument("--chain", type=int, default=8)
     p.add_argument("--copies", type=int, default=2)

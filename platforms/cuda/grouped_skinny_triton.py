@@ -45,20 +45,13 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class GroupedSkinnyTile:
-    """Launch shape: rows per tile, output columns and K per program iteration, warps, pipeline stages; ``split``:
-    a program whose block holds at most 16 (32) of its ``block_m`` rows multiplies 16 (32) rows only (the rows
-    of a group are device data, so each program decides)."""
+    """Launch shape: rows per tile, output columns and K per program iteration, warps, pipeline stages."""
 
     block_m: int
     block_n: int
     block_k: int
     warps: int
     stages: int
-    split: bool = False
-
-    @property
-    def name(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k}w{self.warps}s{self.stages}{'d' if self.split else ''}"
 
 
 # (most rows in one group, launch shape) by epilogue (True: SwiGLU, the MoE's GEMM 1): chosen by
@@ -67,10 +60,8 @@ class GroupedSkinnyTile:
 # experts. With groups of up to 16 rows the 16-row tile ran 1.00-1.21x (SwiGLU, 4 stages) and 1.08-1.27x (plain,
 # 3 stages) the faster CUTLASS build; 32-row groups were even at best (0.95-1.06x with 32-row tiles) and 64-row
 # groups slower (0.83-0.87x), so larger groups keep the CUTLASS builds.
-TILES = {True: ((16, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=4)),
-                (64, GroupedSkinnyTile(block_m=64, block_n=64, block_k=256, warps=4, stages=4, split=True))),
-         False: ((16, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=3)),
-                 (64, GroupedSkinnyTile(block_m=64, block_n=64, block_k=256, warps=4, stages=3, split=True)))}
+TILES = {True: ((16, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=4)),),
+         False: ((16, GroupedSkinnyTile(block_m=16, block_n=64, block_k=256, warps=4, stages=3)),)}
 
 
 def tile_bound(rows: int, experts: int, block_m: int) -> int:
@@ -95,51 +86,32 @@ def _expert_tile(offs_ptr, t, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rows_times_weight(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, e, first, end, col, N, K, ROWS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
-    """Rows ``[first, min(first + ROWS, end))`` of expert ``e`` times its weight's columns ``[col * BLOCK_N,
-    +BLOCK_N)``, the whole K, scaled (and SwiGLU'd) and stored."""
-    rm = first + tl.arange(0, ROWS)
-    rn = col * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    mm = rm < end
-    x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
-    w_ptrs = w_ptr + (e.to(tl.int64) * N + rn.to(tl.int64))[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        acc = tl.dot(tl.load(x_ptrs, mask=mm[:, None], other=0.0), tl.load(w_ptrs), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    xs = tl.load(xs_ptr + rm, mask=mm, other=0.0)
-    y = acc * xs[:, None] * tl.load(ws_ptr + e * N + rn)[None, :]  # the CUTLASS epilogue's order
-    if SWIGLU:
-        x1, x2 = tl.split(tl.reshape(y, (ROWS, BLOCK_N // 2, 2)))
-        rh = col * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(y_ptr + rm[:, None] * (N // 2) + rh[None, :], (x1 * (x2 / (1.0 + tl.exp(-x2)))).to(tl.bfloat16),
-                 mask=mm[:, None])
-    else:
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(tl.bfloat16), mask=mm[:, None])
-
-
-@triton.jit
 def _grouped_skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, y_ptr, N, K, E, BLOCK_E: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               SWIGLU: tl.constexpr, SPLIT: tl.constexpr):
-    """Columns ``[pid0 * BLOCK_N, +BLOCK_N)`` of tile ``pid1``'s rows (one expert's), the whole K in one program;
-    ``SPLIT``: 16 or 32 rows where the block holds no more."""
+                               SWIGLU: tl.constexpr):
+    """Columns ``[pid0 * BLOCK_N, +BLOCK_N)`` of tile ``pid1``'s rows (one expert's), the whole K in one program."""
     e, first, end = _expert_tile(offs_ptr, tl.program_id(1), E, BLOCK_E, BLOCK_M)
     if e < E:
-        args = (x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, e, first, end, tl.program_id(0), N, K)
-        if SPLIT:
-            rows = end - first
-            if rows <= 16:
-                _rows_times_weight(*args, 16, BLOCK_N, BLOCK_K, SWIGLU)
-            elif rows <= 32:
-                _rows_times_weight(*args, 32, BLOCK_N, BLOCK_K, SWIGLU)
-            else:
-                _rows_times_weight(*args, BLOCK_M, BLOCK_N, BLOCK_K, SWIGLU)
+        rm = first + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        mm = rm < end
+        x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :]
+        w_ptrs = w_ptr + (e.to(tl.int64) * N + rn.to(tl.int64))[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, K, BLOCK_K):
+            acc = tl.dot(tl.load(x_ptrs, mask=mm[:, None], other=0.0), tl.load(w_ptrs), acc)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        xs = tl.load(xs_ptr + rm, mask=mm, other=0.0)
+        y = acc * xs[:, None] * tl.load(ws_ptr + e * N + rn)[None, :]  # the CUTLASS epilogue's order
+        if SWIGLU:
+            x1, x2 = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+            rh = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(y_ptr + rm[:, None] * (N // 2) + rh[None, :], (x1 * (x2 / (1.0 + tl.exp(-x2)))).to(tl.bfloat16),
+                     mask=mm[:, None])
         else:
-            _rows_times_weight(*args, BLOCK_M, BLOCK_N, BLOCK_K, SWIGLU)
+            tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(tl.bfloat16), mask=mm[:, None])
 
 
 class GroupedSkinnyFp8:
@@ -151,7 +123,7 @@ class GroupedSkinnyFp8:
     def __init__(self, max_rows: int, swiglu: bool = False, tiles=None):
         self.tiles, self.swiglu = tiles or TILES[swiglu], swiglu
         self.max_rows = min(max_rows, self.tiles[-1][0])
-        shapes = ",".join(t.name for _, t in self.tiles)
+        shapes = ",".join(f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in self.tiles)
         self.config = f"triton-skinny[{shapes},<={self.max_rows}]{'_swiglu' if swiglu else ''}"
         self.name = f"grouped-fp8[{self.config}]"
 
@@ -185,6 +157,6 @@ class GroupedSkinnyFp8:
         grid = (N // t.block_n, tile_bound(R, E, t.block_m))
         _grouped_skinny_fp8_kernel[grid](xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out, N, K, E,
                                          BLOCK_E=triton.next_power_of_2(E), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                                         BLOCK_K=t.block_k, SWIGLU=self.swiglu, SPLIT=t.split,
-                                         num_warps=t.warps, num_stages=t.stages)
+                                         BLOCK_K=t.block_k, SWIGLU=self.swiglu, num_warps=t.warps,
+                                         num_stages=t.stages)
         return out
