@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import chained_seconds, emit, git_commit  # noqa: E402
 from bench_cutlass_grouped import E, SHAPES, TOP_K, fp8  # noqa: E402
 
-from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
+from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs, swiglu_pairs  # noqa: E402
 from omni.platforms.cuda.grouped_skinny_triton import GroupedSkinnyFp8, GroupedSkinnyTile  # noqa: E402
 
 
@@ -50,7 +50,7 @@ def reference(xq, xs, wq, ws, counts, swiglu: bool) -> torch.Tensor:
                        @ (wq[e].double() * ws[e, :, None].double()).T)
         start += c
     y = torch.cat(out)
-    return y[:, 0::2] * torch.nn.functional.silu(y[:, 1::2]) if swiglu else y
+    return swiglu_pairs(y) if swiglu else y
 
 
 def alternating(kernel, xq, xs, weights, offs, cols: int, group_rows: int):

@@ -243,6 +243,7 @@ class BySize:
         if large.swiglu != small.swiglu:
             raise ValueError(f"{large.config} and {small.config} compute different epilogues")
         self.large, self.small, self.small_rows, self.swiglu = large, small, small_rows, large.swiglu
+        self._fits = getattr(small, "fits", None)  # read once: the call path stays a few host integer tests
         self.config = f"{large.config}|{small.config}<={small_rows}"
         self.name = f"cutlass-grouped-fp8[{self.config}]"
 
@@ -251,7 +252,7 @@ class BySize:
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw) -> torch.Tensor:
         kernel = self.pick(xq_RK.shape[0], wq_ENK.shape[0])
-        if kernel is self.small and not getattr(kernel, "fits", lambda *_, **__: True)(xq_RK, wq_ENK, **kw):
+        if kernel is self.small and self._fits is not None and not self._fits(xq_RK, wq_ENK, **kw):
             kernel = self.large
         return kernel(xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw)
 

@@ -209,8 +209,8 @@ class TritonKernels:
         return SkinnyFp8(max_rows)
 
     def grouped_skinny_fp8(self, max_rows: int, swiglu: bool):
-        """The grouped e4m3 expert GEMM for at most ``max_rows`` rows an expert on average
-        (``grouped_skinny_triton``), in front of the MoE's CUTLASS builds."""
+        """The grouped e4m3 expert GEMM for groups of at most ``max_rows`` rows (``grouped_skinny_triton``), in
+        front of the MoE's CUTLASS builds."""
         from .grouped_skinny_triton import GroupedSkinnyFp8
 
         return GroupedSkinnyFp8(max_rows, swiglu)
