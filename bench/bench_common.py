@@ -46,6 +46,11 @@ def emit(out: dict, path: Path | None) -> int:
     return 0
 
 
+def relative(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 distance of ``y`` from the reference ``ref`` (in fp64)."""
+    return float((y.double() - ref).norm() / ref.norm())
+
+
 def cuda_event_median(fn: Callable[[], object], iters: int = 30, warmup: int = 3) -> float:
     """Median seconds of ``fn`` on the current CUDA stream, timed with events (after ``warmup`` calls)."""
     import statistics

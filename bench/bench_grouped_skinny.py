@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import chained_seconds, emit, git_commit  # noqa: E402
+from bench_common import chained_seconds, emit, git_commit, relative  # noqa: E402
 from bench_cutlass_grouped import E, SHAPES, TOP_K, fp8  # noqa: E402
 
 from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs, swiglu_pairs  # noqa: E402
@@ -71,10 +71,6 @@ def route(tokens: int, routing: str, g) -> torch.Tensor:
         return torch.tensor([tokens] * TOP_K + [0] * (E - TOP_K), device="cuda")
     ids = torch.randn(tokens, E, device="cuda", generator=g).topk(TOP_K, -1).indices
     return torch.bincount(ids.flatten(), minlength=E)
-
-
-def relative(y, ref) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
 
 
 def main() -> int:

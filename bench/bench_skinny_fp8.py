@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import chained_seconds, emit, git_commit  # noqa: E402
+from bench_common import chained_seconds, emit, git_commit, relative  # noqa: E402
 
 from omni import quant  # noqa: E402
 from omni.platforms.cuda.skinny_triton import SkinnyFp8, SkinnyTile  # noqa: E402
@@ -34,10 +34,6 @@ def tiles(spec: str) -> list[SkinnyTile]:
     """``"16,32,64:256,512:4:3,5"`` -> every (block_n, block_k, warps, stages) of the lists."""
     parts = [list(map(int, p.split(","))) for p in spec.split(":")]
     return [SkinnyTile(*t) for t in itertools.product(*parts)]
-
-
-def relative(y, ref) -> float:
-    return float((y.double() - ref).norm() / ref.norm())
 
 
 def main() -> int:
