@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .specs import GROUPED_SKINNY_ROWS, GROUPED_SMALL_ROWS, SKINNY_ROWS, AttentionSpec
+from .specs import GROUPED_SKINNY_ROWS, GROUPED_SMALL_ROWS, PDL_ROWS, SKINNY_ROWS, AttentionSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # recipe name -> dtype
 
@@ -40,6 +40,7 @@ class BuildOptions:
     grouped_skinny_rows: int = GROUPED_SKINNY_ROWS  # ``kernels.grouped_fp8_skinny_rows``: tokens, few-row kernel
     skinny_rows: int = SKINNY_ROWS  # ``kernels.fp8_skinny_rows``: dense fp8 GEMMs of this many rows, few-row kernel
     shared_expert_stream: bool = False  # ``kernels.shared_expert_stream``: the shared expert beside the routed path
+    pdl_rows: int = PDL_ROWS  # ``kernels.pdl_rows``: calls of at most this many rows launch with PDL
 
     @classmethod
     def from_recipe(cls, recipe) -> BuildOptions:
@@ -52,18 +53,18 @@ class BuildOptions:
                    grouped_small_rows=recipe.kernels.grouped_fp8_small_rows,
                    grouped_skinny_rows=recipe.kernels.grouped_fp8_skinny_rows,
                    skinny_rows=recipe.kernels.fp8_skinny_rows,
-                   shared_expert_stream=recipe.kernels.shared_expert_stream)
+                   shared_expert_stream=recipe.kernels.shared_expert_stream, pdl_rows=recipe.kernels.pdl_rows)
 
     def linear_kw(self, quant: str) -> dict:
         """The kernel choices every ``Linear`` of the model is built with, for the scheme ``quant``."""
         return dict(dtype=self.dtype, quant=quant, memory_bound=self.memory_bound, fast_accum=self.fast_accum,
-                    skinny_rows=self.skinny_rows)
+                    skinny_rows=self.skinny_rows, pdl_rows=self.pdl_rows)
 
     def expert_kw(self) -> dict:
         """The kernel choices of the routed experts (``quant`` and the grouped GEMMs' own)."""
         return dict(dtype=self.dtype, quant=self.quant, memory_bound=self.memory_bound, fast_accum=self.fast_accum,
                     grouped_fp8=self.grouped_fp8, small_rows=self.grouped_small_rows,
-                    skinny_rows=self.grouped_skinny_rows)
+                    skinny_rows=self.grouped_skinny_rows, pdl_rows=self.pdl_rows)
 
     @property
     def dense_quant(self) -> str:

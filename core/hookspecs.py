@@ -299,11 +299,18 @@ def omni_linear_impl(spec: GemmSpec, reject: Reject) -> LinearImpl | None:
     keeps its choice) on a kernel made for few rows; the same product summed
     in another order; 0 forbids it. A platform without one ignores it.
 
+    Launch overlap: ``spec.pdl_rows`` (``kernels.pdl_rows``) permits the
+    platform's own kernels, on calls of at most that many rows (a shape, read
+    on the host: capture safe), to launch with programmatic dependent launch
+    (CUDA sm90+): a kernel is set up while the one before it runs and waits on
+    the device for its results. The same numbers; 0 forbids it; a platform
+    without it ignores it.
+
     Capture safety: ``__call__`` must be capturable (no host sync).
     Default implementation: ``F.linear``; fp8 schemes quantize to e4m3 and
     compute the dequantized product in fp32 (reference semantics, exact:
-    ignores ``fast_accum`` and ``skinny_rows``); refuses ``memory_bound="triton"``.
-    Versions: 0.4 (``skinny_rows``); 0.3 (``fast_accum``; 0.2 ``memory_bound``).
+    ignores ``fast_accum``, ``skinny_rows`` and ``pdl_rows``); refuses ``memory_bound="triton"``.
+    Versions: 0.5 (``pdl_rows``); 0.4 (``skinny_rows``); 0.3 (``fast_accum``; 0.2 ``memory_bound``).
     """
 
 
@@ -382,6 +389,9 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     made for a decode step's few rows in both expert GEMMs: the same product,
     possibly summed in another order (the cuda platform's Triton grouped
     kernel, with ``fp8_row`` and fast accumulation); 0 forbids it.
+    ``spec.pdl_rows`` permits launch overlap on calls of at most that many
+    rows (tokens for the per-token kernels, routed rows for the rest), as
+    ``omni_linear_impl`` says.
     An ``fp8_row`` implementation may set
     ``accepts_row_quantized = True``: ``__call__`` then also takes an
     ``omni.specs.RowQuantized`` for ``x_TD`` (the normed rows the fused glue
@@ -416,7 +426,7 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     and, for quantized schemes, ``grouped_fp8="cutlass"``).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.9 (``skinny_rows``); 0.8 (``small_rows``); 0.7 (``addends`` as a callable);
+    Versions: 0.10 (``pdl_rows``); 0.9 (``skinny_rows``); 0.8 (``small_rows``); 0.7 (``addends`` as a callable);
     0.6 (``accepts_addends``); 0.5 (``grouped_fp8``, ``accepts_row_quantized``; 0.4 ``fast_accum``;
     0.3 ``memory_bound``).
     """
@@ -481,12 +491,15 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
     twice); ties in ``route`` may pick either expert.
 
     Kernel choice: ``spec.memory_bound`` as ``omni_linear_impl`` says
-    (``triton`` demands Triton; a platform without it refuses naming the field).
+    (``triton`` demands Triton; a platform without it refuses naming the field);
+    ``spec.pdl_rows`` permits launch overlap on calls of at most that many
+    rows (tokens; the key table's and new rows for ``store_gather_kv``), as
+    ``omni_linear_impl`` says.
     Capture safety: no host sync, no value-dependent shapes.
     Default implementation: ``omni.reference_glue.ReferenceGlue``, plain torch
     ops that run on any device (the fallback of every platform without fused
     glue; it refuses ``memory_bound="triton"``).
-    Versions: 0.3 (``group_norm``); 0.2 (``store_gather_kv``).
+    Versions: 0.4 (``pdl_rows``); 0.3 (``group_norm``); 0.2 (``store_gather_kv``).
     """
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from . import quant as quant_math
-from .specs import GROUPED_SMALL_ROWS, SKINNY_ROWS, GemmSpec, GroupedGemmSpec, PreparedWeight
+from .specs import GROUPED_SMALL_ROWS, PDL_ROWS, SKINNY_ROWS, GemmSpec, GroupedGemmSpec, PreparedWeight
 
 FP8_SCHEMES = ("fp8_row", "fp8_tensor")
 
@@ -54,10 +54,11 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, *, platform, dtype: torch.dtype,
                  bias: bool = False, quant: str = "none", memory_bound: str = "auto", fast_accum: bool = False,
-                 skinny_rows: int = SKINNY_ROWS):
+                 skinny_rows: int = SKINNY_ROWS, pdl_rows: int = PDL_ROWS):
         super().__init__()
         self.spec = GemmSpec(in_features=in_features, out_features=out_features, dtype=dtype, quant=quant, bias=bias,
-                             memory_bound=memory_bound, fast_accum=fast_accum, skinny_rows=skinny_rows)
+                             memory_bound=memory_bound, fast_accum=fast_accum, skinny_rows=skinny_rows,
+                             pdl_rows=pdl_rows)
         self.kernel = platform.linear(self.spec)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None

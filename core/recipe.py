@@ -66,6 +66,7 @@ from .recipe_schema import (
     GROUPED_SKINNY_ROWS,
     GROUPED_SMALL_ROWS,
     MEMORY_BOUND,
+    PDL_ROWS,
     SKINNY_ROWS,
     QUANT_SCHEMES,
     TINY_FLAVOR,
@@ -90,7 +91,7 @@ from .recipe_schema import (
 __all__ = [
     "RECIPES_PACKAGE", "PLATFORM_GROUP", "BUILTIN_PLATFORMS", "TINY_FLAVOR", "DTYPES", "QUANT_SCHEMES",
     "ATTENTION_BACKENDS", "MEMORY_BOUND", "GROUPED_FP8", "GROUPED_SMALL_ROWS", "GROUPED_SKINNY_ROWS",
-    "SKINNY_ROWS", "VALIDATED_REQUIRED", "GiB",
+    "SKINNY_ROWS", "PDL_ROWS", "VALIDATED_REQUIRED", "GiB",
     "RecipeError", "parse_size", "parse_bytes", "parse_requirement", "unmet_requirement", "FrozenDict",
     "platform_choices",
     "Device", "Model", "Parallel", "Quant", "Attention", "Kernels", "KvCache", "Offload", "StepCache", "Graph", "Vae",

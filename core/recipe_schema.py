@@ -43,6 +43,7 @@ GROUPED_FP8 = ("auto", "torch", "cutlass")  # == omni.specs.GROUPED_FP8 (tested)
 GROUPED_SMALL_ROWS = 32  # == omni.specs.GROUPED_SMALL_ROWS (tested)
 GROUPED_SKINNY_ROWS = 16  # == omni.specs.GROUPED_SKINNY_ROWS (tested)
 SKINNY_ROWS = 64  # == omni.specs.SKINNY_ROWS (tested)
+PDL_ROWS = 0  # == omni.specs.PDL_ROWS (tested)
 GiB = 1 << 30
 
 
@@ -152,6 +153,10 @@ class Kernels(_Validated):
                                 "prompts) run a kernel that spreads the weight's read over every SM where the "
                                 "platform has one (CUDA: Triton, with fp8_fast_accum, up to 64 rows); 0 = never; "
                                 "the same product, summed in another order", rule=_at_least(0))
+    pdl_rows: int = _opt(PDL_ROWS, "the platform's own kernels called on at most this many rows (a decode step's "
+                         "tokens or routed rows) launch with programmatic dependent launch where the device has it "
+                         "(CUDA sm90+: the launch no longer waits for the kernel before it; the kernel waits on the "
+                         "device); 0 = never; the same numbers", rule=_at_least(0))
     shared_expert_stream: bool = _opt(False, "run each MoE layer's shared expert on a side stream beside the routed "
                                              "path (router, sort, gather, grouped GEMMs), joined at the combine; "
                                              "the same numbers; devices without streams (the CPU) run it inline")

@@ -37,6 +37,10 @@ GROUPED_SKINNY_ROWS = 16
 # ``kernels.fp8_skinny_rows``: dense fp8_row GEMMs of at most this many rows (a decode step's) may run a platform's
 # kernel for few rows (0: never). The H200's measurement (BENCHMARKS.md "Sixteenth session").
 SKINNY_ROWS = 64
+# ``kernels.pdl_rows``: a platform's own kernels called on at most this many rows may launch with programmatic
+# dependent launch (the launch does not wait for the kernel before; the kernel waits on the device; 0: never).
+# Off unless a recipe sets it: the H200's measurement is per recipe (BENCHMARKS.md "Eighteenth session").
+PDL_ROWS = 0
 
 
 # ----------------------------------------------------------------- detection
@@ -161,12 +165,14 @@ class GemmSpec:
     memory_bound: str = "auto"  # one of MEMORY_BOUND: the activation quantization of fp8 schemes
     fast_accum: bool = False  # fp8 products may accumulate without promotion (``kernels.fp8_fast_accum``)
     skinny_rows: int = SKINNY_ROWS  # at most this many rows may take a few-row kernel (``kernels.fp8_skinny_rows``)
+    pdl_rows: int = PDL_ROWS  # calls of at most this many rows may launch with PDL (``kernels.pdl_rows``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
             raise ValueError(f"GemmSpec.quant must be one of {QUANT_SCHEMES}, got {self.quant!r}")
         _check_memory_bound("GemmSpec", self.memory_bound)
         _check_rows("GemmSpec", "skinny_rows", "kernels.fp8_skinny_rows", self.skinny_rows)
+        _check_rows("GemmSpec", "pdl_rows", "kernels.pdl_rows", self.pdl_rows)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -255,9 +261,11 @@ class GlueSpec:
     topk: int = 1
     memory_bound: str = "auto"  # one of MEMORY_BOUND
     capturable: bool = False
+    pdl_rows: int = PDL_ROWS  # calls of at most this many rows may launch with PDL (``kernels.pdl_rows``)
 
     def __post_init__(self) -> None:
         _check_memory_bound("GlueSpec", self.memory_bound)
+        _check_rows("GlueSpec", "pdl_rows", "kernels.pdl_rows", self.pdl_rows)
         if self.head_dim % 2:
             raise ValueError(f"GlueSpec.head_dim must be even (rotate-half RoPE), got {self.head_dim}")
 
@@ -309,6 +317,7 @@ class MoESpec:
     grouped_fp8: str = "auto"  # one of GROUPED_FP8: the kernel of both fp8 expert GEMMs (``kernels.grouped_fp8``)
     small_rows: int = GROUPED_SMALL_ROWS  # as GroupedGemmSpec.small_rows, for both expert GEMMs
     skinny_rows: int = GROUPED_SKINNY_ROWS  # most rows of one expert, few-row kernel (``kernels.grouped_fp8_skinny_rows``)
+    pdl_rows: int = PDL_ROWS  # calls of at most this many rows may launch with PDL (``kernels.pdl_rows``)
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_SCHEMES:
@@ -317,6 +326,7 @@ class MoESpec:
         _check_grouped_fp8("MoESpec", self.grouped_fp8)
         _check_rows("MoESpec", "small_rows", "kernels.grouped_fp8_small_rows", self.small_rows)
         _check_rows("MoESpec", "skinny_rows", "kernels.grouped_fp8_skinny_rows", self.skinny_rows)
+        _check_rows("MoESpec", "pdl_rows", "kernels.pdl_rows", self.pdl_rows)
         if not 0 < self.topk <= self.num_experts:
             raise ValueError(f"MoESpec.topk must be in 1..{self.num_experts}, got {self.topk}")
 

@@ -35,12 +35,12 @@ def test_from_recipe_maps_every_field():
         "kv_cache.page_tokens": 32, "attention.backend": "sdpa", "graph.mode": "capture",
         "kernels.memory_bound": "torch", "attention.fp8": True, "kernels.fp8_fast_accum": True,
         "kernels.grouped_fp8": "torch", "kernels.shared_expert_stream": True, "kernels.grouped_fp8_small_rows": 0,
-        "kernels.fp8_skinny_rows": 0, "kernels.grouped_fp8_skinny_rows": 0})
+        "kernels.fp8_skinny_rows": 0, "kernels.grouped_fp8_skinny_rows": 0, "kernels.pdl_rows": 512})
     opts = BuildOptions.from_recipe(recipe)
     assert opts == BuildOptions(dtype=torch.bfloat16, quant="fp8_row", experts_only=True, paged_kv=True, page_size=32,
                                 attn_backend="sdpa", capturable=True, memory_bound="torch", attn_fp8=True,
                                 fast_accum=True, grouped_fp8="torch", shared_expert_stream=True, grouped_small_rows=0,
-                                skinny_rows=0, grouped_skinny_rows=0)
+                                skinny_rows=0, grouped_skinny_rows=0, pdl_rows=512)
     defaults = BuildOptions(dtype=torch.float32)
     unchanged = [f.name for f in dataclasses.fields(BuildOptions) if getattr(opts, f.name) == getattr(defaults, f.name)]
     assert not unchanged, f"fields the test does not move off their defaults: {unchanged}"
@@ -67,9 +67,10 @@ def test_derived_helpers():
     assert (spec.mask, spec.paged, spec.page_size, spec.backend, spec.capturable) == ("none", True, 16, "sdpa", True)
     assert not opts.attention_spec(8, 2, 64, "causal").capturable  # only the denoising step is captured
     kw = dataclasses.replace(opts, fast_accum=True).linear_kw("none")
-    assert kw == dict(dtype=torch.bfloat16, quant="none", memory_bound="auto", fast_accum=True, skinny_rows=64)
+    assert kw == dict(dtype=torch.bfloat16, quant="none", memory_bound="auto", fast_accum=True, skinny_rows=64,
+                pdl_rows=0)
     assert opts.expert_kw() == dict(dtype=torch.bfloat16, quant="fp8_row", memory_bound="auto", fast_accum=False,
-                                    grouped_fp8="auto", small_rows=32, skinny_rows=16)
+                                    grouped_fp8="auto", small_rows=32, skinny_rows=16, pdl_rows=0)
 
 
 def test_fast_accum_reaches_every_fp8_kernel_spec():
@@ -98,13 +99,13 @@ def test_grouped_fp8_choice_reaches_every_expert_spec():
     from omni.layers import GroupedLinear, Linear
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
     from omni.models.hunyuan_image3.tiny import TINY_CONFIG
-    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, glue_spec
     from omni.parallel.tp import _rebuild
     from omni.platform_manager import select
 
     cfg = HunyuanImage3Config.from_json_dict(TINY_CONFIG)
     opts = BuildOptions(dtype=torch.float32, quant="fp8_row", grouped_fp8="torch", grouped_small_rows=5,
-                        skinny_rows=7, grouped_skinny_rows=3)
+                        skinny_rows=7, grouped_skinny_rows=3, pdl_rows=9)
     platform = select("cpu")
     with torch.device("meta"):
         model = HunyuanImage3Transformer(cfg, platform, opts)
@@ -113,16 +114,19 @@ def test_grouped_fp8_choice_reaches_every_expert_spec():
     assert all((g.spec.grouped_fp8, g.spec.small_rows) == ("torch", 5) for g in grouped)
     moes = [m.moe_spec for m in model.modules() if hasattr(m, "moe_spec")]
     assert len(moes) == cfg.num_hidden_layers
-    assert all((s.grouped_fp8, s.small_rows, s.skinny_rows) == ("torch", 5, 3) for s in moes)
+    assert all((s.grouped_fp8, s.small_rows, s.skinny_rows, s.pdl_rows) == ("torch", 5, 3, 9) for s in moes)
     experts = [m for m in model.modules() if hasattr(m, "moe_spec")]
     assert all(m._spec() == m.moe_spec for m in experts)  # what finalize re-derives after a plan keeps the same
     dense = [m for m in model.modules() if isinstance(m, Linear) and m.spec.quant == "fp8_row"]
-    assert len(dense) >= 4 * cfg.num_hidden_layers and all(m.spec.skinny_rows == 7 for m in dense)
+    assert len(dense) >= 4 * cfg.num_hidden_layers and all((m.spec.skinny_rows, m.spec.pdl_rows) == (7, 9)
+                                                           for m in dense)
+    assert glue_spec(cfg, 0, opts).pdl_rows == 9
     with torch.device("meta"):
         half = _rebuild(grouped[0], grouped[0].spec.in_features, grouped[0].spec.out_features // 2,
                         grouped[0].spec.num_experts, platform)
         half_dense = _rebuild(dense[0], dense[0].spec.in_features, dense[0].spec.out_features // 2, None, platform)
     assert (half.spec.grouped_fp8, half.spec.small_rows, half_dense.spec.skinny_rows) == ("torch", 5, 7)
+    assert half_dense.spec.pdl_rows == 9
 
 
 # ----------------------------------------------------------------- the recipe field
@@ -150,6 +154,7 @@ def test_memory_bound_choices_match_the_platform_contract():
     assert recipe.GROUPED_SMALL_ROWS == specs.GROUPED_SMALL_ROWS
     assert recipe.GROUPED_SKINNY_ROWS == specs.GROUPED_SKINNY_ROWS
     assert recipe.SKINNY_ROWS == specs.SKINNY_ROWS
+    assert recipe.PDL_ROWS == specs.PDL_ROWS
 
 
 @pytest.mark.parametrize("make", [lambda: dataclasses.replace(MOE, memory_bound="fast"),
@@ -215,7 +220,8 @@ def no_triton(monkeypatch):
 def fake_triton(monkeypatch):
     """Triton "installed": a stand-in for ``moe_triton`` (the real one needs triton and a GPU)."""
     fake = types.ModuleType("omni.platforms.cuda.moe_triton")
-    fake.TritonKernels = type("TritonKernels", (), {"name": "triton", "quant_rows": None})
+    fake.TritonKernels = type("TritonKernels", (), {"name": "triton", "quant_rows": None,
+                                                    "__init__": lambda self, pdl: setattr(self, "pdl", pdl)})
     monkeypatch.setitem(sys.modules, "omni.platforms.cuda.moe_triton", fake)
     monkeypatch.setattr(moe, "triton_found", lambda: True)
 
@@ -227,6 +233,14 @@ def fake_triton(monkeypatch):
 def test_cuda_memory_kernels_follow_the_choice(request, choice, found, expected):
     request.getfixturevalue("fake_triton" if found else "no_triton")
     assert moe.memory_kernels(choice, pytest.fail).name == expected
+
+
+def test_cuda_memory_kernels_launch_with_pdl_up_to_the_spec_rows_on_hopper(fake_triton):
+    from omni.platforms.cuda.pdl import OFF, Pdl
+
+    assert moe.memory_kernels("auto", pytest.fail, 512, (9, 0)).pdl == Pdl(512)
+    assert moe.memory_kernels("auto", pytest.fail, 512, (8, 9)).pdl == OFF  # no griddepcontrol before sm90
+    assert moe.memory_kernels("auto", pytest.fail).pdl == OFF
 
 
 def test_cuda_refuses_a_triton_demand_without_triton(no_triton):

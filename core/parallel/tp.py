@@ -287,7 +287,8 @@ def _rebuild(old, in_f: int, out_f: int, num_experts: int | None, platform):
         return GroupedLinear(num_experts, in_f, out_f, platform=platform, dtype=s.dtype, quant=s.quant,
                              fast_accum=s.fast_accum, grouped_fp8=s.grouped_fp8, small_rows=s.small_rows)
     return Linear(in_f, out_f, platform=platform, dtype=s.dtype, bias=s.bias, quant=s.quant,
-                  memory_bound=s.memory_bound, fast_accum=s.fast_accum, skinny_rows=s.skinny_rows)
+                  memory_bound=s.memory_bound, fast_accum=s.fast_accum, skinny_rows=s.skinny_rows,
+                  pdl_rows=s.pdl_rows)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

@@ -41,8 +41,8 @@ from omni.group_norm import use_group_norm_kernel
 from omni.weights import LoadTarget, load_state_dict
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
                          finalize_experts, unhooked)
-from omni.specs import (GROUPED_SKINNY_ROWS, GROUPED_SMALL_ROWS, GlueSpec, MoESpec, PreparedMoE, PreparedWeight,
-                        RowQuantized)
+from omni.specs import (GROUPED_SKINNY_ROWS, GROUPED_SMALL_ROWS, PDL_ROWS, GlueSpec, MoESpec, PreparedMoE,
+                        PreparedWeight, RowQuantized)
 from omni.streams import INLINE
 
 from .config import HunyuanImage3Config
@@ -59,7 +59,7 @@ def glue_spec(cfg: HunyuanImage3Config, layer_idx: int, opts: BuildOptions) -> G
     """The memory-bound steps of one decoder layer (norms, residual, RoPE + QK-norm, SwiGLU, routing)."""
     return GlueSpec(hidden=cfg.hidden_size, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, dtype=opts.dtype,
                     topk=min(cfg.moe_topk[layer_idx], cfg.num_experts), memory_bound=opts.memory_bound,
-                    capturable=opts.capturable)
+                    capturable=opts.capturable, pdl_rows=opts.pdl_rows)
 
 
 def takes_rows(linear: Linear) -> bool:
@@ -153,14 +153,15 @@ class RoutedExperts(KernelOwner):
 
     def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, memory_bound,
                  fast_accum: bool = False, grouped_fp8: str = "auto", small_rows: int = GROUPED_SMALL_ROWS,
-                 skinny_rows: int = GROUPED_SKINNY_ROWS, topk: int = 1, capturable: bool = False):
+                 skinny_rows: int = GROUPED_SKINNY_ROWS, pdl_rows: int = PDL_ROWS, topk: int = 1,
+                 capturable: bool = False):
         super().__init__()
         kw = dict(platform=platform, dtype=dtype, quant=quant, fast_accum=fast_accum, grouped_fp8=grouped_fp8,
                   small_rows=small_rows)
         self.gate_and_up_proj = GroupedLinear(num_experts, dim, 2 * inner, **kw)
         self.down_proj = GroupedLinear(num_experts, inner, dim, **kw)
         self.platform, self.topk, self.memory_bound, self.capturable = platform, topk, memory_bound, capturable
-        self.skinny_rows = skinny_rows  # the MoE's own (no GroupedLinear uses it)
+        self.skinny_rows, self.pdl_rows = skinny_rows, pdl_rows  # the MoE's own (no GroupedLinear uses them)
         self.moe = platform.moe(self._spec())
 
     def _spec(self) -> MoESpec:
@@ -169,7 +170,8 @@ class RoutedExperts(KernelOwner):
         return MoESpec(num_experts=g13.num_experts, topk=min(self.topk, g13.num_experts), hidden=g13.in_features,
                        inner=self.down_proj.spec.in_features, dtype=g13.dtype, quant=g13.quant,
                        memory_bound=self.memory_bound, capturable=self.capturable, fast_accum=g13.fast_accum,
-                       grouped_fp8=g13.grouped_fp8, small_rows=g13.small_rows, skinny_rows=self.skinny_rows)
+                       grouped_fp8=g13.grouped_fp8, small_rows=g13.small_rows, skinny_rows=self.skinny_rows,
+                       pdl_rows=self.pdl_rows)
 
     @property
     def num_experts(self) -> int:  # read off the weights: a plan may keep only some experts on a rank

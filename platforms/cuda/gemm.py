@@ -183,7 +183,7 @@ class Fp8Linear:
 def resolve_linear(spec: GemmSpec, caps: Caps, reject):
     from .moe import memory_kernels  # moe.py builds on this module's grouped GEMMs
 
-    kernels = memory_kernels(spec.memory_bound, reject)
+    kernels = memory_kernels(spec.memory_bound, reject, spec.pdl_rows, caps.sm)
     if kernels is None:
         return None
     if spec.quant == "none":

@@ -41,7 +41,7 @@ class TritonGlue:
         from . import glue_triton, group_norm_triton
 
         self.spec, self.k, self.swiglu_kernels, self.triton = spec, glue_triton, moe_kernels, triton
-        self.group_norm_kernels = group_norm_triton
+        self.group_norm_kernels, self.pdl = group_norm_triton, moe_kernels.pdl  # kernels.pdl_rows
         self.tiles = dict(glue_triton.TILES)  # launch shapes per kernel (a benchmark may try others)
         self.block = triton.next_power_of_2(spec.hidden)
         self.name = "cuda-triton-glue"
@@ -58,7 +58,7 @@ class TritonGlue:
             tile = self.tiles["norm"]
             self.k.norm_kernel[(self.triton.cdiv(T, tile.rows),)](
                 x2, dd, w, h if h is not None else y, y, q, s, T, D, self.spec.eps, BLOCK=self.block, ROWS=tile.rows,
-                ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX, num_warps=tile.warps)
+                ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX, num_warps=tile.warps, **self.pdl.kw(T))
         y = y.view(x.shape)
         out = RowQuantized(q, s, y) if quantize else y
         return out if h is None else (h.view(x.shape), out)
@@ -86,7 +86,7 @@ class TritonGlue:
             tile = self.tiles["rope"]
             self.k.rope_norm_kernel[(self.triton.cdiv(T, tile.rows), K)](
                 qkv, cos_TH.contiguous(), sin_TH.contiguous(), wq_H, wk_H, q, k, v, T, self.spec.eps, K=K, G=N // K,
-                H=H, ROWS=tile.rows, num_warps=tile.warps)
+                H=H, ROWS=tile.rows, num_warps=tile.warps, **self.pdl.kw(T))
         return q, k, v
 
     def swiglu(self, h_T2I, quantize: bool):
@@ -107,7 +107,7 @@ class TritonGlue:
             tile = self.tiles["route"]
             self.k.route_kernel[(self.triton.cdiv(T, tile.rows),)](
                 x, w, ids, T, E, TOPK=k, BLOCK_T=tile.rows, BLOCK_E=self.triton.next_power_of_2(E),
-                KPAD=self.triton.next_power_of_2(k), num_warps=tile.warps)
+                KPAD=self.triton.next_power_of_2(k), num_warps=tile.warps, **self.pdl.kw(T))
         return w, ids
 
     def group_norm(self, x, num_groups, weight, bias, eps, **chain):
@@ -125,13 +125,14 @@ class TritonGlue:
         vo = torch.empty_like(ko)
         if S + T:
             self.k.kv_kernel[(S + T,)](k_pool_PKH, v_pool_PKH, k, v, write_T, gather_S, fresh_S, ko, vo, S, W,
-                                       BLOCK=self.triton.next_power_of_2(W), num_warps=4)
+                                       BLOCK=self.triton.next_power_of_2(W), num_warps=4,
+                                       **self.pdl.kw(S + T))
         return ko, vo
 
 
 def resolve_glue(spec: GlueSpec, caps: Caps, reject):
     """Triton glue where it imports and the shapes tile; the reference's torch ops under ``memory_bound: torch``."""
-    kernels = memory_kernels(spec.memory_bound, reject)
+    kernels = memory_kernels(spec.memory_bound, reject, spec.pdl_rows, caps.sm)
     if kernels is None:
         return None
     if kernels.name == "torch":

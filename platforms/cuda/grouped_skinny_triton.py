@@ -42,6 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import OFF, Pdl
+from .pdl_triton import wait_for_predecessor
+
 
 @dataclass(frozen=True)
 class GroupedSkinnyTile:
@@ -88,8 +91,9 @@ def _expert_tile(offs_ptr, t, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _grouped_skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, y_ptr, N, K, E, BLOCK_E: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               SWIGLU: tl.constexpr):
+                               SWIGLU: tl.constexpr, PDL: tl.constexpr = False):
     """Columns ``[pid0 * BLOCK_N, +BLOCK_N)`` of tile ``pid1``'s rows (one expert's), the whole K in one program."""
+    wait_for_predecessor(PDL)
     e, first, end = _expert_tile(offs_ptr, tl.program_id(1), E, BLOCK_E, BLOCK_M)
     if e < E:
         rm = first + tl.arange(0, BLOCK_M)
@@ -120,8 +124,8 @@ class GroupedSkinnyFp8:
     measured ``TILES`` of the epilogue) that holds a whole group; ``swiglu``: the SwiGLU epilogue. Called as
     ``cutlass_grouped.CutlassGroupedFp8`` is, plus ``group_rows``."""
 
-    def __init__(self, max_rows: int, swiglu: bool = False, tiles=None):
-        self.tiles, self.swiglu = tiles or TILES[swiglu], swiglu
+    def __init__(self, max_rows: int, swiglu: bool = False, tiles=None, pdl: Pdl = OFF):
+        self.tiles, self.swiglu, self.pdl = tiles or TILES[swiglu], swiglu, pdl
         self.max_rows = min(max_rows, self.tiles[-1][0])
         shapes = ",".join(f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in self.tiles)
         self.config = f"triton-skinny[{shapes},<={self.max_rows}]{'_swiglu' if swiglu else ''}"
@@ -158,5 +162,5 @@ class GroupedSkinnyFp8:
         _grouped_skinny_fp8_kernel[grid](xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out, N, K, E,
                                          BLOCK_E=triton.next_power_of_2(E), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
                                          BLOCK_K=t.block_k, SWIGLU=self.swiglu, num_warps=t.warps,
-                                         num_stages=t.stages)
+                                         num_stages=t.stages, **self.pdl.kw(R))
         return out

@@ -98,16 +98,18 @@ def triton_found() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def memory_kernels(choice: str, reject):
-    """The memory-bound kernels ``spec.memory_bound`` asks for; None after ``reject`` when a demand cannot be met."""
+def memory_kernels(choice: str, reject, pdl_rows: int = 0, sm: tuple[int, int] = (0, 0)):
+    """The memory-bound kernels ``spec.memory_bound`` asks for; None after ``reject`` when a demand cannot be met.
+    Triton's launch calls of at most ``pdl_rows`` rows with PDL on devices that have it (``pdl``)."""
     if choice == "torch" or (choice == "auto" and not triton_found()):
         return TorchKernels()
     if not triton_found():
         return reject("cuda: kernels.memory_bound=triton, but triton does not import here "
                       "(install it, or set kernels.memory_bound: auto | torch)")
     from .moe_triton import TritonKernels  # imports triton: only once it is known to be there
+    from .pdl import Pdl
 
-    return TritonKernels()
+    return TritonKernels(Pdl.on_device(pdl_rows, sm))
 
 
 def pair_rows(w: PreparedWeight) -> PreparedWeight:
@@ -193,7 +195,7 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
             return reject(f"cuda-moe: torch._grouped_mm needs a torch that has it and sm80+ ({caps.sm_name})")
         if spec.hidden % 8 or spec.inner % 8:
             return reject(f"cuda-moe: torch._grouped_mm needs 16-byte aligned rows, got {spec.hidden}/{spec.inner}")
-    kernels = memory_kernels(spec.memory_bound, reject)
+    kernels = memory_kernels(spec.memory_bound, reject, spec.pdl_rows, caps.sm)
     if kernels is None:
         return None
     paired = grouped_swiglu_kernel(spec, caps) if grouped_kernel is not None and spec.quant == "fp8_row" else None

@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import OFF, Pdl
+from .pdl_triton import wait_for_predecessor
+
 from .moe import torch_route_rows  # moe.py imports this module only from a function: no cycle
 
 FP8_MAX = 448.0
@@ -28,8 +31,9 @@ FP8_MAX = 448.0
 
 @triton.jit(do_not_specialize=["T"])
 def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                  QMAX: tl.constexpr, GATHER: tl.constexpr):
+                  QMAX: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr = False):
     """Rows ``[ROWS]`` of the output: e4m3 of source row ``token[r]`` (``GATHER``) or ``r``, and its scale."""
+    wait_for_predecessor(PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     rm = rows < T
@@ -43,7 +47,9 @@ def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROW
 
 
 @triton.jit(do_not_specialize=["R"])
-def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     rm = rows < R
     t = tl.load(token_ptr + rows, mask=rm, other=0).to(tl.int64)
@@ -57,7 +63,8 @@ def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK
 
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
-                   QMAX: tl.constexpr):
+                   QMAX: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     rm = rows < R
@@ -78,7 +85,8 @@ def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.co
 
 @triton.jit(do_not_specialize=["T"])
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.constexpr, ADDENDS: tl.constexpr,
-                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_predecessor(PDL)
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tm = t < T
@@ -97,8 +105,9 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.
 
 
 @triton.jit(do_not_specialize=["R"])
-def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """counts[b, e]: how many of block b's assignments route to expert e."""
+    wait_for_predecessor(PDL)
     b = tl.program_id(0)
     i = b * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + i, mask=i < R, other=EB)  # EB matches no expert column
@@ -128,9 +137,10 @@ def _place_chunk(ids_ptr, token_ptr, inverse_ptr, first, R, K, base, experts, EB
 
 @triton.jit(do_not_specialize=["R", "NB"])
 def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, NB, EB: tl.constexpr,
-                  NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                  NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """Sorted row of each assignment of block b: its expert's start, the rows of that expert in blocks and
     chunks before it, and its rank in its chunk (``_place_chunk``)."""
+    wait_for_predecessor(PDL)
     b = tl.program_id(0)
     blocks, experts = tl.arange(0, NBP), tl.arange(0, EB)
     c = tl.load(counts_ptr + blocks[:, None] * EB + experts[None, :], mask=(blocks < NB)[:, None], other=0)
@@ -146,9 +156,10 @@ def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K
 
 @triton.jit(do_not_specialize=["R"])
 def _route_one_block_kernel(ids_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, EB: tl.constexpr,
-                            RB: tl.constexpr, CHUNK: tl.constexpr):
+                            RB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     """The whole sort of at most ``RB`` assignments in one program: the counts, then the places chunk by chunk
     (a decode step's few rows: one launch instead of the count and place kernels)."""
+    wait_for_predecessor(PDL)
     experts, i = tl.arange(0, EB), tl.arange(0, RB)
     e = tl.load(ids_ptr + i, mask=i < R, other=EB)  # EB matches no expert column
     totals = tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
@@ -187,8 +198,10 @@ def _warps(block: int) -> int:
 class TritonKernels:
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, pdl: Pdl = OFF):
         from .glue_triton import Tile
+
+        self.pdl = pdl  # which calls launch with PDL (``kernels.pdl_rows``)
 
         # the routed rows' SwiGLU (65,552 rows x 3072): 1 x 8 measured within 2-4% of the best of 9 shapes
         self.swiglu_tile = Tile(1, 8)
@@ -206,14 +219,14 @@ class TritonKernels:
         """The dense e4m3 GEMM for at most ``max_rows`` rows (``skinny_triton``), for ``Fp8Linear``."""
         from .skinny_triton import SkinnyFp8
 
-        return SkinnyFp8(max_rows)
+        return SkinnyFp8(max_rows, pdl=self.pdl)
 
     def grouped_skinny_fp8(self, max_rows: int, swiglu: bool):
         """The grouped e4m3 expert GEMM for groups of at most ``max_rows`` rows (``grouped_skinny_triton``), in
         front of the MoE's CUTLASS builds."""
         from .grouped_skinny_triton import GroupedSkinnyFp8
 
-        return GroupedSkinnyFp8(max_rows, swiglu)
+        return GroupedSkinnyFp8(max_rows, swiglu, pdl=self.pdl)
 
     def quant_gather(self, x_TD: torch.Tensor, token_R: torch.Tensor):
         x = x_TD.contiguous()
@@ -223,7 +236,7 @@ class TritonKernels:
         if R:
             block = triton.next_power_of_2(D)
             _quant_kernel[(R,)](x, token_R, q, s, R, D, BLOCK=block, ROWS=1, QMAX=FP8_MAX, GATHER=True,
-                                num_warps=_warps(block))
+                                num_warps=_warps(block), **self.pdl.kw(R))
         return q, s[:, None]
 
     def gather_rows(self, q_TD: torch.Tensor, s_T1: torch.Tensor, token_R: torch.Tensor):
@@ -236,7 +249,7 @@ class TritonKernels:
             tile = self.gather_tile
             _gather_rows_kernel[(triton.cdiv(R, tile.rows),)](q, s, token_R, out, out_s, R, D,
                                                                BLOCK=min(4096, triton.next_power_of_2(D)),
-                                                               ROWS=tile.rows, num_warps=tile.warps)
+                                                               ROWS=tile.rows, num_warps=tile.warps, **self.pdl.kw(R))
         return out, out_s[:, None]
 
     def quant_rows(self, x_TD: torch.Tensor):
@@ -249,7 +262,7 @@ class TritonKernels:
             tile = self.quant_tiles.get(D, self.quant_tile)
             _quant_kernel[(triton.cdiv(T, tile.rows),)](x, x, q, s, T, D, BLOCK=triton.next_power_of_2(D),
                                                         ROWS=tile.rows, QMAX=FP8_MAX, GATHER=False,
-                                                        num_warps=tile.warps)
+                                                        num_warps=tile.warps, **self.pdl.kw(T))
         return q, s[:, None]
 
     def swiglu(self, h_R2I: torch.Tensor, quantize: bool, tile=None):
@@ -262,7 +275,7 @@ class TritonKernels:
             tile = tile or self.swiglu_tile
             _swiglu_kernel[(triton.cdiv(R, tile.rows),)](h, out, s, R, I, BLOCK=triton.next_power_of_2(I),
                                                          ROWS=tile.rows, QUANT=quantize, QMAX=FP8_MAX,
-                                                         num_warps=tile.warps)
+                                                         num_warps=tile.warps, **self.pdl.kw(R))
         return (out, s[:, None]) if quantize else (out, None)
 
     def combine(self, y_RD: torch.Tensor, inverse_R: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype,
@@ -278,7 +291,7 @@ class TritonKernels:
             tile, block = self.combine_tile, 1024
             _combine_kernel[(triton.cdiv(T, tile.rows), triton.cdiv(D, block))](
                 y_RD.contiguous(), inverse_R, w_Tk.float().contiguous(), a[0], a[1], out, T, D, K=k,
-                ADDENDS=len(addends), BLOCK_D=block, ROWS=tile.rows, num_warps=tile.warps)
+                ADDENDS=len(addends), BLOCK_D=block, ROWS=tile.rows, num_warps=tile.warps, **self.pdl.kw(T))
         return out
 
     def route_rows(self, ids_Tk: torch.Tensor, num_experts: int, plan: str | None = None):
@@ -296,15 +309,15 @@ class TritonKernels:
         token_R, inverse_R = torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.int64, device=dev)
         ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
         chunk = SMALL_CHUNK if R <= SMALL_ROWS else SORT_CHUNK
-        warps = 4 if chunk == SMALL_CHUNK else 8
+        warps, pdl = (4 if chunk == SMALL_CHUNK else 8), self.pdl.kw(R)
         if plan == "one launch":
             _route_one_block_kernel[(1,)](ids, token_R, inverse_R, ends_E, R, num_experts, k, EB=eb,
-                                          RB=max(chunk, triton.next_power_of_2(R)), CHUNK=chunk, num_warps=warps)
+                                          RB=max(chunk, triton.next_power_of_2(R)), CHUNK=chunk, num_warps=warps, **pdl)
             return token_R, inverse_R, ends_E
         counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
-        _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=block, num_warps=8)
+        _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=block, num_warps=8, **pdl)
         _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
-                             NBP=triton.next_power_of_2(nb), BLOCK=block, CHUNK=chunk, num_warps=warps)
+                             NBP=triton.next_power_of_2(nb), BLOCK=block, CHUNK=chunk, num_warps=warps, **pdl)
         return token_R, inverse_R, ends_E
 
 

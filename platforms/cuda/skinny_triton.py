@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import OFF, Pdl
+from .pdl_triton import wait_for_predecessor
+
 
 @dataclass(frozen=True)
 class SkinnyTile:
@@ -46,12 +49,13 @@ TILES = ((16, SkinnyTile(block_n=32, block_k=512, warps=4, stages=3)),
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Columns ``[pid * BLOCK_N, +BLOCK_N)`` of all ``M`` rows (padded to ``BLOCK_M``): the whole K in one program."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mm, nm = rm < M, rn < N
+    wait_for_predecessor(PDL)
     x_ptrs = x_ptr + rm[:, None] * K + rk[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]: W^T's tile, read along K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -71,8 +75,8 @@ class SkinnyFp8:
     """The kernel for up to ``max_rows`` rows (``fits``), launched with the first shape of ``tiles`` (most rows,
     tile) that takes the call's rows."""
 
-    def __init__(self, max_rows: int, tiles=TILES):
-        self.tiles, self.max_rows = tiles, min(max_rows, tiles[-1][0])
+    def __init__(self, max_rows: int, tiles=TILES, pdl: Pdl = OFF):
+        self.tiles, self.max_rows, self.pdl = tiles, min(max_rows, tiles[-1][0]), pdl
         shapes = ",".join(f"{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in tiles)
         self.name = f"triton-skinny-fp8[{shapes},<={self.max_rows}]"
 
@@ -96,5 +100,5 @@ class SkinnyFp8:
         _skinny_fp8_kernel[(triton.cdiv(N, t.block_n),)](
             xq_MK.contiguous(), xs_M1.reshape(-1).float().contiguous(), wq_NK, ws_N.reshape(-1).float().contiguous(), y, M, N, K,
             BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            num_warps=t.warps, num_stages=t.stages)
+            num_warps=t.warps, num_stages=t.stages, **self.pdl.kw(M))
         return y

@@ -260,7 +260,7 @@ def _few_rows_moe(monkeypatch, takes_shapes: bool = True, **spec):
     class WithFewRows(moe.TorchKernels):
         def grouped_skinny_fp8(self, max_rows, swiglu):
             return made.setdefault(swiglu, FewRowsDouble(max_rows, swiglu, takes_shapes))
-    monkeypatch.setattr(moe, "memory_kernels", lambda choice, reject: WithFewRows())
+    monkeypatch.setattr(moe, "memory_kernels", lambda choice, reject, *launch: WithFewRows())
     return moe.resolve_moe(dataclasses.replace(MOE, fast_accum=True, **spec), H200, pytest.fail), made
 
 

@@ -1,0 +1,44 @@
+"""Programmatic dependent launch (PDL) of the platform's Triton kernels at a decode step's sizes.
+
+Why: a captured decode step of one answer runs ~23 kernels a layer of a few
+microseconds each, and the graph still leaves about a microsecond between
+two of them (bench/profile_decode.py: 6.40 ms a step for 5.56 ms of kernels,
+BENCHMARKS.md "Seventeenth session"). A kernel launched with PDL is set up
+while the kernel before it runs and waits on the device (``gdc_wait``) until
+that kernel has finished and its writes are visible, instead of the launch
+waiting: 172.5 -> 180.3 tokens/s for one answer on the H200 (BENCHMARKS.md
+"Eighteenth session").
+
+Measured and left out (same runs): letting the next kernel launch early (``gdc_launch_dependents`` at a
+kernel's start: 175.2 tokens/s for one answer), and prefetching a dense GEMM's weight into L2 before the wait
+(160.0 with the early launch, 167.0 without).
+
+This module is the policy (no Triton import: the CPU tests read it); ``pdl_triton`` holds the device side and
+the rule each kernel keeps. Captured graphs keep the programmatic edges.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PDL_SM = (9, 0)  # griddepcontrol: Hopper and later
+
+
+@dataclass(frozen=True)
+class Pdl:
+    """Which calls launch with PDL: those of at most ``max_rows`` rows (0: none)."""
+
+    max_rows: int = 0
+
+    @classmethod
+    def on_device(cls, max_rows: int, sm: tuple[int, int]) -> Pdl:
+        """``max_rows`` (``kernels.pdl_rows``) where the device has PDL, else none."""
+        return cls(max_rows if sm >= PDL_SM else 0)
+
+    def kw(self, rows: int) -> dict:
+        """A call's launch keywords: the kernel's ``PDL`` constexpr and Triton's ``launch_pdl`` (the row count is a
+        shape: a captured call keeps its choice)."""
+        on = 0 < rows <= self.max_rows
+        return {"PDL": on, "launch_pdl": on}
+
+
+OFF = Pdl()

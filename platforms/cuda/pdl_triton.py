@@ -1,0 +1,20 @@
+"""The device side of programmatic dependent launch (``pdl``): the wait each of the platform's Triton kernels
+starts with.
+
+The rule every kernel keeps, or PDL would race: ``wait_for_predecessor`` comes before its first read of anything
+an earlier kernel writes and before its first write (a buffer the previous kernel still reads may be handed to
+this one by the allocator). ``griddepcontrol`` needs sm_90, so kernels take ``PDL`` as a constexpr and other GPUs
+compile without it; a kernel launched without the PDL attribute passes the wait at once.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+
+@triton.jit
+def wait_for_predecessor(PDL: tl.constexpr):
+    """Under PDL: waits until the kernel before has finished and its writes are visible (no-op otherwise)."""
+    if PDL:
+        gdc_wait()

@@ -1,0 +1,17 @@
+"""The cuda platform's PDL policy (``platforms/cuda/pdl.py``), which needs no GPU: which calls launch with
+programmatic dependent launch. The launches themselves: tests/gpu/test_gpu_pdl.py."""
+from __future__ import annotations
+
+from omni.platforms.cuda.pdl import OFF, Pdl
+
+
+def test_calls_up_to_the_row_limit_launch_with_pdl():
+    pdl = Pdl.on_device(64, (9, 0))
+    assert pdl.kw(1) == pdl.kw(64) == {"PDL": True, "launch_pdl": True}
+    assert pdl.kw(65) == pdl.kw(0) == {"PDL": False, "launch_pdl": False}  # 0 rows: no launch at all
+
+
+def test_devices_before_hopper_and_a_zero_limit_never_launch_with_it():
+    assert Pdl.on_device(512, (8, 9)) == Pdl.on_device(0, (9, 0)) == OFF
+    assert not OFF.kw(1)["launch_pdl"]
+    assert Pdl.on_device(512, (10, 0)).max_rows == 512
