@@ -370,3 +370,50 @@ def test_bf16_split_of_an_fp32_weight_is_exact_to_fp32():
     assert float(((hi - w.double()).abs() / w.double().abs()).max()) > 2.0 ** -12  # hi alone is not enough
     x = torch.randn(5, 256, generator=g)  # fp32 rows (no bf16 tensor cores on them): the recombined weight
     torch.testing.assert_close(lin(x, p), x @ w.T, atol=1e-4, rtol=1e-5)
+
+
+class _FewRowsRecorder:
+    """Stands in for ``router_triton.SplitFp32Few``: takes calls of at most ``max_rows`` rows and records them."""
+
+    name = "recorder"
+
+    def __init__(self, max_rows: int):
+        self.max_rows, self.calls = max_rows, []
+
+    def fits(self, x_TI, parts):
+        return x_TI.shape[0] <= self.max_rows and parts.dtype == torch.bfloat16
+
+    def __call__(self, x_TI, parts):
+        self.calls.append((tuple(x_TI.shape), tuple(parts.shape)))
+        return torch.full((x_TI.shape[0], parts.shape[0] // 3), 7.0)
+
+
+def test_split_fp32_linear_hands_few_bf16_rows_to_its_few_row_kernel():
+    from omni.platforms.cuda.gemm import SplitFp32Linear
+    from omni.specs import GemmSpec
+
+    few = _FewRowsRecorder(4)
+    lin = SplitFp32Linear(GemmSpec(in_features=32, out_features=8, dtype=torch.float32), few)
+    assert lin.name == "cuda-linear[fp32 as 3 x bf16, recorder]"
+    p = lin.prepare_weight(torch.randn(8, 32))
+    meta = lin.prepare_weight(torch.empty(8, 32, device="meta"))  # the bf16 GEMM (aten::mm.dtype) has no CPU kernel
+    y = lin(torch.empty(2, 3, 32, dtype=torch.bfloat16, device="meta"), meta)  # 6 rows, past the double's 4
+    assert few.calls == [] and y.shape == (2, 3, 8) and y.device.type == "meta"
+    y = lin(torch.randn(1, 4, 32).bfloat16(), p)
+    assert few.calls == [((4, 32), (24, 32))] and y.shape == (1, 4, 8) and torch.all(y == 7.0)
+    lin(torch.randn(3, 32), p)  # fp32 rows: the recombined weight, never the bf16 kernel
+    assert len(few.calls) == 1
+
+
+def test_the_router_gets_the_few_row_kernel_only_with_triton_and_skinny_rows(monkeypatch):
+    from omni.platforms.cuda import gemm, moe
+    from omni.specs import GemmSpec
+
+    spec = GemmSpec(in_features=256, out_features=64, dtype=torch.float32)
+    caps = dataclasses.replace(H100, has_mm_out_dtype=True)
+    kernels = type("K", (), {"split_fp32_few": lambda self, rows: _FewRowsRecorder(rows)})()
+    monkeypatch.setattr(moe, "memory_kernels", lambda *a: kernels)
+    assert gemm.resolve_linear(spec, caps, pytest.fail).few.max_rows == spec.skinny_rows
+    assert gemm.resolve_linear(dataclasses.replace(spec, skinny_rows=0), caps, pytest.fail).few is None
+    monkeypatch.setattr(moe, "memory_kernels", lambda *a: moe.TorchKernels())
+    assert gemm.resolve_linear(spec, caps, pytest.fail).few is None
