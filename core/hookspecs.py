@@ -294,8 +294,7 @@ def omni_linear_impl(spec: GemmSpec, reject: Reject) -> LinearImpl | None:
     ``spec.dtype``.
 
     Few rows: ``spec.skinny_rows`` (``kernels.fp8_skinny_rows``) permits an
-    implementation (the cuda platform's: ``fp8_row`` GEMMs and the fp32
-    router's split product) to run calls of at most that many rows (a
+    ``fp8_row`` implementation to run calls of at most that many rows (a
     decode step's; read off ``x``'s shape on the host, so a captured call
     keeps its choice) on a kernel made for few rows; the same product summed
     in another order; 0 forbids it. A platform without one ignores it.

@@ -121,9 +121,6 @@ def test_grouped_fp8_choice_reaches_every_expert_spec():
     assert len(dense) >= 4 * cfg.num_hidden_layers and all((m.spec.skinny_rows, m.spec.pdl_rows) == (7, 9)
                                                            for m in dense)
     assert glue_spec(cfg, 0, opts).pdl_rows == 9
-    routers = [m for name, m in model.named_modules() if name.endswith("gate.wg")]
-    assert len(routers) == cfg.num_hidden_layers  # fp32 always, the recipe's few-row and PDL permissions
-    assert all((r.spec.quant, r.spec.skinny_rows, r.spec.pdl_rows) == ("none", 7, 9) for r in routers)
     with torch.device("meta"):
         half = _rebuild(grouped[0], grouped[0].spec.in_features, grouped[0].spec.out_features // 2,
                         grouped[0].spec.num_experts, platform)

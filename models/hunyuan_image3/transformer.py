@@ -127,10 +127,9 @@ class SwiGLU(nn.Module):
 class Router(nn.Module):
     """``wg`` in fp32; softmax over all experts, top-k, renormalised to sum 1."""
 
-    def __init__(self, dim: int, num_experts: int, topk: int, *, platform, glue, opts: BuildOptions):
+    def __init__(self, dim: int, num_experts: int, topk: int, *, platform, glue):
         super().__init__()
-        kw = {**opts.linear_kw("none"), "dtype": torch.float32}  # the recipe's kernel choices, fp32 always
-        self.wg = Linear(dim, num_experts, platform=platform, **kw)
+        self.wg = Linear(dim, num_experts, platform=platform, dtype=torch.float32)
         self.topk, self.glue = topk, glue  # glue.route: softmax, top-k, renormalise in one pass
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +218,7 @@ class MoE(nn.Module):
         super().__init__()
         D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[layer_idx], cfg.num_experts
         glue = platform.glue(glue_spec(cfg, layer_idx, opts))
-        self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform, glue=glue, opts=opts)
+        self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform, glue=glue)
         self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, glue=glue,
                                  **opts.linear_kw(opts.dense_quant))
         self.experts = RoutedExperts(E, D, inner, platform=platform, topk=cfg.moe_topk[layer_idx],

@@ -97,14 +97,12 @@ class SplitFp32Linear:
     rows and the fp32 GEMM: 48 us against 212 us per layer at 8194 x 4096 ->
     64 (bench/bench_glue.py).
     Rows of other dtypes take the fp32 product of the recombined weight.
-
-    ``few``: a kernel for a decode step's few bf16 rows (``router_triton``: one launch for the three here, the
-    products exact and summed in fp32; ``spec.skinny_rows`` permits it), tried first.
     """
 
-    def __init__(self, spec: GemmSpec, few=None):
-        self.spec, self.few = spec, few
-        self.name = "cuda-linear[fp32 as 3 x bf16" + (f", {few.name}]" if few else "]")
+    name = "cuda-linear[fp32 as 3 x bf16]"
+
+    def __init__(self, spec: GemmSpec):
+        self.spec = spec
 
     def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
         rest = w_OI.float()
@@ -125,8 +123,6 @@ class SplitFp32Linear:
         lead, x = x_TI.shape[:-1], x_TI.reshape(-1, self.spec.in_features)
         if x.dtype != torch.bfloat16 or w.data.dtype != torch.bfloat16:  # other rows, or not prepared yet
             y = F.linear(x.float(), self.fp32_weight(w))
-        elif self.few is not None and self.few.fits(x, w.data):
-            y = self.few(x, w.data)
         else:
             y = torch.mm(x, w.data.t(), out_dtype=torch.float32).view(-1, 3, O).sum(1)
         y = y.view(*lead, O)
@@ -192,8 +188,7 @@ def resolve_linear(spec: GemmSpec, caps: Caps, reject):
         return None
     if spec.quant == "none":
         split = spec.dtype == torch.float32 and caps.has_mm_out_dtype and caps.sm >= (8, 0)
-        few = kernels.split_fp32_few(spec.skinny_rows) if split and spec.skinny_rows else None
-        return SplitFp32Linear(spec, few) if split else CudaLinear(spec)
+        return SplitFp32Linear(spec) if split else CudaLinear(spec)
     if spec.quant in LATER:
         return reject(_later(spec.quant, caps))
     if not caps.has_scaled_mm:

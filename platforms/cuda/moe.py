@@ -93,10 +93,6 @@ class TorchKernels:
         """No few-row grouped fp8 kernel among the torch ops: the grouped kernel keeps every row count."""
         return None
 
-    def split_fp32_few(self, max_rows: int):
-        """No few-row router kernel among the torch ops: the split GEMM keeps every row count."""
-        return None
-
 
 def triton_found() -> bool:
     return importlib.util.find_spec("triton") is not None

@@ -221,13 +221,6 @@ class TritonKernels:
 
         return SkinnyFp8(max_rows, pdl=self.pdl)
 
-    def split_fp32_few(self, max_rows: int):
-        """The router's fp32 product over a split bf16 weight for at most ``max_rows`` rows (``router_triton``),
-        for ``SplitFp32Linear``."""
-        from .router_triton import SplitFp32Few
-
-        return SplitFp32Few(max_rows, pdl=self.pdl)
-
     def grouped_skinny_fp8(self, max_rows: int, swiglu: bool):
         """The grouped e4m3 expert GEMM for groups of at most ``max_rows`` rows (``grouped_skinny_triton``), in
         front of the MoE's CUTLASS builds."""
