@@ -50,8 +50,8 @@ def _round(x, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, T, D, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                ADD: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_predecessor(PDL)
+                ADD: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+    wait_for_predecessor(PDL, TRIGGER)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     rm, cm = rows < T, cols < D
@@ -85,8 +85,8 @@ def _rope_norm_head(x1, x2, c, s, w1, w2, eps, H: tl.constexpr, dt: tl.constexpr
 
 @triton.jit(do_not_specialize=["T"])
 def rope_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_ptr, T, eps,
-                     K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_predecessor(PDL)
+                     K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+    wait_for_predecessor(PDL, TRIGGER)
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1] tokens
     g = tl.program_id(1)
     HALF: tl.constexpr = H // 2
@@ -118,8 +118,8 @@ def rope_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_
 
 @triton.jit(do_not_specialize=["T"])
 def route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_E: tl.constexpr, KPAD: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_predecessor(PDL)
+                 BLOCK_E: tl.constexpr, KPAD: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+    wait_for_predecessor(PDL, TRIGGER)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     rm, cm = rows < T, cols < E
@@ -146,10 +146,10 @@ def route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, TOPK: tl.constexpr, BLOCK_T: 
 
 @triton.jit(do_not_specialize=["S"])
 def kv_kernel(kp_ptr, vp_ptr, k_ptr, v_ptr, write_ptr, gather_ptr, fresh_ptr, ko_ptr, vo_ptr, S, W,
-              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+              BLOCK: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Programs [0, S): key-table row s from the new row ``fresh[s]`` or else pool slot ``gather[s]``;
     programs [S, S + T): new row t stored at pool slot ``write[t]``. Rows are ``W`` (kv heads x head dim) wide."""
-    wait_for_predecessor(PDL)
+    wait_for_predecessor(PDL, TRIGGER)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < W

@@ -91,9 +91,9 @@ def _expert_tile(offs_ptr, t, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _grouped_skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, offs_ptr, y_ptr, N, K, E, BLOCK_E: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               SWIGLU: tl.constexpr, PDL: tl.constexpr = False):
+                               SWIGLU: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Columns ``[pid0 * BLOCK_N, +BLOCK_N)`` of tile ``pid1``'s rows (one expert's), the whole K in one program."""
-    wait_for_predecessor(PDL)
+    wait_for_predecessor(PDL, TRIGGER)
     e, first, end = _expert_tile(offs_ptr, tl.program_id(1), E, BLOCK_E, BLOCK_M)
     if e < E:
         rm = first + tl.arange(0, BLOCK_M)

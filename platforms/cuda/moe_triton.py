@@ -31,9 +31,9 @@ FP8_MAX = 448.0
 
 @triton.jit(do_not_specialize=["T"])
 def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                  QMAX: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr = False):
+                  QMAX: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Rows ``[ROWS]`` of the output: e4m3 of source row ``token[r]`` (``GATHER``) or ``r``, and its scale."""
-    wait_for_predecessor(PDL)
+    wait_for_predecessor(PDL, TRIGGER)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     rm = rows < T
@@ -48,8 +48,8 @@ def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROW
 
 @triton.jit(do_not_specialize=["R"])
 def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    wait_for_predecessor(PDL)
+                        PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+    wait_for_predecessor(PDL, TRIGGER)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     rm = rows < R
     t = tl.load(token_ptr + rows, mask=rm, other=0).to(tl.int64)
@@ -63,8 +63,8 @@ def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK
 
 @triton.jit(do_not_specialize=["R"])
 def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.constexpr, QUANT: tl.constexpr,
-                   QMAX: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_predecessor(PDL)
+                   QMAX: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+    wait_for_predecessor(PDL, TRIGGER)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     rm = rows < R
@@ -85,8 +85,8 @@ def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.co
 
 @triton.jit(do_not_specialize=["T"])
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.constexpr, ADDENDS: tl.constexpr,
-                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False):
-    wait_for_predecessor(PDL)
+                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+    wait_for_predecessor(PDL, TRIGGER)
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tm = t < T
@@ -105,9 +105,9 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.
 
 
 @triton.jit(do_not_specialize=["R"])
-def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """counts[b, e]: how many of block b's assignments route to expert e."""
-    wait_for_predecessor(PDL)
+    wait_for_predecessor(PDL, TRIGGER)
     b = tl.program_id(0)
     i = b * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + i, mask=i < R, other=EB)  # EB matches no expert column
@@ -137,10 +137,10 @@ def _place_chunk(ids_ptr, token_ptr, inverse_ptr, first, R, K, base, experts, EB
 
 @triton.jit(do_not_specialize=["R", "NB"])
 def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, NB, EB: tl.constexpr,
-                  NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                  NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Sorted row of each assignment of block b: its expert's start, the rows of that expert in blocks and
     chunks before it, and its rank in its chunk (``_place_chunk``)."""
-    wait_for_predecessor(PDL)
+    wait_for_predecessor(PDL, TRIGGER)
     b = tl.program_id(0)
     blocks, experts = tl.arange(0, NBP), tl.arange(0, EB)
     c = tl.load(counts_ptr + blocks[:, None] * EB + experts[None, :], mask=(blocks < NB)[:, None], other=0)
@@ -156,10 +156,10 @@ def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K
 
 @triton.jit(do_not_specialize=["R"])
 def _route_one_block_kernel(ids_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, EB: tl.constexpr,
-                            RB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+                            RB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """The whole sort of at most ``RB`` assignments in one program: the counts, then the places chunk by chunk
     (a decode step's few rows: one launch instead of the count and place kernels)."""
-    wait_for_predecessor(PDL)
+    wait_for_predecessor(PDL, TRIGGER)
     experts, i = tl.arange(0, EB), tl.arange(0, RB)
     e = tl.load(ids_ptr + i, mask=i < R, other=EB)  # EB matches no expert column
     totals = tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)

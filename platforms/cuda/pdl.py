@@ -9,9 +9,9 @@ that kernel has finished and its writes are visible, instead of the launch
 waiting: 172.5 -> 180.3 tokens/s for one answer on the H200 (BENCHMARKS.md
 "Eighteenth session").
 
-Measured and left out (same runs): letting the next kernel launch early (``gdc_launch_dependents`` at a
-kernel's start: 175.2 tokens/s for one answer), and prefetching a dense GEMM's weight into L2 before the wait
-(160.0 with the early launch, 167.0 without).
+Measured: letting the next kernel launch early (``gdc_launch_dependents`` at a kernel's start) pays from a
+step of 8 answers (``TRIGGER_ROWS``) and costs one answer (175.2 tokens/s); prefetching a dense GEMM's weight
+into L2 before the wait was slower (160.0 with the early launch, 167.0 without) and is left out.
 
 This module is the policy (no Triton import: the CPU tests read it); ``pdl_triton`` holds the device side and
 the rule each kernel keeps. Captured graphs keep the programmatic edges.
@@ -21,6 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PDL_SM = (9, 0)  # griddepcontrol: Hopper and later
+# Calls of at least this many rows (routed rows from 8 answers on, tokens from 64) also let the next kernel launch at
+# once (``gdc_launch_dependents`` before the wait): 8 / 32 / 64 answers 793.1 / 2475.4 / 4671.1 against 785.4 /
+# 2465.3 / 4613.3 tokens/s without, one run each (BENCHMARKS.md "Eighteenth session", call F). Below it the early
+# launch cost one answer 175.2 against 180.3 tokens/s (call B), so one answer's calls (8 routed rows) keep the wait.
+TRIGGER_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,10 @@ class Pdl:
         return cls(max_rows if sm >= PDL_SM else 0)
 
     def kw(self, rows: int) -> dict:
-        """A call's launch keywords: the kernel's ``PDL`` constexpr and Triton's ``launch_pdl`` (the row count is a
-        shape: a captured call keeps its choice)."""
+        """A call's launch keywords: the kernel's ``PDL`` and ``TRIGGER`` constexprs and Triton's ``launch_pdl``
+        (the row count is a shape: a captured call keeps its choice)."""
         on = 0 < rows <= self.max_rows
-        return {"PDL": on, "launch_pdl": on}
+        return {"PDL": on, "launch_pdl": on, "TRIGGER": on and 0 < TRIGGER_ROWS <= rows}
 
 
 OFF = Pdl()

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def wait_for_predecessor(PDL: tl.constexpr):
-    """Under PDL: waits until the kernel before has finished and its writes are visible (no-op otherwise)."""
+def wait_for_predecessor(PDL: tl.constexpr, TRIGGER: tl.constexpr = False):
+    """Under PDL: with ``TRIGGER`` first lets the next kernel launch (it waits in turn, so this only moves its
+    launch earlier), then waits until the kernel before has finished and its writes are visible (no-op otherwise)."""
     if PDL:
+        if TRIGGER:
+            gdc_launch_dependents()
         gdc_wait()

@@ -49,13 +49,13 @@ TILES = ((16, SkinnyTile(block_n=32, block_k=512, warps=4, stages=3)),
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Columns ``[pid * BLOCK_N, +BLOCK_N)`` of all ``M`` rows (padded to ``BLOCK_M``): the whole K in one program."""
     rm = tl.arange(0, BLOCK_M)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     mm, nm = rm < M, rn < N
-    wait_for_predecessor(PDL)
+    wait_for_predecessor(PDL, TRIGGER)
     x_ptrs = x_ptr + rm[:, None] * K + rk[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[None, :] * K + rk[:, None]  # [BLOCK_K, BLOCK_N]: W^T's tile, read along K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -2,13 +2,15 @@
 programmatic dependent launch. The launches themselves: tests/gpu/test_gpu_pdl.py."""
 from __future__ import annotations
 
-from omni.platforms.cuda.pdl import OFF, Pdl
+from omni.platforms.cuda.pdl import OFF, TRIGGER_ROWS, Pdl
 
 
 def test_calls_up_to_the_row_limit_launch_with_pdl():
-    pdl = Pdl.on_device(64, (9, 0))
-    assert pdl.kw(1) == pdl.kw(64) == {"PDL": True, "launch_pdl": True}
-    assert pdl.kw(65) == pdl.kw(0) == {"PDL": False, "launch_pdl": False}  # 0 rows: no launch at all
+    pdl = Pdl.on_device(512, (9, 0))
+    assert pdl.kw(1) == pdl.kw(TRIGGER_ROWS - 1) == {"PDL": True, "launch_pdl": True, "TRIGGER": False}
+    assert pdl.kw(TRIGGER_ROWS) == pdl.kw(512) == {"PDL": True, "launch_pdl": True, "TRIGGER": True}
+    off = {"PDL": False, "launch_pdl": False, "TRIGGER": False}
+    assert pdl.kw(513) == pdl.kw(0) == off  # past the limit; 0 rows: no launch at all
 
 
 def test_devices_before_hopper_and_a_zero_limit_never_launch_with_it():
