@@ -6,12 +6,12 @@ two of them (bench/profile_decode.py: 6.40 ms a step for 5.56 ms of kernels,
 BENCHMARKS.md "Seventeenth session"). A kernel launched with PDL is set up
 while the kernel before it runs and waits on the device (``gdc_wait``) until
 that kernel has finished and its writes are visible, instead of the launch
-waiting: 172.5 -> 180.3 tokens/s for one answer on the H200 (BENCHMARKS.md
-"Eighteenth session").
+waiting: 173.2 -> 181.6 tokens/s for one answer on the H200, the same run
+without it (BENCHMARKS.md "Eighteenth session", call C).
 
 Measured: letting the next kernel launch early (``gdc_launch_dependents`` at a kernel's start) pays from a
-step of 8 answers (``TRIGGER_ROWS``) and costs one answer (175.2 tokens/s); prefetching a dense GEMM's weight
-into L2 before the wait was slower (160.0 with the early launch, 167.0 without) and is left out.
+step of 8 answers (``TRIGGER_ROWS``) and cost one answer 175.2 against 180.3 tokens/s; prefetching a dense
+GEMM's weight into L2 before the wait was slower (160.0 with the early launch, 167.0 without) and is left out.
 
 This module is the policy (no Triton import: the CPU tests read it); ``pdl_triton`` holds the device side and
 the rule each kernel keeps. Captured graphs keep the programmatic edges.
