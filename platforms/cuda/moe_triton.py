@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .pdl import OFF, Pdl
-from .pdl_triton import wait_for_predecessor
+from .pdl_triton import HAS_GDC, wait_for_predecessor
 
 from .moe import torch_route_rows  # moe.py imports this module only from a function: no cycle
 
@@ -201,7 +201,7 @@ class TritonKernels:
     def __init__(self, pdl: Pdl = OFF):
         from .glue_triton import Tile
 
-        self.pdl = pdl  # which calls launch with PDL (``kernels.pdl_rows``)
+        self.pdl = pdl if HAS_GDC else OFF  # which calls launch with PDL (``kernels.pdl_rows``)
 
         # the routed rows' SwiGLU (65,552 rows x 3072): 1 x 8 measured within 2-4% of the best of 9 shapes
         self.swiglu_tile = Tile(1, 8)

@@ -42,8 +42,9 @@ class Pdl:
     def kw(self, rows: int) -> dict:
         """A call's launch keywords: the kernel's ``PDL`` and ``TRIGGER`` constexprs and Triton's ``launch_pdl``
         (the row count is a shape: a captured call keeps its choice)."""
-        on = 0 < rows <= self.max_rows
-        return {"PDL": on, "launch_pdl": on, "TRIGGER": on and 0 < TRIGGER_ROWS <= rows}
+        if not 0 < rows <= self.max_rows:
+            return {"PDL": False, "TRIGGER": False}  # no ``launch_pdl``: Triton before 3.3 does not know the key
+        return {"PDL": True, "launch_pdl": True, "TRIGGER": TRIGGER_ROWS <= rows}
 
 
 OFF = Pdl()

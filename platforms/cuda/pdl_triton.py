@@ -4,13 +4,27 @@ starts with.
 The rule every kernel keeps, or PDL would race: ``wait_for_predecessor`` comes before its first read of anything
 an earlier kernel writes and before its first write (a buffer the previous kernel still reads may be handed to
 this one by the allocator). ``griddepcontrol`` needs sm_90, so kernels take ``PDL`` as a constexpr and other GPUs
-compile without it; a kernel launched without the PDL attribute passes the wait at once.
+compile without it; a kernel launched without the PDL attribute passes the wait at once. ``HAS_GDC``: whether
+this Triton has it (``TritonKernels`` launches nothing with PDL otherwise).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # a Triton without grid dependency control (before 3.3): kernels launch without PDL
+    HAS_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
 
 
 @triton.jit
