@@ -50,7 +50,8 @@ def _round(x, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, y_ptr, q_ptr, s_ptr, T, D, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                ADD: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+                ADD: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr,
+                PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     wait_for_predecessor(PDL, TRIGGER)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -85,7 +86,8 @@ def _rope_norm_head(x1, x2, c, s, w1, w2, eps, H: tl.constexpr, dt: tl.constexpr
 
 @triton.jit(do_not_specialize=["T"])
 def rope_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_ptr, T, eps,
-                     K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+                     K: tl.constexpr, G: tl.constexpr, H: tl.constexpr, ROWS: tl.constexpr,
+                     PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     wait_for_predecessor(PDL, TRIGGER)
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)[:, None]  # [ROWS, 1] tokens
     g = tl.program_id(1)

@@ -85,7 +85,8 @@ def _swiglu_kernel(h_ptr, out_ptr, s_ptr, R, I, BLOCK: tl.constexpr, ROWS: tl.co
 
 @triton.jit(do_not_specialize=["T"])
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.constexpr, ADDENDS: tl.constexpr,
-                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+                    BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+                    PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     wait_for_predecessor(PDL, TRIGGER)
     t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -105,7 +106,8 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, a0_ptr, a1_ptr, out_ptr, T, D, K: tl.
 
 
 @triton.jit(do_not_specialize=["R"])
-def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+def _count_kernel(ids_ptr, counts_ptr, R, EB: tl.constexpr, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """counts[b, e]: how many of block b's assignments route to expert e."""
     wait_for_predecessor(PDL, TRIGGER)
     b = tl.program_id(0)
@@ -137,7 +139,8 @@ def _place_chunk(ids_ptr, token_ptr, inverse_ptr, first, R, K, base, experts, EB
 
 @triton.jit(do_not_specialize=["R", "NB"])
 def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, NB, EB: tl.constexpr,
-                  NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+                  NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                  PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Sorted row of each assignment of block b: its expert's start, the rows of that expert in blocks and
     chunks before it, and its rank in its chunk (``_place_chunk``)."""
     wait_for_predecessor(PDL, TRIGGER)
@@ -156,7 +159,8 @@ def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K
 
 @triton.jit(do_not_specialize=["R"])
 def _route_one_block_kernel(ids_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, EB: tl.constexpr,
-                            RB: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+                            RB: tl.constexpr, CHUNK: tl.constexpr,
+                            PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """The whole sort of at most ``RB`` assignments in one program: the counts, then the places chunk by chunk
     (a decode step's few rows: one launch instead of the count and place kernels)."""
     wait_for_predecessor(PDL, TRIGGER)
