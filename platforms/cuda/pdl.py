@@ -43,7 +43,7 @@ class Pdl:
         """A call's launch keywords: the kernel's ``PDL`` and ``TRIGGER`` constexprs and Triton's ``launch_pdl``
         (the row count is a shape: a captured call keeps its choice)."""
         if not 0 < rows <= self.max_rows:
-            return {"PDL": False, "TRIGGER": False}  # no ``launch_pdl``: Triton before 3.3 does not know the key
+            return {"PDL": False, "TRIGGER": False}  # no ``launch_pdl`` key: a Triton older than the option may refuse it
         return {"PDL": True, "launch_pdl": True, "TRIGGER": TRIGGER_ROWS <= rows}
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     HAS_GDC = True
-except ImportError:  # a Triton without grid dependency control (before 3.3): kernels launch without PDL
+except ImportError:  # a Triton without grid dependency control (older releases): kernels launch without PDL
     HAS_GDC = False
 
     @triton.jit

@@ -9,7 +9,7 @@ def test_calls_up_to_the_row_limit_launch_with_pdl():
     pdl = Pdl.on_device(512, (9, 0))
     assert pdl.kw(1) == pdl.kw(TRIGGER_ROWS - 1) == {"PDL": True, "launch_pdl": True, "TRIGGER": False}
     assert pdl.kw(TRIGGER_ROWS) == pdl.kw(512) == {"PDL": True, "launch_pdl": True, "TRIGGER": True}
-    off = {"PDL": False, "TRIGGER": False}  # and no launch_pdl key, which Triton before 3.3 refuses
+    off = {"PDL": False, "TRIGGER": False}  # and no launch_pdl key, which a Triton older than the option may refuse
     assert pdl.kw(513) == pdl.kw(0) == off  # past the limit; 0 rows: no launch at all
 
 
