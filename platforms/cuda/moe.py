@@ -100,7 +100,7 @@ def triton_found() -> bool:
 
 def memory_kernels(choice: str, reject, pdl_rows: int = 0, sm: tuple[int, int] = (0, 0)):
     """The memory-bound kernels ``spec.memory_bound`` asks for; None after ``reject`` when a demand cannot be met.
-    Triton's launch calls of at most ``pdl_rows`` rows with PDL on devices that have it (``pdl``)."""
+    The Triton kernels launch calls of at most ``pdl_rows`` rows with PDL where device ``sm`` has it (``pdl``)."""
     if choice == "torch" or (choice == "auto" and not triton_found()):
         return TorchKernels()
     if not triton_found():

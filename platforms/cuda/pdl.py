@@ -19,6 +19,7 @@ the rule each kernel keeps. Captured graphs keep the programmatic edges.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 PDL_SM = (9, 0)  # griddepcontrol: Hopper and later
 # Calls of at least this many rows (routed rows from 8 answers on, tokens from 64) also let the next kernel launch at
@@ -26,6 +27,11 @@ PDL_SM = (9, 0)  # griddepcontrol: Hopper and later
 # 2465.3 / 4613.3 tokens/s without, one run each (BENCHMARKS.md "Eighteenth session", call F). Below it the early
 # launch cost one answer 175.2 against 180.3 tokens/s (call B), so one answer's calls (8 routed rows) keep the wait.
 TRIGGER_ROWS = 64
+# A call's launch keywords, one of three (read-only, made once): no PDL (and no ``launch_pdl`` key: a Triton older
+# than the option may refuse it), PDL with the wait alone, PDL that also lets the next kernel launch early.
+NO_PDL = MappingProxyType({"PDL": False, "TRIGGER": False})
+WAIT = MappingProxyType({"PDL": True, "launch_pdl": True, "TRIGGER": False})
+WAIT_AND_TRIGGER = MappingProxyType({"PDL": True, "launch_pdl": True, "TRIGGER": True})
 
 
 @dataclass(frozen=True)
@@ -39,12 +45,12 @@ class Pdl:
         """``max_rows`` (``kernels.pdl_rows``) where the device has PDL, else none."""
         return cls(max_rows if sm >= PDL_SM else 0)
 
-    def kw(self, rows: int) -> dict:
+    def kw(self, rows: int) -> MappingProxyType:
         """A call's launch keywords: the kernel's ``PDL`` and ``TRIGGER`` constexprs and Triton's ``launch_pdl``
         (the row count is a shape: a captured call keeps its choice)."""
         if not 0 < rows <= self.max_rows:
-            return {"PDL": False, "TRIGGER": False}  # no ``launch_pdl`` key: a Triton older than the option may refuse it
-        return {"PDL": True, "launch_pdl": True, "TRIGGER": TRIGGER_ROWS <= rows}
+            return NO_PDL
+        return WAIT_AND_TRIGGER if rows >= TRIGGER_ROWS else WAIT
 
 
 OFF = Pdl()
