@@ -73,6 +73,8 @@ def parse(argv=None):
                    help="kernel of the fp8 expert GEMMs (kernels.grouped_fp8), engine and floor")
     p.add_argument("--shared-stream", action="store_true",
                    help="the engine runs each layer's shared expert on a side stream (kernels.shared_expert_stream)")
+    p.add_argument("--fuse-shared", action="store_true", help="each layer's shared expert runs as the routed "
+                   "experts' last group (kernels.fuse_shared_expert); the bf16 and fp8 engines alike")
     p.add_argument("--no-vae", action="store_true")
     p.add_argument("--vae-dtype", choices=["float32", "float16", "bfloat16"], default="float16",
                    help="the decode whose time enters the per-image figure (all three are timed and compared); "
@@ -132,7 +134,7 @@ class Setup:
             self.model = HunyuanImage3Transformer(cfg, platform, BuildOptions(
                 dtype=torch.bfloat16, quant=quant, capturable=platform.info.accelerator,
                 attn_fp8=a.attn_fp8 and quant != "none", fast_accum=a.fast_accum and quant != "none",
-                grouped_fp8=a.grouped_fp8, shared_expert_stream=a.shared_stream))
+                grouped_fp8=a.grouped_fp8, shared_expert_stream=a.shared_stream, fuse_shared_expert=a.fuse_shared))
         random_init_(self.model, seed=0)  # same seed: the bf16 and fp8 models share their bf16 weights
         self.model.finalize()
         self.model.eval()

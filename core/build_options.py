@@ -41,6 +41,7 @@ class BuildOptions:
     skinny_rows: int = SKINNY_ROWS  # ``kernels.fp8_skinny_rows``: dense fp8 GEMMs of this many rows, few-row kernel
     shared_expert_stream: bool = False  # ``kernels.shared_expert_stream``: the shared expert beside the routed path
     pdl_rows: int = PDL_ROWS  # ``kernels.pdl_rows``: calls of at most this many rows launch with PDL
+    fuse_shared_expert: bool = False  # ``kernels.fuse_shared_expert``: the shared expert as the last routed group
 
     @classmethod
     def from_recipe(cls, recipe) -> BuildOptions:
@@ -53,7 +54,8 @@ class BuildOptions:
                    grouped_small_rows=recipe.kernels.grouped_fp8_small_rows,
                    grouped_skinny_rows=recipe.kernels.grouped_fp8_skinny_rows,
                    skinny_rows=recipe.kernels.fp8_skinny_rows,
-                   shared_expert_stream=recipe.kernels.shared_expert_stream, pdl_rows=recipe.kernels.pdl_rows)
+                   shared_expert_stream=recipe.kernels.shared_expert_stream, pdl_rows=recipe.kernels.pdl_rows,
+                   fuse_shared_expert=recipe.kernels.fuse_shared_expert)
 
     def linear_kw(self, quant: str) -> dict:
         """The kernel choices every ``Linear`` of the model is built with, for the scheme ``quant``."""

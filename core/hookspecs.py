@@ -460,7 +460,9 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
       with ``[x1, x2]`` the halves of ``h`` (SiLU on the SECOND half).
     - ``route(logits_TE) -> (weights_Tk fp32, ids_Tk int64)``: softmax over
       ``E`` in fp32, the ``spec.topk`` largest (descending), renormalised to
-      sum 1.
+      sum 1; then ``spec.always_on`` more columns, ids ``E, E + 1, ...`` with
+      weight 1 each (the shared expert as the routed experts' last group:
+      ``k = topk + always_on``; ``omni.reference_glue.append_always_on``).
     - optional, ``store_gather_kv(k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T,
       gather_S, fresh_S) -> (k_SKH, v_SKH)``: a forward's K/V stored in one
       layer's flat pool (``[slots, K, H]``, modified in place) at the int64
@@ -499,7 +501,7 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
     Default implementation: ``omni.reference_glue.ReferenceGlue``, plain torch
     ops that run on any device (the fallback of every platform without fused
     glue; it refuses ``memory_bound="triton"``).
-    Versions: 0.4 (``pdl_rows``); 0.3 (``group_norm``); 0.2 (``store_gather_kv``).
+    Versions: 0.5 (``always_on``); 0.4 (``pdl_rows``); 0.3 (``group_norm``); 0.2 (``store_gather_kv``).
     """
 
 

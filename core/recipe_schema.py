@@ -160,6 +160,11 @@ class Kernels(_Validated):
     shared_expert_stream: bool = _opt(False, "run each MoE layer's shared expert on a side stream beside the routed "
                                              "path (router, sort, gather, grouped GEMMs), joined at the combine; "
                                              "the same numbers; devices without streams (the CPU) run it inline")
+    fuse_shared_expert: bool = _opt(False, "run each MoE layer's shared expert as the routed experts' last group "
+                                           "(every token routed to it with weight 1): its two GEMMs and SwiGLU "
+                                           "join the routed ones, fewer launches where a step has few tokens "
+                                           "(text decode); needs parallel.ep 1 and quant.experts_only false; the "
+                                           "same function, summed in another order")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -334,6 +339,10 @@ class Recipe(_Validated):
                               "they must be equal (one process per device)", "device.count")
         if self.quant.experts_only and self.quant.scheme == "none":
             raise RecipeError("true needs a quant.scheme other than none", "quant.experts_only")
+        if self.kernels.fuse_shared_expert and (p.ep > 1 or self.quant.experts_only):
+            why = (f"parallel.ep={p.ep} spreads the routed experts over ranks, while every rank needs the shared one"
+                   if p.ep > 1 else "quant.experts_only keeps the shared expert in model.dtype, the routed ones fp8")
+            raise RecipeError(f"true conflicts: {why}; set kernels.fuse_shared_expert: false", "kernels.fuse_shared_expert")
         if self.offload.mode in ("layers", "experts", "vae") and self.graph.mode == "capture":
             raise RecipeError(f"offload.mode={self.offload.mode} conflicts with graph.mode=capture: streamed "
                               "weights move between device slots, which a captured graph cannot follow; "

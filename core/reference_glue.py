@@ -81,4 +81,16 @@ class ReferenceGlue:
     def route(self, logits_TE):
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         weights_Tk, experts_Tk = probs_TE.topk(self.spec.topk, dim=-1)
-        return weights_Tk / weights_Tk.sum(dim=-1, keepdim=True), experts_Tk
+        weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+        return append_always_on(weights_Tk, experts_Tk, logits_TE.shape[-1], self.spec.always_on)
+
+
+def append_always_on(weights_Tk: torch.Tensor, ids_Tk: torch.Tensor, num_experts: int, always_on: int):
+    """The top-k columns followed by ``always_on`` columns of ids ``E, E + 1, ...`` with weight 1
+    (``GlueSpec.always_on``: the shared expert as the routed experts' last group); unchanged when 0."""
+    if not always_on:
+        return weights_Tk, ids_Tk
+    T = ids_Tk.shape[0]
+    extra = torch.arange(num_experts, num_experts + always_on, device=ids_Tk.device, dtype=ids_Tk.dtype)
+    return (torch.cat([weights_Tk, weights_Tk.new_ones(T, always_on)], dim=1),
+            torch.cat([ids_Tk, extra.expand(T, always_on)], dim=1))

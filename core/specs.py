@@ -251,7 +251,9 @@ class GlueSpec:
 
     RMSNorm over ``hidden`` (and over ``head_dim`` for the QK-norm) with ``eps``,
     the residual add before it, RoPE, the shared expert's SwiGLU and the
-    router's softmax / top-``topk``; activations in ``dtype``.
+    router's softmax / top-``topk``; activations in ``dtype``. ``always_on``: experts every token visits after
+    its top-``topk`` (the shared expert run as the routed experts' last group, ``kernels.fuse_shared_expert``):
+    the router appends ids ``E .. E + always_on - 1`` with weight 1 to each row.
     """
 
     hidden: int
@@ -262,9 +264,12 @@ class GlueSpec:
     memory_bound: str = "auto"  # one of MEMORY_BOUND
     capturable: bool = False
     pdl_rows: int = PDL_ROWS  # calls of at most this many rows may launch with PDL (``kernels.pdl_rows``)
+    always_on: int = 0  # ids appended after the top-k by ``route`` (weight 1): the fused shared expert
 
     def __post_init__(self) -> None:
         _check_memory_bound("GlueSpec", self.memory_bound)
+        if self.always_on < 0:
+            raise ValueError(f"GlueSpec.always_on must be >= 0, got {self.always_on}")
         _check_rows("GlueSpec", "pdl_rows", "kernels.pdl_rows", self.pdl_rows)
         if self.head_dim % 2:
             raise ValueError(f"GlueSpec.head_dim must be even (rotate-half RoPE), got {self.head_dim}")

@@ -41,8 +41,13 @@ def test_from_recipe_maps_every_field():
                                 attn_backend="sdpa", capturable=True, memory_bound="torch", attn_fp8=True,
                                 fast_accum=True, grouped_fp8="torch", shared_expert_stream=True, grouped_small_rows=0,
                                 skinny_rows=0, grouped_skinny_rows=0, pdl_rows=512)
+    # quant.experts_only and kernels.fuse_shared_expert exclude each other (the recipe refuses both): the second
+    fused = BuildOptions.from_recipe(recipe.replace_paths({"quant.experts_only": False,
+                                                           "kernels.fuse_shared_expert": True}))
+    assert fused == dataclasses.replace(opts, experts_only=False, fuse_shared_expert=True)
     defaults = BuildOptions(dtype=torch.float32)
-    unchanged = [f.name for f in dataclasses.fields(BuildOptions) if getattr(opts, f.name) == getattr(defaults, f.name)]
+    unchanged = [f.name for f in dataclasses.fields(BuildOptions)
+                 if getattr(opts, f.name) == getattr(defaults, f.name) == getattr(fused, f.name)]
     assert not unchanged, f"fields the test does not move off their defaults: {unchanged}"
 
 

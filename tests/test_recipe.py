@@ -37,6 +37,7 @@ RECIPE_FIELD_PATHS = [
     "attention.backend", "attention.fp8",
     "kernels.memory_bound", "kernels.fp8_fast_accum", "kernels.grouped_fp8", "kernels.grouped_fp8_small_rows",
     "kernels.grouped_fp8_skinny_rows", "kernels.fp8_skinny_rows", "kernels.pdl_rows", "kernels.shared_expert_stream",
+    "kernels.fuse_shared_expert",
     "kv_cache.mode", "kv_cache.budget_bytes", "kv_cache.page_tokens",
     "offload.mode", "offload.resident_layers", "offload.prefetch_window",
     "step_cache.enabled", "step_cache.threshold",

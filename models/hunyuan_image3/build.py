@@ -22,7 +22,7 @@ from omni.weights import LoadTarget, StreamingLoad, materialize_meta_
 
 from .config import HunyuanImage3Config
 from .instruct_pipeline import HunyuanImage3Instruct, HunyuanImage3InstructDistil
-from .parallel import PLANS
+from .parallel import plans_for
 from .pipeline import HunyuanImage3T2I
 from .random_weights import random_init_, released_layers
 from .tiny import ensure_tiny_checkpoint
@@ -84,7 +84,7 @@ def build_transformer(cfg: HunyuanImage3Config, platform, opts: BuildOptions, *,
         return model.eval(), LoadTarget("", model, model.param_name_for)
     with torch.device("meta"):  # nothing is allocated before every module has its local size
         model = HunyuanImage3Transformer(cfg, platform, opts)
-        plan = parallel.shard_model(model, PLANS, cfg=cfg, opts=opts)
+        plan = parallel.shard_model(model, plans_for(opts.fuse_shared_expert), cfg=cfg, opts=opts)
     model.to_empty(device=device)
     model.requires_grad_(False)
     return model.eval(), plan.load_target()

@@ -63,3 +63,11 @@ SP_PLAN = {
 }
 
 PLANS = (TP_PLAN, SP_PLAN)
+
+
+def plans_for(fuse_shared_expert: bool) -> tuple[dict, dict]:
+    """``PLANS``, less the shared expert's entries when it is fused into the routed experts' stack (its slice then
+    follows the ``experts`` entries: the same column / row split)."""
+    if not fuse_shared_expert:
+        return PLANS
+    return tuple({k: v for k, v in plan.items() if ".shared_mlp." not in k} for plan in PLANS)

@@ -53,13 +53,14 @@ FOREIGN_PREFIXES = ("vae.", "vision_model.", "vision_aligner.")  # checkpoint pa
 _STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_and_up_proj|down_proj)\.weight")
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_and_up_proj|down_proj)\."
                          r"(weight|weight_scale|input_scale)")
+_SHARED = re.compile(r"(model\.layers\.\d+\.mlp)\.shared_mlp\.(gate_and_up_proj|down_proj)\.(weight|weight_scale|input_scale)")
 
 
 def glue_spec(cfg: HunyuanImage3Config, layer_idx: int, opts: BuildOptions) -> GlueSpec:
     """The memory-bound steps of one decoder layer (norms, residual, RoPE + QK-norm, SwiGLU, routing)."""
     return GlueSpec(hidden=cfg.hidden_size, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, dtype=opts.dtype,
                     topk=min(cfg.moe_topk[layer_idx], cfg.num_experts), memory_bound=opts.memory_bound,
-                    capturable=opts.capturable, pdl_rows=opts.pdl_rows)
+                    capturable=opts.capturable, pdl_rows=opts.pdl_rows, always_on=int(opts.fuse_shared_expert))
 
 
 def takes_rows(linear: Linear) -> bool:
@@ -212,16 +213,23 @@ class RoutedExperts(KernelOwner):
 
 
 class MoE(nn.Module):
-    """``shared_mlp(x) + sum_k w_k expert_k(x)`` (the shared expert is always added)."""
+    """``shared_mlp(x) + sum_k w_k expert_k(x)`` (the shared expert is always added).
+
+    With ``kernels.fuse_shared_expert`` the shared expert is the routed experts' last group, ``E`` (its
+    checkpoint tensors load there, ``HunyuanImage3Transformer.param_name_for``), and the router gives every
+    token that id with weight 1 (``GlueSpec.always_on``): one MoE call computes ``sum_k w_k expert_k(x) +
+    expert_E(x)``, the same function with the shared expert's GEMMs inside the grouped ones.
+    """
 
     def __init__(self, cfg: HunyuanImage3Config, layer_idx: int, *, platform, opts: BuildOptions):
         super().__init__()
         D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[layer_idx], cfg.num_experts
         glue = platform.glue(glue_spec(cfg, layer_idx, opts))
         self.gate = Router(D, E, cfg.moe_topk[layer_idx], platform=platform, glue=glue)
-        self.shared_mlp = SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform, glue=glue,
-                                 **opts.linear_kw(opts.dense_quant))
-        self.experts = RoutedExperts(E, D, inner, platform=platform, topk=cfg.moe_topk[layer_idx],
+        fused = int(fused_shared(cfg, layer_idx, opts))
+        self.shared_mlp = None if fused else SwiGLU(D, inner * cfg.num_shared_expert[layer_idx], platform=platform,
+                                                    glue=glue, **opts.linear_kw(opts.dense_quant))
+        self.experts = RoutedExperts(E + fused, D, inner, platform=platform, topk=cfg.moe_topk[layer_idx] + fused,
                                      capturable=opts.capturable, **opts.expert_kw())
         self.side = platform.side_stream() if opts.shared_expert_stream else INLINE
         self._shared_runner = None  # where the shared expert runs: decided at the first forward (``_beside``)
@@ -231,12 +239,13 @@ class MoE(nn.Module):
         where their kernel says so, take it as is). ``residual_TD``, if given, is added to the output: inside
         the routed experts' combine with the shared expert's output where the kernel takes addends."""
         x_TD = n_TD.x_TI if isinstance(n_TD, RowQuantized) else n_TD
-        shared = self._beside().run(self.shared_mlp, n_TD)  # joined where its output is first read
-        weights_Tk, experts_Tk = self.gate(x_TD)
+        shared = None if self.shared_mlp is None else self._beside().run(self.shared_mlp, n_TD)  # joined later
+        weights_Tk, experts_Tk = self.gate(x_TD)  # fused: the shared expert's id is the last column
         routed_in = n_TD if isinstance(n_TD, RowQuantized) and self.experts.takes_rows else x_TD
 
         def terms() -> tuple:
-            return (shared.join(),) if residual_TD is None else (residual_TD, shared.join())
+            own = () if shared is None else (shared.join(),)
+            return own if residual_TD is None else (residual_TD, *own)
 
         if self.experts.takes_addends:
             return self.experts(routed_in, weights_Tk, experts_Tk, addends=terms)
@@ -249,10 +258,24 @@ class MoE(nn.Module):
         """Where the shared expert runs: the side stream (``kernels.shared_expert_stream``) unless a parallel plan
         hooks it (its collectives keep to the current stream), else inline. The plan's hooks are attached at
         build, before any forward, so the first forward decides for all."""
-        if self._shared_runner is None:
+        if self._shared_runner is None:  # (never called when the shared expert is fused)
             hooked = not all(unhooked(m) for m in self.shared_mlp.modules())
             self._shared_runner = INLINE if hooked else self.side
         return self._shared_runner
+
+    @property
+    def takes_rows(self) -> bool:
+        """Whether the MLP's first GEMMs take the glue's e4m3 rows (``RowQuantized``) as they are."""
+        mlp = self.shared_mlp
+        return self.experts.takes_rows if mlp is None else takes_rows(mlp.gate_and_up_proj)
+
+
+def fused_shared(cfg: HunyuanImage3Config, layer_idx: int, opts: BuildOptions) -> bool:
+    """``kernels.fuse_shared_expert`` for this layer; one shared expert of the routed experts' width is needed."""
+    if opts.fuse_shared_expert and cfg.num_shared_expert[layer_idx] != 1:
+        raise ValueError(f"kernels.fuse_shared_expert needs one shared expert per layer, layer {layer_idx} has "
+                         f"{cfg.num_shared_expert[layer_idx]}")
+    return opts.fuse_shared_expert
 
 
 # ---------------------------------------------------------------- decoder
@@ -273,8 +296,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x_TD, cos_TH, sin_TH, ctx) -> torch.Tensor:
         n_TD = self.input_layernorm(x_TD, takes_rows(self.self_attn.qkv_proj))
         a_TD = self.self_attn(n_TD, cos_TH, sin_TH, ctx)
-        h_TD, n_TD = self.glue.add_rms_norm(x_TD, a_TD, self.post_attention_layernorm.weight,
-                                            takes_rows(self.mlp.shared_mlp.gate_and_up_proj))
+        h_TD, n_TD = self.glue.add_rms_norm(x_TD, a_TD, self.post_attention_layernorm.weight, self.mlp.takes_rows)
         if unhooked(self.mlp):  # the residual joins the MoE's combine; a plan's all-reduce must see the MLP alone
             return self.mlp(n_TD, residual_TD=h_TD)
         return h_TD + self.mlp(n_TD)
@@ -367,14 +389,20 @@ class HunyuanImage3Transformer(nn.Module):
             stacked = _STACKED.fullmatch(name)
             if stacked is None:
                 yield name
-            else:
-                yield from (f"{stacked[1]}.{e}.{stacked[2]}.weight" for e in range(self.cfg.num_experts))
+                continue
+            yield from (f"{stacked[1]}.{e}.{stacked[2]}.weight" for e in range(self.cfg.num_experts))
+            if self.model.layers[int(name.split(".")[2])].mlp.shared_mlp is None:  # fused: the last group
+                yield f"{stacked[1].removesuffix('.experts')}.shared_mlp.{stacked[2]}.weight"
 
     def param_name_for(self, official_name: str) -> tuple[str, int | None]:
-        """(this module's parameter, index into its stacked expert dim or None) for a checkpoint name."""
+        """(this module's parameter, index into its stacked expert dim or None) for a checkpoint name; with
+        the shared expert fused, its tensors are the stack's last group (``MoE``)."""
         per_expert = _PER_EXPERT.fullmatch(official_name)
         if per_expert is not None:
             return f"{per_expert[1]}.{per_expert[3]}.{per_expert[4]}", int(per_expert[2])
+        shared = _SHARED.fullmatch(official_name)
+        if shared is not None and self.model.layers[int(official_name.split(".")[2])].mlp.shared_mlp is None:
+            return f"{shared[1]}.experts.{shared[2]}.{shared[3]}", self.cfg.num_experts
         if official_name.startswith(FOREIGN_PREFIXES) or not _has_param(self, official_name):
             raise KeyError(f"{official_name!r} is not a parameter of HunyuanImage3Transformer")
         return official_name, None

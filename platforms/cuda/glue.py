@@ -100,14 +100,14 @@ class TritonGlue:
             return self.host.route(logits_TE)
         x = logits_TE.contiguous()
         T, E = x.shape
-        k = self.spec.topk
-        w = torch.empty(T, k, dtype=torch.float32, device=x.device)
-        ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+        k, extra = self.spec.topk, self.spec.always_on
+        w = torch.empty(T, k + extra, dtype=torch.float32, device=x.device)
+        ids = torch.empty(T, k + extra, dtype=torch.int64, device=x.device)
         if T:
             tile = self.tiles["route"]
             self.k.route_kernel[(self.triton.cdiv(T, tile.rows),)](
                 x, w, ids, T, E, TOPK=k, BLOCK_T=tile.rows, BLOCK_E=self.triton.next_power_of_2(E),
-                KPAD=self.triton.next_power_of_2(k), num_warps=tile.warps, **self.pdl.kw(T))
+                KPAD=self.triton.next_power_of_2(k + extra), ALWAYS=extra, num_warps=tile.warps, **self.pdl.kw(T))
         return w, ids
 
     def group_norm(self, x, num_groups, weight, bias, eps, **chain):

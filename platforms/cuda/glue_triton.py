@@ -120,7 +120,10 @@ def rope_norm_kernel(qkv_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, q_ptr, k_ptr, v_
 
 @triton.jit(do_not_specialize=["T"])
 def route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_E: tl.constexpr, KPAD: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+                 BLOCK_E: tl.constexpr, KPAD: tl.constexpr, ALWAYS: tl.constexpr = 0, PDL: tl.constexpr = False,
+                 TRIGGER: tl.constexpr = False):
+    """Rows of ``TOPK + ALWAYS`` columns: the renormalised top-k, then ids ``E + j`` with weight 1 (the fused
+    shared expert, ``GlueSpec.always_on``); KPAD >= TOPK + ALWAYS."""
     wait_for_predecessor(PDL, TRIGGER)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -140,8 +143,11 @@ def route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, TOPK: tl.constexpr, BLOCK_T: 
         ik = tl.where(kcols[None, :] == j, idx[:, None], ik)
         p = tl.where(cols[None, :] == idx[:, None], -1.0, p)
     wk = wk / tl.sum(wk, axis=1)[:, None]
-    km = rm[:, None] & (kcols[None, :] < TOPK)
-    off = rows[:, None].to(tl.int64) * TOPK + kcols[None, :]
+    extra = (kcols[None, :] >= TOPK) & (kcols[None, :] < TOPK + ALWAYS)
+    wk = tl.where(extra, 1.0, wk)
+    ik = tl.where(extra, E + kcols[None, :] - TOPK, ik)
+    km = rm[:, None] & (kcols[None, :] < TOPK + ALWAYS)
+    off = rows[:, None].to(tl.int64) * (TOPK + ALWAYS) + kcols[None, :]
     tl.store(w_ptr + off, wk, mask=km)
     tl.store(ids_ptr + off, ik.to(tl.int64), mask=km)
 

@@ -9,6 +9,7 @@ of the activation dtype; quantized outputs are compared after dequantizing.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -114,14 +115,18 @@ def test_swiglu_gates_with_the_second_half(platform_name, quantize):
     assert err <= bound, f"swiglu: error {err:.3g}"
 
 
+@pytest.mark.parametrize("always_on", [0, 1])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_route_is_softmax_topk_renormalised(platform_name, shape):
+def test_route_is_softmax_topk_renormalised(platform_name, shape, always_on):
+    """Then ``always_on`` columns: ids E, E + 1, ... with weight 1 (the fused shared expert)."""
     _, _, _, _, E, k = SHAPES[shape]
     dev = device_of(platform_name)
-    glue = get_platform(platform_name).glue(_spec(shape, torch.bfloat16))
+    glue = get_platform(platform_name).glue(dataclasses.replace(_spec(shape, torch.bfloat16), always_on=always_on))
     logits = _rand(41, E, seed=9, scale=3).float()
     w, ids = glue.route(logits.to(dev))
-    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == ids.shape == (41, k)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and w.shape == ids.shape == (41, k + always_on)
+    assert ids[:, k:].tolist() == [list(range(E, E + always_on))] * 41 and bool((w[:, k:] == 1).all())
+    w, ids = w[:, :k], ids[:, :k]
     p = torch.softmax(logits.double(), -1)
     order = p.argsort(-1, descending=True)[:, :k]
     assert torch.equal(ids.cpu(), order), "top-k experts (descending) differ"

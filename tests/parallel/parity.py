@@ -39,8 +39,9 @@ def requests():
             ImageRequest(prompt="a cat", guidance=1.0, seed=2, request_id="C", **b)]
 
 
-def build(platform, parallel=None, paged: bool = True):
-    """The recording pipeline over the golden weights (sharded for this rank when ``parallel``)."""
+def build(platform, parallel=None, paged: bool = True, fused: bool = False):
+    """The recording pipeline over the golden weights (sharded for this rank when ``parallel``); ``fused``: the
+    shared expert as the routed experts' last group (``kernels.fuse_shared_expert``)."""
     from omni.kv_pool import KVPool
     from omni.weights import load_checkpoint
     from omni.build_options import BuildOptions
@@ -52,7 +53,8 @@ def build(platform, parallel=None, paged: bool = True):
     from omni.step_engine import StepEngine
 
     model, target = build_transformer(cfg, platform, BuildOptions(dtype=torch.float32, paged_kv=paged,
-                                                                  page_size=PAGE if paged else 0),
+                                                                  page_size=PAGE if paged else 0,
+                                                                  fuse_shared_expert=fused),
                                       device="cpu", parallel=parallel)
     load_checkpoint(GOLDEN_DIR, [target], skip_prefixes=SKIP, progress=False, files=[GOLDEN_TENSORS])
     model.finalize()
@@ -103,17 +105,19 @@ def golden_latents_A() -> torch.Tensor:
         return f.get_tensor("golden.A.latents_xt")
 
 
-def layout_worker(ctx, layouts: list[tuple[str, bool]]) -> dict:
-    """Run the scenario under every layout (same world size) on this rank; results by layout label."""
+def layout_worker(ctx, layouts: list[tuple]) -> dict:
+    """Run the scenario under every layout (same world size) on this rank; results by (layout label, paged[,
+    fused]): a third element builds the model with the shared expert fused."""
     from omni.parallel.mesh import Degrees, Mesh
     from omni.parallel.runtime import ParallelRuntime
 
     latents = golden_latents_A()
     results, meshes = {}, {ctx.degrees: ctx.mesh}
-    for label, paged in layouts:
+    for layout in layouts:
+        label, paged, *fused = layout
         degrees = Degrees.parse(label)
         if degrees not in meshes:
             meshes[degrees] = Mesh.build(degrees, platform=ctx.platform)
-        pipe = build(ctx.platform, ParallelRuntime(meshes[degrees], ctx.platform), paged=paged)
-        results[(label, paged)] = run_scenario(pipe, latents)
+        pipe = build(ctx.platform, ParallelRuntime(meshes[degrees], ctx.platform), paged=paged, fused=any(fused))
+        results[layout] = run_scenario(pipe, latents)
     return results

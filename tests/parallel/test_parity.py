@@ -91,6 +91,15 @@ def test_world4_layout_matches_single_process(world4, reference, tid):
         assert_same(reference, got, f"{tid} rank {rank}")
 
 
+def test_tp2_with_the_shared_expert_fused_matches_single_process(reference):
+    """``kernels.fuse_shared_expert`` under tp2: each rank's expert stack holds its slice of the shared expert
+    as the last group (the same column / row split as the experts), so the one all-reduce still sums it."""
+    layout = ("tp2", True, True)
+    per_rank = launch(parity.layout_worker, Degrees.parse("tp2"), args=([layout],), timeout_s=JOB_TIMEOUT_S)
+    for rank, got in enumerate(per_rank):
+        assert_same(reference, got[layout], f"tp2 fused, rank {rank}")
+
+
 def test_scenario_has_uneven_sequence_splits(reference):
     """The packed step holds 17+17 (A) + 13+13 (B) + 13 (C) = 73 tokens: odd, so sp splits are uneven."""
     from omni.parallel.sequence import split_sizes
