@@ -16,7 +16,8 @@ def build_golden_model(golden_data, platform, **opts):
     """The tiny golden transformer with its official weights on ``platform`` (fp32; ``opts``: other BuildOptions)."""
     from omni.build_options import BuildOptions
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
-    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.models.hunyuan_image3.checkpoint_names import load_state
 
     m = HunyuanImage3Transformer(HunyuanImage3Config.from_json_dict(golden_data[0]["tiny_config"]),
                                  platform, BuildOptions(dtype=torch.float32, **opts))

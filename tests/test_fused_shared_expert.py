@@ -27,7 +27,8 @@ from test_golden_transformer import ATOL, first_step_inputs, image_velocity, run
 @pytest.fixture(scope="module")
 def tiny(golden_data):
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
-    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.models.hunyuan_image3.checkpoint_names import load_state
 
     cfg = HunyuanImage3Config.from_json_dict(golden_data[0]["tiny_config"])
     models = {}

@@ -26,7 +26,8 @@ from omni.specs import VarlenMeta
 from omni.models.hunyuan_image3.config import TINY_GOLDEN, HunyuanImage3Config
 from omni.models.hunyuan_image3.rope import image_positions, rope_cos_sin, text_positions
 from omni.models.hunyuan_image3.sampler import cfg_combine, euler_step
-from omni.models.hunyuan_image3.transformer import FOREIGN_PREFIXES, HunyuanImage3Transformer, load_state
+from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+from omni.models.hunyuan_image3.checkpoint_names import FOREIGN_PREFIXES, load_state
 
 from golden_utils import GOLDEN_DIR
 GOLDEN_JSON = GOLDEN_DIR / "hunyuan_image3_tiny.json"

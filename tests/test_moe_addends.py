@@ -16,7 +16,8 @@ from omni.platform_manager import select
 @pytest.fixture(scope="module")
 def model(golden_data):
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
-    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.models.hunyuan_image3.checkpoint_names import load_state
     from omni.platforms.cuda.moe import CudaMoE, TorchKernels
 
     m = HunyuanImage3Transformer(HunyuanImage3Config.from_json_dict(golden_data[0]["tiny_config"]), select("cpu"),

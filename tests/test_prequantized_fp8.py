@@ -115,7 +115,7 @@ def test_modelopt_fp8_checkpoint_loads_as_is(cfg, tmp_path, per_channel, scheme)
     # the dequantized weights unquantized, up to the activations' dynamic quantization
     exact = per_channel == (scheme == "fp8_row")
     online = build(cfg, scheme if exact else "none")
-    from omni.models.hunyuan_image3.transformer import load_state
+    from omni.models.hunyuan_image3.checkpoint_names import load_state
     load_state(online, dequant)
     online.finalize()
     x = torch.randn(37, cfg.hidden_size, generator=torch.Generator().manual_seed(1))

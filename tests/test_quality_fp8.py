@@ -32,7 +32,8 @@ def _rel(a, b) -> float:
 def golden_preds(golden_data):
     from test_golden_transformer import DenseContext, dense_meta, first_step_inputs, image_velocity
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
-    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.models.hunyuan_image3.checkpoint_names import load_state
 
     cfg = HunyuanImage3Config.from_json_dict(golden_data[0]["tiny_config"])
     g, weights = golden_data[1], golden_data[2]

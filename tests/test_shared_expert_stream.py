@@ -76,7 +76,8 @@ def test_inline_runs_at_once():
 
 def test_cpu_platform_has_no_side_stream_and_the_option_changes_nothing(golden_data):
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
-    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.models.hunyuan_image3.checkpoint_names import load_state
 
     cpu = select("cpu")
     assert cpu.side_stream() is INLINE
@@ -133,7 +134,8 @@ def test_moe_resolves_callable_addends_right_before_its_combine():
 
 def _golden_layer(golden_data, **opts):
     from omni.models.hunyuan_image3.config import HunyuanImage3Config
-    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.models.hunyuan_image3.checkpoint_names import load_state
 
     cfg = HunyuanImage3Config.from_json_dict(golden_data[0]["tiny_config"])
     m = HunyuanImage3Transformer(cfg, select("cpu"), BuildOptions(dtype=torch.float32, **opts))

@@ -15,13 +15,11 @@ Everything is packed: ``T`` counts all tokens of all sequences in the batch
 carries where each sequence starts and what it may see. Every GEMM and the
 attention run through kernels the platform resolved at build time.
 
-Parameter names equal the official checkpoint names, except that the routed
-experts are stacked: ``mlp.experts.{e}.gate_and_up_proj.weight`` [2I, D] is
-row ``e`` of ``mlp.experts.gate_and_up_proj.weight`` [E, 2I, D] (same for
-``down_proj``); ``param_name_for`` maps one to the other. Pre-quantized FP8
-checkpoints (ModelOpt) add ``*.weight_scale`` / ``*.input_scale`` beside each
-quantized weight (per expert too); ``prepare_prequantized()`` declares the
-buffers they load into, and ``finalize()`` adopts the e4m3 weights as they are.
+Parameter names equal the official checkpoint names except for the stacked
+routed experts (``checkpoint_names``). Pre-quantized FP8 checkpoints (ModelOpt)
+add ``*.weight_scale`` / ``*.input_scale`` beside each quantized weight;
+``prepare_prequantized()`` declares the buffers they load into, and
+``finalize()`` adopts the e4m3 weights as they are.
 
 Shape suffixes: T packed tokens, S keys visible to them, D model width,
 N query heads, K kv heads, H head dim, E experts, k experts per token,
@@ -30,30 +28,25 @@ h/w latent rows/cols.
 """
 from __future__ import annotations
 
-import re
-from typing import Iterator, Mapping
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 
 from omni.build_options import BuildOptions
 from omni.group_norm import use_group_norm_kernel
-from omni.weights import LoadTarget, load_state_dict
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
                          finalize_experts, unhooked)
 from omni.specs import (GROUPED_SKINNY_ROWS, GROUPED_SMALL_ROWS, PDL_ROWS, GlueSpec, MoESpec, PreparedMoE,
                         PreparedWeight, RowQuantized)
 from omni.streams import INLINE
 
+from . import checkpoint_names
 from .config import HunyuanImage3Config
 from .image_io import TimestepEmbedder, UNetDown, UNetUp, to_channels_last
 
 MASKS = ("none", "causal", "dense")
-FOREIGN_PREFIXES = ("vae.", "vision_model.", "vision_aligner.")  # checkpoint parts other modules own
-_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_and_up_proj|down_proj)\.weight")
-_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_and_up_proj|down_proj)\."
-                         r"(weight|weight_scale|input_scale)")
-_SHARED = re.compile(r"(model\.layers\.\d+\.mlp)\.shared_mlp\.(gate_and_up_proj|down_proj)\.(weight|weight_scale|input_scale)")
+
 
 
 def glue_spec(cfg: HunyuanImage3Config, layer_idx: int, opts: BuildOptions) -> GlueSpec:
@@ -381,31 +374,15 @@ class HunyuanImage3Transformer(nn.Module):
         """``final_layer`` on the image tokens' last hidden states, conditioned on ``time_embed_2(t)``; fp32."""
         return self.final_layer(h_BhwD, self.time_embed_2(t_B), h, w).float()
 
-    # ------------------------------------------------------------ checkpoint names
+    # ------------------------------------------------------------ checkpoint names (checkpoint_names.py)
 
     def official_names(self) -> Iterator[str]:
         """Every checkpoint name this module owns (per-expert names for the stacked experts)."""
-        for name, _ in self.named_parameters():
-            stacked = _STACKED.fullmatch(name)
-            if stacked is None:
-                yield name
-                continue
-            yield from (f"{stacked[1]}.{e}.{stacked[2]}.weight" for e in range(self.cfg.num_experts))
-            if self.model.layers[int(name.split(".")[2])].mlp.shared_mlp is None:  # fused: the last group
-                yield f"{stacked[1].removesuffix('.experts')}.shared_mlp.{stacked[2]}.weight"
+        return checkpoint_names.official_names(self)
 
     def param_name_for(self, official_name: str) -> tuple[str, int | None]:
-        """(this module's parameter, index into its stacked expert dim or None) for a checkpoint name; with
-        the shared expert fused, its tensors are the stack's last group (``MoE``)."""
-        per_expert = _PER_EXPERT.fullmatch(official_name)
-        if per_expert is not None:
-            return f"{per_expert[1]}.{per_expert[3]}.{per_expert[4]}", int(per_expert[2])
-        shared = _SHARED.fullmatch(official_name)
-        if shared is not None and self.model.layers[int(official_name.split(".")[2])].mlp.shared_mlp is None:
-            return f"{shared[1]}.experts.{shared[2]}.{shared[3]}", self.cfg.num_experts
-        if official_name.startswith(FOREIGN_PREFIXES) or not _has_param(self, official_name):
-            raise KeyError(f"{official_name!r} is not a parameter of HunyuanImage3Transformer")
-        return official_name, None
+        """(this module's parameter, index into its stacked expert dim or None) for a checkpoint name."""
+        return checkpoint_names.param_name_for(self, official_name)
 
     def prepare_prequantized(self) -> int:
         """Before loading a pre-quantized FP8 checkpoint: declare its scale buffers (``omni.layers``)."""
@@ -419,23 +396,3 @@ class HunyuanImage3Transformer(nn.Module):
         if self.group_norm_kernel is not None:
             use_group_norm_kernel(self.group_norm_kernel, self.patch_embed, self.final_layer)
 
-
-def _has_param(module: nn.Module, name: str) -> bool:
-    """A parameter, or a declared checkpoint scale buffer (``weight_scale`` / ``input_scale``)."""
-    owner, _, leaf = name.rpartition(".")
-    try:
-        sub = module.get_submodule(owner)
-    except AttributeError:
-        return False
-    if leaf in dict(sub.named_parameters(recurse=False)):
-        return True
-    return leaf in ("weight_scale", "input_scale") and getattr(sub, leaf, None) is not None
-
-
-def load_state(model: HunyuanImage3Transformer, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Copy checkpoint tensors (official names) into ``model``; ``vae.``/``vision_*`` keys are skipped.
-
-    Raises ``CheckpointError`` (a ValueError) listing every missing, unexpected
-    and mis-shaped key, with both shapes.
-    """
-    load_state_dict(tensors, [LoadTarget("", model, model.param_name_for)], skip_prefixes=FOREIGN_PREFIXES)

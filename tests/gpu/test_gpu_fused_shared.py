@@ -43,7 +43,8 @@ def models(platform):
     from pathlib import Path
 
     from omni.models.hunyuan_image3.tiny import official_tensors
-    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer, load_state
+    from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer
+    from omni.models.hunyuan_image3.checkpoint_names import load_state
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from random_fullsize import random_init_
