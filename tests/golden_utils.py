@@ -96,6 +96,20 @@ def instruct_on_cuda(root, dtype: str, **changes):
                                             "kv_cache.mode": "contiguous", **changes})
 
 
+def tiny_config_at(hidden: int, heads: int, kv_heads: int, head_dim: int, experts: int, topk: int, inner: int):
+    """The tiny checkpoint's config at other widths (every layer alike, one shared expert): GPU tests' models."""
+    import dataclasses
+
+    from omni.models.hunyuan_image3.config import HunyuanImage3Config
+    from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
+
+    cfg = HunyuanImage3Config.from_file(ensure_tiny_checkpoint() / "config.json")
+    L = cfg.num_hidden_layers
+    return dataclasses.replace(cfg, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                               attention_head_dim=head_dim, num_experts=experts, moe_topk=(topk,) * L,
+                               moe_intermediate_size=(inner,) * L, num_shared_expert=(1,) * L)
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want||, in fp32."""
     return ((got.float() - want.float()).norm() / want.float().norm()).item()

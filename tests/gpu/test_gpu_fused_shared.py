@@ -9,10 +9,10 @@ other orders, so the bits differ).
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+
+from golden_utils import rel_err, tiny_config_at
 
 from omni.build_options import BuildOptions
 
@@ -21,19 +21,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="cuda: no CUDA device here")]
 
 
-def _rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def _cfg():
-    from omni.models.hunyuan_image3.config import HunyuanImage3Config
-    from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
-
-    cfg = HunyuanImage3Config.from_file(ensure_tiny_checkpoint() / "config.json")
-    L = cfg.num_hidden_layers
-    return dataclasses.replace(cfg, hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
-                               attention_head_dim=128, num_experts=16, moe_topk=(4,) * L,
-                               moe_intermediate_size=(256,) * L, num_shared_expert=(1,) * L)
+    return tiny_config_at(hidden=512, heads=4, kv_heads=2, head_dim=128, experts=16, topk=4, inner=256)
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +82,11 @@ def test_fused_shared_expert_tracks_fp32_as_the_unfused_model(models, tokens, ca
             captured = run(built[True], torch.bfloat16)
         graph.replay()
         torch.cuda.synchronize()
-    errs = {f: _rel(eager[f], want) for f in (False, True)}
+    errs = {f: rel_err(eager[f], want) for f in (False, True)}
     with capsys.disabled():
         print(f"\n[fused shared, {tokens} tokens] vs fp32: unfused {errs[False]:.3e}, fused {errs[True]:.3e}; "
-              f"fused vs unfused {_rel(eager[True], eager[False]):.3e}; replay vs eager "
-              f"{_rel(captured, eager[True]):.1e}")
+              f"fused vs unfused {rel_err(eager[True], eager[False]):.3e}; replay vs eager "
+              f"{rel_err(captured, eager[True]):.1e}")
     # random narrow layers in fp8 land near docs/quality.md's random-layer gate (0.12; 0.071 measured here)
     assert errs[True] <= 1.1 * errs[False] + 1e-3 and errs[False] < 0.12
     assert torch.equal(captured, eager[True])

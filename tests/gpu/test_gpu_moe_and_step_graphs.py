@@ -8,11 +8,12 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
+
+from golden_utils import tiny_config_at
 
 from omni.build_options import BuildOptions
 from omni.specs import MoESpec
@@ -96,14 +97,7 @@ def test_fused_moe_takes_rows_the_glue_quantized(platform):
 
 
 def _small_cfg():
-    from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
-    from omni.models.hunyuan_image3.config import HunyuanImage3Config
-
-    cfg = HunyuanImage3Config.from_file(ensure_tiny_checkpoint() / "config.json")
-    L = cfg.num_hidden_layers
-    return dataclasses.replace(cfg, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                               attention_head_dim=64, num_experts=8, moe_topk=(2,) * L,
-                               moe_intermediate_size=(128,) * L, num_shared_expert=(1,) * L)
+    return tiny_config_at(hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8, topk=2, inner=128)
 
 
 @pytest.mark.parametrize("quant,side", [("none", False), ("fp8_row", False), ("fp8_row", True)])
