@@ -330,6 +330,7 @@ def grouped_fp8_kernel(spec, caps: Caps):
         return "kernels.grouped_fp8=torch"
     reason = caps.cutlass_grouped_refusal
     if reason is None:
+        _prebuild(spec.fast_accum, caps.nvcc, caps.cutlass_include, bool(spec.small_rows))
         kernel = _load_cutlass(spec.fast_accum, caps.nvcc, caps.cutlass_include)
         if not isinstance(kernel, str):
             return with_small_tile(kernel, spec, caps)
@@ -342,6 +343,7 @@ def grouped_fp8_kernel(spec, caps: Caps):
 def grouped_swiglu_kernel(spec, caps: Caps):
     """Our CUTLASS grouped kernel with the SwiGLU epilogue for the MoE ``spec`` (``fp8_row`` on our kernel), or
     None: a build that fails costs only the fusion (logged once), the MoE then runs its separate SwiGLU pass."""
+    _prebuild(spec.fast_accum, caps.nvcc, caps.cutlass_include, bool(spec.small_rows))
     kernel = _load_cutlass(spec.fast_accum, caps.nvcc, caps.cutlass_include, True)
     if isinstance(kernel, str):
         _log_once(f"cuda-moe: the SwiGLU epilogue is off, the MoE runs a separate SwiGLU pass: {kernel}")
@@ -364,8 +366,7 @@ def with_small_tile(kernel, spec, caps: Caps, swiglu: bool = False):
 @functools.lru_cache(maxsize=None)
 def _load_cutlass(fast_accum: bool, nvcc: str, include: str, swiglu: bool = False, small: bool = False):
     """One build and one ctypes load per process and configuration; a failure is kept as its reason (no retry).
-    The first call compiles every configuration of ``fast_accum`` side by side (``_prebuild``)."""
-    _prebuild(fast_accum, nvcc, include)
+    Callers run ``_prebuild`` first, so the objects a recipe needs compile side by side."""
     try:
         return load(fast_accum, nvcc, include, swiglu=swiglu, small=small)
     except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
@@ -373,10 +374,17 @@ def _load_cutlass(fast_accum: bool, nvcc: str, include: str, swiglu: bool = Fals
 
 
 @functools.lru_cache(maxsize=None)
-def _prebuild(fast_accum: bool, nvcc: str, include: str) -> None:
-    """Once per process: the objects a recipe with ``fast_accum`` may load (plain, SwiGLU epilogue, small tiles)."""
-    configs = [config_of(fast_accum, swiglu, small) for swiglu in (False, True) for small in (False, True)]
-    prebuild([c for c in configs if c is not None], nvcc, include)
+def _prebuild(fast_accum: bool, nvcc: str, include: str, small_tiles: bool) -> None:
+    """Once per process and choice: the objects a recipe may load, compiled side by side (plain and SwiGLU
+    epilogue; their small-tile builds only where the recipe's ``kernels.grouped_fp8_small_rows`` is not 0)."""
+    prebuild(prebuild_configs(fast_accum, small_tiles), nvcc, include)
+
+
+def prebuild_configs(fast_accum: bool, small_tiles: bool) -> list:
+    """The configurations ``_prebuild`` compiles: no small tiles without ``small_tiles`` (nor with exact
+    accumulation, which has no small build)."""
+    configs = [config_of(fast_accum, swiglu, small) for swiglu in (False, True) for small in (False, small_tiles)]
+    return [c for c in dict.fromkeys(configs) if c is not None]
 
 
 @functools.lru_cache(maxsize=None)

@@ -52,6 +52,14 @@ class Fp32GroupedDouble:
         return (cg.swiglu_pairs(out) if self.swiglu else out).bfloat16()
 
 
+@pytest.fixture(autouse=True)
+def prebuilt(monkeypatch):
+    """Records what the resolvers ask ``_prebuild`` to compile (the real one would run nvcc side by side)."""
+    asked: list[tuple] = []
+    monkeypatch.setattr(gemm, "_prebuild", lambda *args: asked.append(args))
+    return asked
+
+
 @pytest.fixture
 def loaded(monkeypatch):
     """The build-and-load step answered by a double (what gemm resolves with), keyed by (fast_accum, swiglu,
@@ -143,9 +151,10 @@ def test_fast_builds_pair_a_small_tile_picked_by_mean_rows_per_expert(loaded):
     assert fused.paired.config == "pong_128x192_c1x2_fast_swiglu|pong_64x128_c1x1_fast_swiglu<=32"
 
 
-def test_small_rows_zero_builds_no_small_tile_and_a_failed_one_costs_only_itself(loaded, monkeypatch):
+def test_small_rows_zero_builds_no_small_tile_and_a_failed_one_costs_only_itself(loaded, monkeypatch, prebuilt):
     off = gemm.resolve_grouped(dataclasses.replace(GROUPED, small_rows=0), H200, pytest.fail)
     assert off.kernel is loaded[True, False, False] and (True, False, True) not in loaded
+    assert prebuilt == [(True, H200.nvcc, H200.cutlass_include, False)]
     double = gemm._load_cutlass
     monkeypatch.setattr(gemm, "_load_cutlass", lambda fast, nvcc, include, swiglu=False, small=False: (
         "building or loading it failed: RuntimeError: nvcc failed" if small else double(fast, nvcc, include)))
@@ -388,6 +397,18 @@ def test_prebuild_compiles_side_by_side_and_reports_each_failure(fake_nvcc, tmp_
     monkeypatch.setenv("FAIL_NVCC", "1")
     failed = cg.prebuild(configs[:2], str(nvcc), str(include))
     assert all(isinstance(f, RuntimeError) and "nvcc failed (2)" in str(f) for f in failed)
+
+
+def test_prebuild_compiles_small_tiles_only_where_the_recipe_uses_them(loaded, prebuilt):
+    """``kernels.grouped_fp8_small_rows: 0`` compiles no 64-row object; exact accumulation has none to compile."""
+    names = {(fast, small): [c.name for c in gemm.prebuild_configs(fast, small)]
+             for fast in (True, False) for small in (True, False)}
+    assert names[True, False] == ["pong_128x128_c1x2_fast", "pong_128x192_c1x2_fast_swiglu"]
+    assert names[True, True] == names[True, False][:1] + ["pong_64x128_c1x1_fast"] + names[True, False][1:] + [
+        "pong_64x128_c1x1_fast_swiglu"]
+    assert names[False, True] == names[False, False] and not any("64x128" in n for n in names[False, True])
+    moe.resolve_moe(dataclasses.replace(MOE, fast_accum=True), H200, pytest.fail)
+    assert prebuilt and all(args[0] is True and args[3] is True for args in prebuilt)
 
 
 def test_no_small_build_with_exact_accumulation(loading):
