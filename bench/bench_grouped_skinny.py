@@ -38,7 +38,7 @@ from omni.platforms.cuda.grouped_skinny_triton import GroupedSkinnyFp8, GroupedS
 def tiles(spec: str) -> list[GroupedSkinnyTile]:
     """``"16:32,64:256,512:4:3,4"`` -> every (block_m, block_n, block_k, warps, stages) of the lists."""
     parts = [list(map(int, p.split(","))) for p in spec.split(":")]
-    return [GroupedSkinnyTile(*t) for t in itertools.product(*parts)]
+    return [GroupedSkinnyTile(*t[1:], block_m=t[0]) for t in itertools.product(*parts)]
 
 
 def reference(xq, xs, wq, ws, counts, swiglu: bool) -> torch.Tensor:

@@ -44,17 +44,18 @@ import triton.language as tl
 
 from .pdl import OFF, Pdl
 from .pdl_triton import wait_for_predecessor
+from .skinny_triton import SkinnyTile
 
 
 @dataclass(frozen=True)
-class GroupedSkinnyTile:
-    """Launch shape: rows per tile, output columns and K per program iteration, warps, pipeline stages."""
+class GroupedSkinnyTile(SkinnyTile):
+    """The dense skinny kernel's launch shape with the rows of one expert's tile (the dense kernel pads all the
+    call's rows into one)."""
 
     block_m: int
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int
+
+    def label(self) -> str:
+        return f"{self.block_m}x{super().label()}"
 
 
 # (most rows in one group, launch shape) by epilogue (True: SwiGLU, the MoE's GEMM 1): chosen by
@@ -127,7 +128,7 @@ class GroupedSkinnyFp8:
     def __init__(self, max_rows: int, swiglu: bool = False, tiles=None, pdl: Pdl = OFF):
         self.tiles, self.swiglu, self.pdl = tiles or TILES[swiglu], swiglu, pdl
         self.max_rows = min(max_rows, self.tiles[-1][0])
-        shapes = ",".join(f"{t.block_m}x{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in self.tiles)
+        shapes = ",".join(t.label() for _, t in self.tiles)
         self.config = f"triton-skinny[{shapes},<={self.max_rows}]{'_swiglu' if swiglu else ''}"
         self.name = f"grouped-fp8[{self.config}]"
 

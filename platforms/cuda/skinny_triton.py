@@ -37,6 +37,9 @@ class SkinnyTile:
     warps: int
     stages: int
 
+    def label(self) -> str:
+        return f"{self.block_n}x{self.block_k}w{self.warps}s{self.stages}"
+
 
 # (most rows, launch shape) by rows: at each of 1, 8, 16, 32 and 64 rows the shape of 12 (BLOCK_N 16/32/64, BLOCK_K
 # 256/512, 4 warps, 3/5 stages) whose slowest speedup over cuBLAS across the released model's three dense shapes
@@ -77,7 +80,7 @@ class SkinnyFp8:
 
     def __init__(self, max_rows: int, tiles=TILES, pdl: Pdl = OFF):
         self.tiles, self.max_rows, self.pdl = tiles, min(max_rows, tiles[-1][0]), pdl
-        shapes = ",".join(f"{t.block_n}x{t.block_k}w{t.warps}s{t.stages}" for _, t in tiles)
+        shapes = ",".join(t.label() for _, t in tiles)
         self.name = f"triton-skinny-fp8[{shapes},<={self.max_rows}]"
 
     def tile_for(self, rows: int) -> SkinnyTile:
