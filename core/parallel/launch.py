@@ -270,13 +270,15 @@ def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args:
             life_r, life_w = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_child, name=f"omni-rank{info.rank}", daemon=False,
                             args=(fn, info, degrees, platform, args, dist_timeout_s, threads, send, life_r))
+            # Known before it starts: a Ctrl-C held back while it spawned is raised as the mask comes off,
+            # and the finally below must stop this worker too (an unknown one would keep the exit waiting).
+            procs.append(p)
+            lifelines.append(life_w)
             with _sigint_blocked():
                 p.start()
             send.close()
             life_r.close()
-            procs.append(p)
             reports[recv] = info.rank
-            lifelines.append(life_w)
         results = _supervise(procs, reports, timeout_s, cancel)
         # Every rank reported: let each finish exiting (multiprocessing's exit handlers unlink its semaphores)
         # before _stop_all terminates the stragglers; a SIGTERM now would leak them, and the resource tracker

@@ -70,6 +70,33 @@ def test_ctrl_c_stops_every_worker(tmp_path):
     assert wait_gone(pids) == []
 
 
+def test_ctrl_c_held_back_while_the_last_worker_spawns_stops_it_too(tmp_path, monkeypatch):
+    """SIGINT is blocked while a worker spawns, so a Ctrl-C then is raised as the mask comes off, before
+    ``p.start()`` returns to ``launch``: that worker must be among those stopped, or the interpreter's exit
+    would wait on it (multiprocessing joins live children at exit)."""
+    import contextlib
+    import multiprocessing
+
+    from omni.parallel import launch as launch_mod
+
+    real, spawned = launch_mod._sigint_blocked, []
+
+    @contextlib.contextmanager
+    def interrupted_on_the_second():
+        with real():
+            yield
+            spawned.append(True)
+            if len(spawned) == 2:
+                os.kill(os.getpid(), signal.SIGINT)  # pending: this thread blocks it until the mask comes off
+
+    monkeypatch.setattr(launch_mod, "_sigint_blocked", interrupted_on_the_second)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch("workers:sleeper", Degrees(cfg=2), args=(str(tmp_path),), timeout_s=FAST_S)
+    assert len(spawned) == 2 and time.monotonic() - t0 < FAST_S
+    assert multiprocessing.active_children() == [], "a worker outlived the interrupted launch"
+
+
 def test_workers_exit_when_the_launcher_is_killed(tmp_path):
     proc, pids = _start_sleepers(tmp_path)
     proc.kill()  # SIGKILL: no cleanup code runs in the launcher
