@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+from .installed_entry_points import of_group
 
 ENTRY_POINT_GROUP = "omni.models"
 AUTO = "auto"
@@ -85,7 +86,7 @@ class Registered:
 
 def names() -> tuple[str, ...]:
     """Registered flavour names, from package metadata only (nothing is imported)."""
-    return tuple(sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}))
+    return tuple(sorted({ep.name for ep in of_group(ENTRY_POINT_GROUP)}))
 
 
 def flavor_choices() -> tuple[str, ...]:
@@ -95,7 +96,7 @@ def flavor_choices() -> tuple[str, ...]:
 
 def discover() -> list[Registered]:
     """Every registered flavour, loaded; a failing import is recorded, not raised."""
-    return [_load(ep) for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)]
+    return [_load(ep) for ep in sorted(of_group(ENTRY_POINT_GROUP), key=lambda e: e.name)]
 
 
 def _load(ep) -> Registered:

@@ -15,13 +15,13 @@ import functools
 import inspect
 import logging
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 
 import pluggy
 import torch
 
 from . import hookspecs
 from .hookspecs import hookimpl
+from .installed_entry_points import of_group
 from .reference import plugin as reference_plugin
 from .streams import INLINE, SideStream
 from .specs import (AttentionSpec, CaptureSpec, CollectiveSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec,
@@ -65,7 +65,7 @@ class BrokenPlatform:
 def discover(allow: tuple[str, ...] | None = None) -> dict[str, object]:
     """Load every installed platform plugin by entry-point name (``allow`` filters)."""
     found = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in of_group(ENTRY_POINT_GROUP):
         if allow is None or ep.name in allow:
             found[ep.name] = _load(ep)
     found.setdefault(REFERENCE, reference_plugin)

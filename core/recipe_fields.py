@@ -12,7 +12,9 @@ import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from decimal import Decimal
-from importlib.metadata import PackageNotFoundError, entry_points, version as installed_version
+from importlib.metadata import PackageNotFoundError, version as installed_version
+
+from .installed_entry_points import of_group
 
 PLATFORM_GROUP = "omni.platforms"
 BUILTIN_PLATFORMS = ("cpu", "cuda", "rocm", "npu", "xpu", "musa")
@@ -220,7 +222,7 @@ def _ok(parser: Callable, value: object) -> bool:
 @functools.cache
 def platform_choices() -> tuple[str, ...]:
     """``auto``, the built-in platforms, then any third-party platform installed under ``omni.platforms``."""
-    extra = sorted({ep.name for ep in entry_points(group=PLATFORM_GROUP)} - set(BUILTIN_PLATFORMS))
+    extra = sorted({ep.name for ep in of_group(PLATFORM_GROUP)} - set(BUILTIN_PLATFORMS))
     return ("auto", *BUILTIN_PLATFORMS, *extra)
 
 
