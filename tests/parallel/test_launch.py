@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import wait_gone
+from procs import describe, wait_gone
 from omni.parallel.launch import RankInfo, WorkerError, free_port, launch
 from omni.parallel.mesh import Degrees
 
@@ -65,7 +65,12 @@ def _start_sleepers(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
 def test_ctrl_c_stops_every_worker(tmp_path):
     proc, pids = _start_sleepers(tmp_path)
     proc.send_signal(signal.SIGINT)  # the launcher only: it must stop the workers itself
-    _, err = proc.communicate(timeout=FAST_S)
+    try:
+        _, err = proc.communicate(timeout=FAST_S)
+    except subprocess.TimeoutExpired:
+        tree = describe(proc.pid)
+        proc.kill()
+        pytest.fail(f"the launcher did not stop within {FAST_S} s of Ctrl-C; processes then:\n{tree}")
     assert proc.returncode == 130 and "interrupted; all workers stopped" in err
     assert wait_gone(pids) == []
 

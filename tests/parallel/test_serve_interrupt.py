@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from procs import wait_gone
+from procs import descendants, describe, wait_gone
 from omni.parallel.launch import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,18 +46,6 @@ def start_server(recipe: Path, tmp_path: Path) -> tuple[subprocess.Popen, int, P
                                  str(port)], stdout=subprocess.DEVNULL, stderr=f, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, port, err
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except (FileNotFoundError, ProcessLookupError):  # the task ended while we looked
-            continue
-        for child in map(int, children):
-            found += [child, *descendants(child)]
-    return found
 
 
 def rank_processes(pid: int) -> list[int]:
@@ -95,9 +83,10 @@ def ctrl_c(proc: subprocess.Popen, err: Path) -> tuple[int, str]:
     try:
         code = proc.wait(30)
     except subprocess.TimeoutExpired:
+        tree = describe(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        pytest.fail(f"the server did not stop within 30 s of Ctrl-C:\n{err.read_text()}")
+        pytest.fail(f"the server did not stop within 30 s of Ctrl-C:\n{err.read_text()}\nprocesses then:\n{tree}")
     return code, err.read_text()
 
 
