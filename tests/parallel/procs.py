@@ -35,10 +35,10 @@ def describe(pid: int) -> str:
             state = Path(f"/proc/{p}/stat").read_text().split()[2]
             wchan = Path(f"/proc/{p}/wchan").read_text() or "-"
             cmd = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-            threads = sorted(t.name for t in Path(f"/proc/{p}/task").iterdir())
+            threads = sum(1 for _ in Path(f"/proc/{p}/task").iterdir())
         except (FileNotFoundError, ProcessLookupError):
             continue
-        lines.append(f"pid {p} state {state} wchan {wchan} threads {len(threads)}: {cmd}")
+        lines.append(f"pid {p} state {state} wchan {wchan} threads {threads}: {cmd}")
     return "\n".join([*lines, f"load average: {Path('/proc/loadavg').read_text().strip()}"])
 
 
