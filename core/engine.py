@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from .request import ImageRequest, ImageResult
-from .scheduler import Scheduler, Ticket
+from .scheduler import Scheduler
+from .ticket import Ticket
 
 
 class Engine:

@@ -28,7 +28,7 @@ StepListener = Callable[[list, float], None]  # (tickets resolved in the step, i
 @runtime_checkable
 class TicketHandle(Protocol):
     """One submitted request: ``future`` resolves to an ``ImageResult`` (a ``TextResult`` for a
-    ``TextRequest``) or the request's error. Local tickets (``omni.scheduler.Ticket``) also stream a text
+    ``TextRequest``) or the request's error. Local tickets (``omni.ticket.Ticket``) also stream a text
     answer so far through ``updates``; remote ones resolve only at the end."""
 
     request: ImageRequest

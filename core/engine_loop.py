@@ -14,7 +14,9 @@ from typing import Callable
 
 from .request import ImageRequest
 from .engine_handle import StepListener
-from .scheduler import EngineUnavailable, Scheduler, Ticket
+from .scheduler import Scheduler
+from .scheduler_errors import EngineUnavailable
+from .ticket import Ticket
 
 log = logging.getLogger("omni.engine_loop")
 

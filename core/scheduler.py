@@ -62,96 +62,16 @@ import collections
 import concurrent.futures
 import logging
 import math
-import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from .kv_pool import KVPoolExhausted
 from .request import ImageRequest, ImageResult, TextRequest
+from .scheduler_errors import QueueFull, RequestCancelled, RequestInvalid, RequestTooLarge
+from .ticket import Cost, Ticket, restore_state, settle, snapshot_state
 
 log = logging.getLogger("omni.scheduler")
-
-
-class SchedulerError(RuntimeError):
-    """Base class of the scheduler's own refusals."""
-
-
-class QueueFull(SchedulerError):
-    """More waiting requests than ``serving.max_queue``; retry after ``retry_after_s``."""
-
-    def __init__(self, message: str, retry_after_s: int):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class RequestTooLarge(SchedulerError, ValueError):
-    """The request can never be admitted: it needs more KV pages than the whole pool."""
-
-
-class RequestInvalid(SchedulerError, ValueError):
-    """The model refuses the request as asked (a field it cannot honour); the message names the field."""
-
-
-class RequestCancelled(SchedulerError):
-    """The request was cancelled (client gone or timed out) before it finished."""
-
-
-class EngineUnavailable(SchedulerError):
-    """The engine is not ready yet, or its loop died; ``reason`` says which."""
-
-
-@dataclass(frozen=True)
-class Cost:
-    pages: int  # KV pages for all of the request's rows, allocated together
-    step_tokens: int  # packed tokens one denoising step of this request adds
-
-
-class Ticket:
-    """One submitted request: its future, cost, timestamps and (while running) pipeline state."""
-
-    def __init__(self, request: ImageRequest, cost: Cost, now: float):
-        self.request, self.cost = request, cost
-        self.future: concurrent.futures.Future[ImageResult] = concurrent.futures.Future()
-        self.submitted_at, self.admitted_at, self.finished_at = now, None, None
-        self.state = None
-        self.released = False  # pages given back (guards against a double release)
-        self._cancelled = threading.Event()
-        # a text request's answer so far, put after every step that changed it (streams read it)
-        self.updates: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._published = ""
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def result(self, timeout: float | None = None) -> ImageResult:
-        return self.future.result(timeout)
-
-
-def _settle(future: concurrent.futures.Future, *, result=None, error: BaseException | None = None) -> None:
-    """Resolve ``future`` unless it already is (a waiter may have cancelled it from its side)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-def snapshot_state(state) -> dict:
-    return dict(vars(state))
-
-
-def restore_state(state, saved: dict) -> None:
-    vars(state).clear()
-    vars(state).update(saved)
 
 
 def default_request(recipe, **changes) -> ImageRequest:
@@ -305,7 +225,7 @@ class Scheduler:
         self.admitting, self.running = [], []
         for t in tickets:
             self._release(t)
-            _settle(t.future, error=error)
+            settle(t.future, error=error)
 
     def _reap_cancelled(self, finished: list[Ticket]) -> None:
         for t in [t for t in self.running if t.cancelled]:
@@ -317,7 +237,7 @@ class Scheduler:
     def _resolve_cancelled(self, t: Ticket) -> None:
         with self._lock:  # also called from the decode thread
             self.stats["cancelled"] += 1
-        _settle(t.future, error=RequestCancelled(f"request {t.request_id} was cancelled"))
+        settle(t.future, error=RequestCancelled(f"request {t.request_id} was cancelled"))
         log.info("request %s cancelled (step %s)", t.request_id, getattr(t.state, "step", "queued"))
 
     def _fits(self, t: Ticket, admitted: list[Ticket]) -> bool:
@@ -442,7 +362,7 @@ class Scheduler:
         t.finished_at = self.clock()
         with self._lock:
             self.stats["finished"] += 1
-        _settle(t.future, result=t.state.result())
+        settle(t.future, result=t.state.result())
 
     def _decode(self, t: Ticket) -> None:
         image = self.pipeline.decode(t.state)
@@ -455,7 +375,7 @@ class Scheduler:
             self.stats["finished"] += 1
         latents = s.latents_1Chw.detach().cpu() if r.return_latents else None
         revised = s.request.cot_text if r.bot_task != "image" else None  # the image pass's request holds the CoT
-        _settle(t.future, result=ImageResult(r.request_id, image.numpy(), s.seed, image.shape[0], image.shape[1],
+        settle(t.future, result=ImageResult(r.request_id, image.numpy(), s.seed, image.shape[0], image.shape[1],
                                              r.steps, s.times, latents, revised))
 
     def _try(self, t: Ticket, finished: list[Ticket], stage: str, fn: Callable[[], None]) -> bool:
@@ -475,7 +395,7 @@ class Scheduler:
                   exc_info=error)
         if isinstance(error, KVPoolExhausted):  # pages_needed disagreed with admit: a pipeline bug, still isolated
             error = RuntimeError(f"KV pool accounting mismatch for request {t.request_id}: {error}")
-        _settle(t.future, error=error)
+        settle(t.future, error=error)
         finished.append(t)
 
     def _release(self, t: Ticket) -> None:

@@ -25,90 +25,21 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from . import text_steps
 from .kv_pool import KVPool, PoolContext, Run
-from .request import ImageRequest, StageTimes, TextRequest
+from .request import ImageRequest, TextRequest
 from .step_cache import StepCache, after_step, plan_skips
 from .step_graphs import StepGraphs, geometric_keys, padded_keys, row_bucket, step_key, text_key
 from .step_model import RowSpec, StepModel
+from .step_state import RequestState, Row, StepBlock, common_prefix
 from .vae_tiling import TileLanes
 
 if TYPE_CHECKING:
     from .parallel.runtime import Runtime
-
-
-@dataclass
-class Row:
-    """One row of a request on this worker and the KV pages holding its keys."""
-
-    seq: RowSpec
-    pages: list[int]
-    block_len: int
-    block_rope: tuple | None = None  # (cos_TH, sin_TH) of the step block, built once on the device
-    cached: int = 0  # prefix positions whose K/V the pages already hold (a CoT pass wrote them)
-
-    @property
-    def tokens(self) -> int:  # prefix + step block: what the pages hold
-        return self.seq.prefix_len + self.block_len
-
-
-@dataclass
-class RequestState:
-    request: ImageRequest
-    rows: list[Row]  # the rows this worker computes
-    latents_1Chw: torch.Tensor  # fp32
-    sigmas: torch.Tensor  # [steps + 1] fp32, on the host
-    seed: int
-    total_rows: int  # rows of the request on all workers
-    step: int = 0
-    times: StageTimes = field(default_factory=StageTimes)
-    cache: StepCache = field(default_factory=lambda: StepCache(0.0))
-    reserved: list = field(default_factory=list)  # pages held for later rows (none for an image pass)
-
-    @property
-    def done(self) -> bool:
-        return self.step >= len(self.sigmas) - 1
-
-    @property
-    def sigma(self) -> float:
-        return float(self.sigmas[self.step])
-
-    @property
-    def edge(self) -> bool:
-        """The first or the last step: always computed, never served by the step cache."""
-        return self.step == 0 or self.step == len(self.sigmas) - 2
-
-
-@dataclass
-class StepBlock:
-    """The input of one packed step forward: tokens, per-row rope tables and attention runs, in order."""
-
-    x_TD: torch.Tensor
-    ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos_TH, sin_TH) per row
-    runs: list[Run]
-
-    @classmethod
-    def pack(cls, blocks: list["StepBlock"]) -> "StepBlock":
-        return cls(torch.cat([b.x_TD for b in blocks]), [t for b in blocks for t in b.ropes],
-                   [r for b in blocks for r in b.runs])
-
-    def rope_TH(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.cat([c for c, _ in self.ropes]), torch.cat([s for _, s in self.ropes])
-
-
-def _common(fed: tuple, seq) -> int:
-    """Leading positions where ``seq`` has the (token, rope position) pairs the CoT row wrote."""
-    n = 0
-    for (tok, pos), t2, p2 in zip(fed, seq.ids[: seq.prefix_len], seq.pos_yx):
-        if tok != t2 or tuple(pos) != tuple(p2):
-            break
-        n += 1
-    return n
 
 
 class StepEngine:
@@ -224,7 +155,7 @@ class StepEngine:
                 if len(pages) < need:
                     more = self.pool.allocate((need - len(pages)) * self.pool.page_size)
                     extra, pages = extra + more, pages + more
-                rows.append(Row(seq, pages, n, cached=_common(fed, seq)))
+                rows.append(Row(seq, pages, n, cached=common_prefix(fed, seq)))
         except Exception:
             self.pool.release(extra)
             raise

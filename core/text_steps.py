@@ -76,7 +76,7 @@ class Drawn:
 @dataclass
 class TextState:
     request: TextRequest
-    rows: list  # one ``step_engine.Row``: the prompt's RowSpec and the pages for prompt + max_tokens
+    rows: list  # one ``step_state.Row``: the prompt's RowSpec and the pages for prompt + max_tokens
     seed: int
     stop_ids: frozenset[int]
     prompt_len: int  # kept: ``release`` empties ``rows``

@@ -110,7 +110,8 @@ def test_a_negative_prompt_is_a_400_naming_the_field_over_http(engine, golden):
     import httpx
 
     from omni.engine_loop import EngineLoop
-    from omni.scheduler import RequestInvalid, Scheduler
+    from omni.scheduler import Scheduler
+    from omni.scheduler_errors import RequestInvalid
     from omni.serving.app import ServingOptions, create_app
     from serving.serving_harness import ServerThread
 

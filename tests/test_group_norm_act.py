@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from omni.group_norm import FusableGroupNorm, GroupNorm, channels_last, group_norm_act, use_group_norm_kernel
 from omni.models.hunyuan_image3.image_io import GroupNorm32, ResBlock
-from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig, channels_to_space, repeat_channels
+from omni.models.hunyuan_image3.vae import AutoencoderKLConv3D, VAEConfig
+from omni.models.hunyuan_image3.vae_blocks import channels_to_space, repeat_channels
 from omni.platform_manager import select
 
 from test_golden_vae import GOLDEN_JSON, GOLDEN_TENSORS, golden, vae_weights  # noqa: F401 (fixtures)

@@ -28,10 +28,10 @@ import threading
 from dataclasses import dataclass
 
 from omni.request import ImageRequest
-from omni.scheduler import EngineUnavailable, QueueFull
+from omni.scheduler_errors import EngineUnavailable, QueueFull
 
 from .replica_link import RemoteReplica, serve_replica
-_STOP_WORKERS_S = 15.0  # a cancelled launch's SIGTERM grace (launch.TERMINATE_GRACE_S), with room to spare
+_STOP_WORKERS_S = 15.0  # a cancelled launch's SIGTERM grace (supervise.TERMINATE_GRACE_S), with room to spare
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from omni.scheduler import restore_state, snapshot_state
+from omni.ticket import restore_state, snapshot_state
 
 STOP = "stop"
 

@@ -13,7 +13,7 @@ import itertools
 import threading
 
 from omni.request import ImageRequest
-from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
+from omni.scheduler_errors import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
 
 _ERRORS = {c.__name__: c for c in (EngineUnavailable, RequestCancelled, RequestTooLarge)}
 

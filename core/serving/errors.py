@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from omni.scheduler import EngineUnavailable, QueueFull, RequestInvalid, RequestTooLarge
+from omni.scheduler_errors import EngineUnavailable, QueueFull, RequestInvalid, RequestTooLarge
 
 
 class APIError(Exception):

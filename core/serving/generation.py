@@ -16,7 +16,7 @@ from fastapi import Request
 
 from omni.engine_handle import EngineHandle
 from omni.request import ImageRequest, ImageResult
-from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestInvalid, RequestTooLarge
+from omni.scheduler_errors import EngineUnavailable, QueueFull, RequestCancelled, RequestInvalid, RequestTooLarge
 
 from .encode import PNG_LEVEL, encode_image
 from .errors import APIError, ClientGone, internal_error, shutting_down, submit_refused

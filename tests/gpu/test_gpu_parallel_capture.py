@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni.parallel.launch import WorkerError, launch
+from omni.parallel.launch import launch
+from omni.parallel.supervise import WorkerError
 from omni.parallel.mesh import Degrees
 
 from parallel_capture_workers import generate, tiny_engine

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from procs import describe, wait_gone
-from omni.parallel.launch import RankInfo, WorkerError, free_port, launch
+from omni.parallel.launch import RankInfo, free_port, launch
+from omni.parallel.supervise import WorkerError
 from omni.parallel.mesh import Degrees
 
 HERE = Path(__file__).resolve().parent

@@ -7,10 +7,11 @@ import pytest
 import workers
 from omni.deployment import prepare
 from omni.parallel.dp import ReplicaRouter, start_replicas
-from omni.parallel.launch import WorkerError, launch
+from omni.parallel.launch import launch
 from omni.parallel.mesh import Degrees
+from omni.parallel.supervise import WorkerError
 from omni.request import ImageRequest
-from omni.scheduler import EngineUnavailable, QueueFull
+from omni.scheduler_errors import EngineUnavailable, QueueFull
 
 PROMPTS = ["a red fox", "a blue boat on a lake", "snow", "a green door"]
 pytestmark = pytest.mark.timeout(240)

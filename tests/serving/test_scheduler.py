@@ -8,7 +8,8 @@ import pytest
 from omni.engine import Engine
 from omni.request import ImageRequest
 from omni.engine_loop import EngineLoop
-from omni.scheduler import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge, Scheduler
+from omni.scheduler import Scheduler
+from omni.scheduler_errors import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
 
 from serving_harness import FAULT_IN_DECODE, FAULT_IN_STEP, FakePipeline, InjectedFault, wait_until
 
