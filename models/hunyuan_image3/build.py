@@ -232,10 +232,7 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     ``random_layers``: no checkpoint; the released text-to-image shapes with
     that many decoder layers and random values, built the same way (benchmarks).
     """
-    services = platform.device_services(local_rank)
-    if recipe.device.memory_limit_gib:  # a share of the card: the allocator refuses to grow past it
-        fraction = services.limit_memory(int(recipe.device.memory_limit_gib * 2**30))
-        log.info("device memory capped at %g GiB (%.0f%% of the card)", recipe.device.memory_limit_gib, 100 * fraction)
+    services = _bind_device(recipe, platform, local_rank)
     if random_layers:
         root, cfg, instruct = random_release(recipe.model.flavor, random_layers, cache_dir)
     else:
@@ -244,30 +241,58 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     model, vae, vision, offloaders = load_weights(recipe, cfg, platform, root, services, parallel, progress, instruct,
                                                   random_values=bool(random_layers))
     runtime = SingleDevice() if parallel is None else parallel
-    pool = KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
+    pool = _kv_pool(recipe, cfg, model, runtime, services.device)
+    log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages, pool.page_size)
+    t2i = _step_model(recipe, cfg, root, model, vae, vision, services.device, instruct)
+    return _step_engine(recipe, platform, t2i, pool, runtime, services, offloaders)
+
+
+def _bind_device(recipe, platform, local_rank: int):
+    """This worker's device services, capped at ``device.memory_limit_gib`` where the recipe asks."""
+    services = platform.device_services(local_rank)
+    if recipe.device.memory_limit_gib:  # a share of the card: the allocator refuses to grow past it
+        fraction = services.limit_memory(int(recipe.device.memory_limit_gib * 2**30))
+        log.info("device memory capped at %g GiB (%.0f%% of the card)", recipe.device.memory_limit_gib, 100 * fraction)
+    return services
+
+
+def _kv_pool(recipe, cfg: HunyuanImage3Config, model, runtime, device) -> KVPool:
+    """The paged KV cache ``kv_cache.budget_bytes`` buys, with the KV heads this worker keeps."""
+    return KVPool.from_budget(recipe.kv_cache.budget_bytes, num_layers=cfg.num_hidden_layers,
                               page_size=recipe.kv_cache.page_tokens,
                               num_kv_heads=runtime.pool_kv_heads(cfg.num_key_value_heads, cfg.num_attention_heads),
-                              head_dim=cfg.head_dim, dtype=DTYPES[recipe.model.dtype], device=services.device,
+                              head_dim=cfg.head_dim, dtype=DTYPES[recipe.model.dtype], device=device,
                               store_gather=model.kv_store_gather)
-    log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages, pool.page_size)
+
+
+def _step_model(recipe, cfg: HunyuanImage3Config, root: Path, model, vae, vision, device, instruct: bool):
+    """The ``StepModel`` of this checkpoint's era: text-to-image (base), Instruct, or Instruct-Distil."""
     kw = dict(transformer=model, vae=vae, tokenizer=Tokenizer.from_file(root / "tokenizer.json"), config=cfg,
-              device=services.device, vae_dtype=DTYPES[recipe.model.vae_dtype])
-    vae_tile = (recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None
-    if instruct:
-        distil = cfg.cfg_distilled and cfg.use_meanflow
-        cls = HunyuanImage3InstructDistil if distil else HunyuanImage3Instruct
-        t2i = cls(vision=vision, vae_encode_tile=vae_tile, **kw)
-    else:
-        t2i = HunyuanImage3T2I(**kw)
-    capture = recipe.graph.mode == "capture"  # refused here, with the platform's reasons, where it cannot capture
+              device=device, vae_dtype=DTYPES[recipe.model.vae_dtype])
+    if not instruct:
+        return HunyuanImage3T2I(**kw)
+    cls = HunyuanImage3InstructDistil if cfg.cfg_distilled and cfg.use_meanflow else HunyuanImage3Instruct
+    return cls(vision=vision, vae_encode_tile=_vae_tiles(recipe), **kw)
+
+
+def _vae_tiles(recipe) -> tuple[int, int] | None:
+    """``(tile, overlap)`` latents when ``vae.tiling`` is on; None runs the VAE whole."""
+    return (recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None
+
+
+def _step_engine(recipe, platform, t2i, pool: KVPool, runtime, services, offloaders) -> StepEngine:
+    """The packed denoiser over ``t2i``, with the recipe's step cache and, under ``graph.mode: capture``, graphs
+    for the step, the VAE decode and the text decode steps (refused there, with the platform's reasons, where
+    it cannot capture)."""
+    capture, device_type, model = recipe.graph.mode == "capture", services.device.type, t2i.transformer
+    writes_text = isinstance(t2i, HunyuanImage3Instruct)  # answers and CoT passes: decode steps to capture
     return StepEngine(
         t2i, pool=pool, runtime=runtime, device=services.device, paged=recipe.kv_cache.mode == "paged",
         step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
-        step_graphs=StepGraphs(platform, services.device.type, key_bucket=key_bucket(model),
+        step_graphs=StepGraphs(platform, device_type, key_bucket=key_bucket(model),
                                collectives=runtime.step_collectives) if capture else None,
         synchronize=services.synchronize, to_host=services.to_host_async,
-        vae_graphs=StepGraphs(platform, services.device.type, name="vae_decode",
+        vae_graphs=StepGraphs(platform, device_type, name="vae_decode",
                               max_graphs=2 * recipe.vae.streams) if capture else None,
-        text_graphs=text_graphs(platform, services.device.type, model, runtime) if capture and instruct else None,
-        vae_tiles=(recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None,
-        vae_lanes=TileLanes(services, recipe.vae.streams), offloaders=offloaders)
+        text_graphs=text_graphs(platform, device_type, model, runtime) if capture and writes_text else None,
+        vae_tiles=_vae_tiles(recipe), vae_lanes=TileLanes(services, recipe.vae.streams), offloaders=offloaders)
