@@ -233,10 +233,7 @@ def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args:
     the workers ignore SIGINT, so a caller that runs ``launch`` in a thread
     uses it to end them when it is interrupted or gives up waiting.
     """
-    nproc = nproc_per_node or degrees.world_size // nnodes
-    if nproc * nnodes != degrees.world_size:
-        raise ValueError(f"{degrees.label()} needs {degrees.world_size} ranks; {nnodes} node(s) x {nproc} "
-                         f"process(es) = {nproc * nnodes}")
+    nproc = _procs_on_this_node(degrees, nproc_per_node, nnodes)
     if master_port is None:
         if nnodes > 1:
             raise ValueError("a multi-node launch needs an explicit master_port that every node agrees on")
@@ -247,23 +244,8 @@ def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args:
     ctx = mp.get_context("spawn")
     procs, reports, lifelines = [], {}, []
     try:
-        for local in range(nproc):
-            info = replace(base, rank=node_rank * nproc + local, local_rank=local,
-                           device_index=None if devices is None else local % devices, backend=backend,
-                           shares_device=devices is not None and nproc > devices)
-            recv, send = ctx.Pipe(duplex=False)
-            life_r, life_w = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, name=f"omni-rank{info.rank}", daemon=False,
-                            args=(fn, info, degrees, platform, args, dist_timeout_s, threads, send, life_r))
-            # Known before it starts: a Ctrl-C held back while it spawned is raised as the mask comes off,
-            # and the finally below must stop this worker too (an unknown one would keep the exit waiting).
-            procs.append(p)
-            lifelines.append(life_w)
-            with _sigint_blocked():
-                p.start()
-            send.close()
-            life_r.close()
-            reports[recv] = info.rank
+        for info in _ranks_on_this_node(base, devices, backend):
+            _spawn(ctx, (fn, info, degrees, platform, args, dist_timeout_s, threads), procs, reports, lifelines)
         results = supervise(procs, reports, timeout_s, cancel)
         # Every rank reported: let each finish exiting (multiprocessing's exit handlers unlink its semaphores)
         # before stop_all terminates the stragglers; a SIGTERM now would leak them, and the resource tracker
@@ -274,6 +256,39 @@ def launch(fn: Callable | str, degrees: Degrees, *, platform: str = "cpu", args:
         stop_all(procs)
         for conn in lifelines:
             conn.close()
+
+
+def _procs_on_this_node(degrees: Degrees, nproc_per_node: int | None, nnodes: int) -> int:
+    nproc = nproc_per_node or degrees.world_size // nnodes
+    if nproc * nnodes != degrees.world_size:
+        raise ValueError(f"{degrees.label()} needs {degrees.world_size} ranks; {nnodes} node(s) x {nproc} "
+                         f"process(es) = {nproc * nnodes}")
+    return nproc
+
+
+def _ranks_on_this_node(base: RankInfo, devices: int | None, backend: str) -> list[RankInfo]:
+    """One ``RankInfo`` per local rank; ranks share a device when there are fewer ``devices`` than ranks."""
+    nproc = base.local_world_size
+    return [replace(base, rank=base.node_rank * nproc + local, local_rank=local,
+                    device_index=None if devices is None else local % devices, backend=backend,
+                    shares_device=devices is not None and nproc > devices) for local in range(nproc)]
+
+
+def _spawn(ctx, child_args: tuple, procs: list, reports: dict, lifelines: list) -> None:
+    """Start one worker (``_child(*child_args, report pipe, lifeline)``) and keep its ends of the pipes."""
+    rank = child_args[1].rank
+    recv, send = ctx.Pipe(duplex=False)
+    life_r, life_w = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child, name=f"omni-rank{rank}", daemon=False, args=(*child_args, send, life_r))
+    # Known before it starts: a Ctrl-C held back while it spawned is raised as the mask comes off, and the
+    # caller's finally must stop this worker too (an unknown one would keep the interpreter's exit waiting).
+    procs.append(p)
+    lifelines.append(life_w)
+    with _sigint_blocked():
+        p.start()
+    send.close()
+    life_r.close()
+    reports[recv] = rank
 
 
 @contextlib.contextmanager
