@@ -1,6 +1,6 @@
 """The shared expert on a side stream (``kernels.shared_expert_stream``) against inline, in one process.
 
-One fp8 engine of ``--layers`` full-size random layers (bench_fast's ``Setup``:
+One fp8 engine of ``--layers`` full-size random layers (``fast_setup.Setup``, as bench_fast builds it:
 1024x1024, CFG, the recipe h200_fp8's kernels); every variant sets each MoE
 layer's ``side`` and captures its own step graph. Rounds alternate the
 variants (the H200 runs these steps at its power cap, so the clock drifts);
@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fast  # noqa: E402
+import fast_setup  # noqa: E402
 
 from omni.platform_manager import select  # noqa: E402
 from omni.step_graphs import StepGraphs  # noqa: E402
@@ -78,7 +79,7 @@ def main() -> int:
     platform = select(a.platform)
     dev = platform.device_services(0).device
     fa = bench_fast.parse(["--layers", str(a.layers), "--fast-accum", "--config", a.config])
-    s = bench_fast.Setup(fa, platform, "fp8_row", dev)
+    s = fast_setup.Setup(fa, platform, "fp8_row", dev)
     s.prefill()
     graphs, ref, result = {}, None, {"layers": a.layers, "steps_per_round": a.steps, "device": platform.info.device_name,
                                      "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",

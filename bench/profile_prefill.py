@@ -3,7 +3,7 @@
 The headline's requests are short prompts (tens of tokens per CFG row), so the
 prefill is one eager pass over ~100 tokens: every layer still reads all its
 expert weights, and it launches every kernel of the layer once. This times the
-prefill of bench_fast's ``Setup`` (released widths, random fp8 weights,
+prefill of bench_fast's model (``fast_setup.Setup``: released widths, random fp8 weights,
 ``--layers``; two rows of ``--prefix`` tokens) with CUDA events, sums its
 kernels under torch.profiler, and lists the largest, so the gap between them
 (host launch time the device waits for) is measured, not guessed.
@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fast  # noqa: E402
+import fast_setup  # noqa: E402
 
 from omni.platform_manager import select  # noqa: E402
 
@@ -41,12 +42,12 @@ def main() -> int:
     a = parse()
     platform = select("cuda")
     dev = platform.device_services(0).device
-    s = bench_fast.Setup(bench_fast.parse(["--layers", str(a.layers), "--prefix", str(a.prefix), "--fast-accum"]),
+    s = fast_setup.Setup(bench_fast.parse(["--layers", str(a.layers), "--prefix", str(a.prefix), "--fast-accum"]),
                          platform, "fp8_row", dev)
     for _ in range(3):
         s.prefill()
     torch.cuda.synchronize()
-    wall = bench_fast.timed(s.prefill, a.iters, warmup=1)
+    wall = fast_setup.timed(s.prefill, a.iters, warmup=1)
     t0 = time.perf_counter()
     s.prefill()
     host = time.perf_counter() - t0  # the host's time to enqueue one prefill (the device may still run)

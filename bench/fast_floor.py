@@ -1,0 +1,115 @@
+"""bench_fast part (c): the kernel floor. The step's GEMMs (exact shapes, pre-quantized inputs, balanced
+experts) and its attention kernel, each timed alone and (fp8) all captured into one graph replayed back to back:
+time no implementation of the step can beat by much."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import captured  # noqa: E402
+from fast_setup import RELEASED_LAYERS, Setup, timed  # noqa: E402
+
+from omni import quant as Q  # noqa: E402
+from omni.kv_pool import _meta  # noqa: E402
+from omni.specs import GroupedGemmSpec  # noqa: E402
+
+
+def step_flops(cfg, T: int, keys_per_query: list[int]) -> dict:
+    """FLOPs of one layer's GEMMs and attention for T packed tokens (2 per multiply-add)."""
+    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    inner, k, E = cfg.moe_intermediate_size[0], cfg.moe_topk[0], cfg.num_experts
+    shared = inner * cfg.num_shared_expert[0]
+    dense = 2 * T * (D * (N + 2 * K) * H + N * H * D + D * 2 * shared + shared * D + D * E)
+    routed = 2 * T * k * (D * 2 * inner + inner * D)
+    attn = sum(4 * N * H * lk for lk in keys_per_query)
+    return {"dense": dense, "routed": routed, "attention": attn, "total": dense + routed + attn}
+
+
+def floor(a, s: Setup, out, platform):
+    cfg, dev = s.cfg, s.device
+    T = s.rows * s.n_block
+    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    inner, k, E = cfg.moe_intermediate_size[0], cfg.moe_topk[0], cfg.num_experts
+    dense_shapes = {"qkv": ((N + 2 * K) * H, D), "o_proj": (D, N * H), "shared_gate_up": (2 * inner, D),
+                    "shared_down": (D, inner), "router": (E, D)}
+    R = T * k
+    sizes = [R // E + (1 if e < R % E else 0) for e in range(E)]
+    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+    g = torch.Generator(device=dev).manual_seed(2)
+    res = {}
+    for prec in ("bf16", "fp8"):
+        times, kept = {}, {}
+
+        def time_kernel(name, fn):
+            times[name] = timed(fn, 20)
+            if prec == "fp8":
+                kept[name] = fn  # with its operands: replayed back to back below
+
+        for name, (o, i) in dense_shapes.items():
+            x = torch.randn(T, i, device=dev, generator=g, dtype=torch.bfloat16)
+            w = torch.randn(o, i, device=dev, generator=g, dtype=torch.bfloat16)
+            if prec == "bf16" or name == "router":
+                time_kernel(name, lambda x=x, w=w: x @ w.t())
+            else:
+                xq, xs = Q.quantize_fp8(x, True)
+                wq, ws = Q.quantize_fp8(w, True)
+                time_kernel(name, lambda xq=xq, xs=xs, wq=wq, ws=ws: torch._scaled_mm(
+                    xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
+                    use_fast_accum=a.fast_accum))
+        for name, (o, i) in {"experts_gate_up": (2 * inner, D), "experts_down": (D, inner)}.items():
+            x = torch.randn(R, i, device=dev, generator=g, dtype=torch.bfloat16)
+            w = torch.randn(E, o, i, device=dev, generator=g, dtype=torch.bfloat16)
+            if prec == "bf16":
+                time_kernel(name, lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16))
+            else:  # the engine's own grouped kernel (kernels.grouped_fp8 resolves it), on the same operands
+                kernel = platform.grouped_gemm(GroupedGemmSpec(
+                    num_experts=E, in_features=i, out_features=o, dtype=torch.bfloat16, quant="fp8_row",
+                    fast_accum=a.fast_accum, grouped_fp8=a.grouped_fp8))
+                xq, xs = Q.quantize_fp8(x, True)
+                pw = kernel.prepare_weight(w)
+                pre_quantized = getattr(kernel, "scaled", None)  # the cuda kernels take e4m3 rows (the reference: x)
+                time_kernel(name, (lambda xq=xq, xs=xs, pw=pw: pre_quantized(xq, xs, pw, offs)) if pre_quantized
+                            else (lambda x=x, pw=pw: kernel(x, pw, offs)))
+                res.setdefault("grouped_kernel", kernel.name)
+            x = w = None  # free the bf16 operands before the next shape (the kept fp8 kernels hold their own)
+        attn = s.model.model.layers[0].self_attn.attn["none"]
+        meta = _meta(s.runs, False, dev)
+        S = meta.cu_seqlens_k_host[-1]
+        q = torch.randn(T, N, H, device=dev, generator=g, dtype=torch.bfloat16)
+        kk = torch.randn(S, K, H, device=dev, generator=g, dtype=torch.bfloat16)
+        vv = torch.randn(S, K, H, device=dev, generator=g, dtype=torch.bfloat16)
+        time_kernel("attention", lambda: attn(q, kk, vv, meta))
+        total = sum(times.values())
+        res[prec] = {"per_layer_s": total, "kernels_s": times,
+                     "step_32_layers_s": total * RELEASED_LAYERS,
+                     "image_s": total * RELEASED_LAYERS * a.steps}
+        print(f"[floor {prec}] per layer {total*1e3:.2f} ms: " +
+              ", ".join(f"{n} {t*1e3:.2f}" for n, t in times.items()), flush=True)
+        if kept and torch.cuda.is_available():
+            res[prec]["sustained"] = sustained_floor(kept, a.timed)
+            kept.clear()
+    keys = [lk for b in range(meta.num_seqs) for lk in
+            [meta.cu_seqlens_k_host[b + 1] - meta.cu_seqlens_k_host[b]] *
+            (meta.cu_seqlens_q_host[b + 1] - meta.cu_seqlens_q_host[b])]
+    fl = step_flops(cfg, T, keys)
+    res["flops_per_layer"] = fl
+    for prec in ("bf16", "fp8"):
+        kt = res[prec]["kernels_s"]
+        gemm_t = sum(v for n, v in kt.items() if n != "attention")
+        res[prec]["gemm_tflops"] = (fl["dense"] + fl["routed"]) / gemm_t / 1e12
+        res[prec]["attention_tflops"] = fl["attention"] / kt["attention"] / 1e12
+    out["floor"] = res
+
+
+def sustained_floor(kernels: dict, steps: int) -> dict:
+    """The floor's kernels of one layer captured into one graph and replayed back to back, 32 layers a step,
+    as the engine runs them: the clocks of sustained running under the power cap, which the kernels timed
+    alone (a short burst each) do not see. Same kernels, same operands; only the running conditions differ."""
+    graph = captured(lambda: [fn() for fn in kernels.values()])
+    layer_s = timed(lambda: [graph.replay() for _ in range(RELEASED_LAYERS)], steps, warmup=3) / RELEASED_LAYERS
+    print(f"[floor sustained] per layer {layer_s*1e3:.2f} ms (one graph of {len(kernels)} kernels, replayed "
+          f"{RELEASED_LAYERS} times a step)", flush=True)
+    return {"per_layer_s": layer_s, "step_32_layers_s": layer_s * RELEASED_LAYERS}
