@@ -165,44 +165,60 @@ class RemoteReplica:
 
 def serve_replica(engine, conn) -> None:
     """Serve ``engine`` (an ``EngineLoop``, started) to one ``RemoteReplica`` until it says stop."""
-    lock = threading.Lock()
-    tickets: dict[str, object] = {}
+    _ReplicaServer(engine, conn).run()
 
-    def send(msg) -> None:
-        with lock:
+
+class _ReplicaServer:
+    """The replica's end of the link: submissions and cancels in, acks and results out (results are sent from
+    the engine's threads as the futures settle, so sends share a lock)."""
+
+    def __init__(self, engine, conn):
+        self.engine, self.conn = engine, conn
+        self.lock = threading.Lock()
+        self.tickets: dict[str, object] = {}
+
+    def run(self) -> None:
+        if not self.engine.wait_ready():
+            self.send(("dead", None, _to_wire(self.engine.error or RuntimeError("engine failed to start"))))
+            return
+        self.send(("ready", None, {"warm_up_s": self.engine.scheduler.warm_up_s}))
+        while True:
             try:
-                conn.send(msg)
+                op, call, payload = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if op == "stop":
+                break
+            if op == "cancel":
+                self.cancel(payload)
+            else:
+                self.submit(call, payload)
+        self.send(("stopped", None, None))
+
+    def send(self, msg) -> None:
+        with self.lock:
+            try:
+                self.conn.send(msg)
             except OSError:
                 pass
 
-    def finished(rid: str, future) -> None:
-        tickets.pop(rid, None)
-        error = future.exception()
-        send(("done", rid, (True, future.result()) if error is None else (False, _to_wire(error))))
+    def cancel(self, request_id: str) -> None:
+        ticket = self.tickets.get(request_id)
+        if ticket is not None:
+            self.engine.cancel(ticket)
 
-    if not engine.wait_ready():
-        send(("dead", None, _to_wire(engine.error or RuntimeError("engine failed to start"))))
-        return
-    send(("ready", None, {"warm_up_s": engine.scheduler.warm_up_s}))
-    while True:
+    def submit(self, call, requests) -> None:
         try:
-            op, call, payload = conn.recv()
-        except (EOFError, OSError):
-            break
-        if op == "stop":
-            break
-        if op == "cancel":
-            t = tickets.get(payload)
-            if t is not None:
-                engine.cancel(t)
-            continue
-        try:
-            new = engine.submit_many(payload)
+            new = self.engine.submit_many(requests)
         except Exception as e:  # noqa: BLE001 - sent back to the router as the submission's error
-            send(("ack", call, (False, _to_wire(e))))
-            continue
-        tickets.update({t.request_id: t for t in new})
-        send(("ack", call, (True, None)))
+            self.send(("ack", call, (False, _to_wire(e))))
+            return
+        self.tickets.update({t.request_id: t for t in new})
+        self.send(("ack", call, (True, None)))
         for t in new:
-            t.future.add_done_callback(lambda f, rid=t.request_id: finished(rid, f))
-    send(("stopped", None, None))
+            t.future.add_done_callback(lambda f, rid=t.request_id: self.finished(rid, f))
+
+    def finished(self, request_id: str, future) -> None:
+        self.tickets.pop(request_id, None)
+        error = future.exception()
+        self.send(("done", request_id, (True, future.result()) if error is None else (False, _to_wire(error))))

@@ -11,7 +11,7 @@ from omni.parallel.launch import launch
 from omni.parallel.mesh import Degrees
 from omni.parallel.supervise import WorkerError
 from omni.request import ImageRequest
-from omni.scheduler_errors import EngineUnavailable, QueueFull
+from omni.scheduler_errors import EngineUnavailable, QueueFull, RequestCancelled
 
 PROMPTS = ["a red fox", "a blue boat on a lake", "snow", "a green door"]
 pytestmark = pytest.mark.timeout(240)
@@ -118,7 +118,8 @@ def single_run(checkpoint, req):
 
 
 def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, tmp_path):
-    """start_replicas launches a dp=2 recipe; the router gives each replica two of four requests."""
+    """start_replicas launches a dp=2 recipe; the router gives each replica two of four requests, and a cancel
+    reaches the replica that runs the request (it ends with RequestCancelled, not an image)."""
     from omni.recipe import load_recipe
 
     text = (resources_recipe("cpu_tiny").replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}",
@@ -137,6 +138,10 @@ def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, t
         assert owners.count(router.replicas[0]) == owners.count(router.replicas[1]) == 2  # least-loaded
         for t in tickets:
             same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)
+        long = router.submit_many([ImageRequest(prompt="snow", steps=100, seed=1, request_id="long")])[0]
+        router.cancel(long)
+        with pytest.raises(RequestCancelled):
+            long.result(timeout=120)
     finally:
         router.stop(60)
     assert not router.job.is_alive() and all(r.status == "stopped" for r in router.replicas)
@@ -160,6 +165,10 @@ def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tm
         tickets = [router.submit_many([r])[0] for r in requests(2)]
         for t in tickets:
             same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)
+        long = router.submit_many([ImageRequest(prompt="snow", steps=100, seed=1, request_id="long")])[0]
+        router.cancel(long)
+        with pytest.raises(RequestCancelled):
+            long.result(timeout=120)
     finally:
         router.stop(60)
     assert not router.job.is_alive()
