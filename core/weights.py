@@ -69,6 +69,26 @@ def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
         return buf
 
 
+def _source(target, local: str, name: str, shape, read, part, dest) -> tuple[torch.Tensor | None, str]:
+    """What to copy into ``dest`` (this rank's part where the target reads a shard of it), or why nothing fits."""
+    sliced = target.read is not None and part is not None
+    if _is_scale(name):  # a rank's part of a scale is cut by the target, then fitted like any scale
+        cut = sliced and len(shape) > 0  # a 0-dim scale is whole
+        src = _fit_scale(target.read(local, part()) if cut else read(), dest)
+        if src is None:
+            return None, (f"checkpoint scale {tuple(shape)} vs model {tuple(dest.shape)} "
+                          f"(per-row scales need quant.scheme=fp8_row)")
+        return src, ""
+    if sliced:
+        src = target.read(local, part())
+        if tuple(src.shape) != tuple(dest.shape):
+            return None, f"this rank's part {tuple(src.shape)} vs sharded model {tuple(dest.shape)}"
+        return src, ""
+    if tuple(shape) != tuple(dest.shape):
+        return None, f"checkpoint {tuple(shape)} vs model {tuple(dest.shape)}"
+    return read(), ""
+
+
 def _is_scale(name: str) -> bool:
     return name.endswith(SCALE_SUFFIXES)
 
@@ -115,27 +135,10 @@ class _Loader:
         dest = param.data if index is None else param.data[index]
         if dest.is_meta:  # a copy into meta storage would "succeed" and keep nothing
             return self.problems.append(f"{key}: its part of the model was never materialized ({origin})")
-        if target.read is not None and part is not None and not _is_scale(name):
-            src = target.read(key[len(target.prefix):], part())
-            if tuple(src.shape) != tuple(dest.shape):
-                return self.problems.append(f"{key}: this rank's part {tuple(src.shape)} vs sharded model "
-                                            f"{tuple(dest.shape)} ({origin})")
-            dest.copy_(src.to(dest.dtype))
-            self.filled.setdefault((id(target.module), name), set()).add(index)
-            return None
-        if _is_scale(name):  # a rank's part of a scale is cut by the target, then fitted like any scale
-            cut = target.read is not None and part is not None and len(shape) > 0  # a 0-dim scale is whole
-            src = target.read(key[len(target.prefix):], part()) if cut else read()
-            src = _fit_scale(src, dest)
-            if src is None:
-                return self.problems.append(f"{key}: checkpoint scale {tuple(shape)} vs model {tuple(dest.shape)} "
-                                            f"(per-row scales need quant.scheme=fp8_row) ({origin})")
-            dest.copy_(src.to(dest.dtype))
-            self.filled.setdefault((id(target.module), name), set()).add(index)
-            return None
-        if tuple(shape) != tuple(dest.shape):
-            return self.problems.append(f"{key}: checkpoint {tuple(shape)} vs model {tuple(dest.shape)} ({origin})")
-        dest.copy_(read().to(dest.dtype))
+        src, problem = _source(target, key[len(target.prefix):], name, shape, read, part, dest)
+        if problem:
+            return self.problems.append(f"{key}: {problem} ({origin})")
+        dest.copy_(src.to(dest.dtype))
         self.filled.setdefault((id(target.module), name), set()).add(index)
 
     def missing(self) -> list[str]:
