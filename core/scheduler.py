@@ -172,7 +172,7 @@ class Scheduler:
 
     def cancel(self, ticket: Ticket) -> None:
         """Cancel ``ticket``: at once if waiting, else at the next step boundary (pages freed)."""
-        ticket._cancelled.set()
+        ticket.mark_cancelled()
         with self._lock:
             if ticket in self.waiting:
                 self.waiting.remove(ticket)
@@ -311,9 +311,8 @@ class Scheduler:
         """Each running text request's answer so far, to its ticket's ``updates`` when it changed."""
         for t in self.running:
             text = getattr(t.state, "text", None)
-            if text is not None and text != t._published:
-                t._published = text
-                t.updates.put(text)
+            if text is not None:
+                t.publish(text)
 
     def _next_pass(self, t: Ticket) -> None:
         """A finished CoT pass continues as its image pass (same ticket, pages handed over), prefilled."""

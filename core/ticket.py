@@ -44,6 +44,16 @@ class Ticket:
     def result(self, timeout: float | None = None) -> ImageResult:
         return self.future.result(timeout)
 
+    def mark_cancelled(self) -> None:
+        """Ask for this request to end (any thread); the scheduler acts on it at its next step boundary."""
+        self._cancelled.set()
+
+    def publish(self, text: str) -> None:
+        """Put a text request's answer so far on ``updates`` if it changed since the last one."""
+        if text != self._published:
+            self._published = text
+            self.updates.put(text)
+
 
 def settle(future: concurrent.futures.Future, *, result=None, error: BaseException | None = None) -> None:
     """Resolve ``future`` unless it already is (a waiter may have cancelled it from its side)."""
