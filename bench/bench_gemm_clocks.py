@@ -11,10 +11,11 @@ runs it), samples ``nvidia-smi`` (SM clock, board power) every ``--sample-ms`` m
     TFLOP per GHz    TFLOP/s / (SM MHz / 1000): work per clock, the kernel's own efficiency
     pJ / FLOP        W / (TFLOP/s): energy per FLOP, what the cap turns into clock
 
-Kernels (released MoE shapes, 65,552 routed rows, the shipped builds from the kernel cache): cuBLAS's dense fp8
-GEMM over every row against one weight (``dense``, the rate item 2 compares with), our CUTLASS grouped kernel
-(``grouped``) on the even and the routed split, and for gate_up the shipped SwiGLU-epilogue build. The kernels
-alternate over ``--rounds`` rounds so none owns the cool start.
+Kernels (released MoE shapes, the shipped builds from the kernel cache): cuBLAS's dense fp8 GEMM over the even
+split's 65,536 rows against one weight (``dense``, the rate item 2 compares with), our CUTLASS grouped kernel on
+the even split (1024 rows an expert) and the routed one (a top-8 routing of 8194 random tokens, 65,552 rows), and
+for gate_up the shipped SwiGLU-epilogue build. The kernels alternate over ``--rounds`` rounds so none owns the cool
+start.
 
     python bench/bench_gemm_clocks.py --lib a.so --lib b_swiglu.so --json out.json
 """

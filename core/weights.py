@@ -131,11 +131,12 @@ class _Loader:
             return None
         if param is None:
             return self.problems.append(f"unexpected {key} ({origin})")
-        index = target.name_map(key[len(target.prefix):])[1]
+        local = key[len(target.prefix):]
+        index = target.name_map(local)[1]
         dest = param.data if index is None else param.data[index]
         if dest.is_meta:  # a copy into meta storage would "succeed" and keep nothing
             return self.problems.append(f"{key}: its part of the model was never materialized ({origin})")
-        src, problem = _source(target, key[len(target.prefix):], name, shape, read, part, dest)
+        src, problem = _source(target, local, name, shape, read, part, dest)
         if problem:
             return self.problems.append(f"{key}: {problem} ({origin})")
         dest.copy_(src.to(dest.dtype))

@@ -383,8 +383,9 @@ def _prebuild(fast_accum: bool, nvcc: str, include: str, small_tiles: bool) -> N
 def prebuild_configs(fast_accum: bool, small_tiles: bool) -> list:
     """The configurations ``_prebuild`` compiles: no small tiles without ``small_tiles`` (nor with exact
     accumulation, which has no small build)."""
-    configs = [config_of(fast_accum, swiglu, small) for swiglu in (False, True) for small in (False, small_tiles)]
-    return [c for c in dict.fromkeys(configs) if c is not None]
+    smalls = (False, True) if small_tiles else (False,)
+    configs = [config_of(fast_accum, swiglu, small) for swiglu in (False, True) for small in smalls]
+    return [c for c in configs if c is not None]
 
 
 @functools.lru_cache(maxsize=None)
