@@ -31,7 +31,6 @@ import contextlib
 import datetime
 import importlib
 import multiprocessing as mp
-import multiprocessing.connection
 import os
 import pickle
 import signal
