@@ -115,9 +115,12 @@ class StepEngine:
         seqs = self.model.build_rows(req)
         rows = self._allocate(self._here(seqs))
         seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        cache = StepCache(self.step_cache if req.step_cache is None else req.step_cache)
         return RequestState(req, rows, self.model.noise(seed, seqs[0]), self.model.sigmas(req), seed,
-                            total_rows=len(seqs), cache=cache)
+                            total_rows=len(seqs), cache=self._step_cache_of(req))
+
+    def _step_cache_of(self, req: ImageRequest) -> StepCache:
+        """The request's step cache: its own threshold, else the engine's."""
+        return StepCache(self.step_cache if req.step_cache is None else req.step_cache)
 
     def _allocate(self, seqs: list[RowSpec]) -> list[Row]:
         rows: list[Row] = []
@@ -165,8 +168,7 @@ class StepEngine:
         self.pool.release(free[0] + free[1])
         s.rows, s.reserved = [], []  # handed over
         return RequestState(req, rows, self.model.noise(s.seed, seqs[0]), self.model.sigmas(req), s.seed,
-                            total_rows=len(seqs), times=s.times,
-                            cache=StepCache(self.step_cache if req.step_cache is None else req.step_cache))
+                            total_rows=len(seqs), times=s.times, cache=self._step_cache_of(req))
 
     def release(self, state: RequestState) -> None:
         self._release_rows(state.rows)
