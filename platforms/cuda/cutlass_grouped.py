@@ -56,8 +56,6 @@ class TileConfig:
 
     ``swiglu``: the epilogue computes ``x1 * silu(x2)`` of each adjacent column pair and writes it as bf16, so
     the output has half the columns (the weight's rows must come in (x1, x2) pairs; ``csrc/grouped_fp8.cu``).
-    ``skip_rows`` (fast accumulation only): the mainloop leaves out the 64-row slices of a group's last tile that
-    hold no rows of the group (``csrc/grouped_fp8.cu``, "Row skipping"); the same bits.
     """
 
     tile: tuple[int, int, int]
@@ -65,23 +63,16 @@ class TileConfig:
     pingpong: bool
     fast_accum: bool
     swiglu: bool = False
-    skip_rows: bool = False
-
-    def __post_init__(self):
-        if self.skip_rows and not self.fast_accum:
-            raise ValueError("skip_rows replaces the fast-accumulation mainloop only (fast_accum=True)")
 
     @property
     def name(self) -> str:
         m, n, _ = self.tile
         sched = "pong" if self.pingpong else "coop"
         epi = SWIGLU_SUFFIX if self.swiglu else ""
-        acc = ("fast" if self.fast_accum else "exact") + ("_skip" if self.skip_rows else "")
-        return f"{sched}_{m}x{n}_c{self.cluster[0]}x{self.cluster[1]}_{acc}{epi}"
+        return f"{sched}_{m}x{n}_c{self.cluster[0]}x{self.cluster[1]}_{'fast' if self.fast_accum else 'exact'}{epi}"
 
     def export_line(self) -> str:
-        args = (*self.tile, *self.cluster, str(self.pingpong).lower(), str(self.fast_accum).lower(), int(self.swiglu),
-                str(self.skip_rows).lower())
+        args = (*self.tile, *self.cluster, str(self.pingpong).lower(), str(self.fast_accum).lower(), int(self.swiglu))
         return f"OMNI_GG_EXPORT({self.name}, {', '.join(map(str, args))})"
 
 

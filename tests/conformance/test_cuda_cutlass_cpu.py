@@ -464,18 +464,11 @@ def test_exported_configurations_are_read_from_the_symbols(tmp_path):
 
 
 def test_configs_name_their_template_arguments():
-    plain = cg.TileConfig((128, 128, 128), (1, 2), pingpong=True, fast_accum=True)
-    assert plain.export_line() == "OMNI_GG_EXPORT(pong_128x128_c1x2_fast, 128, 128, 128, 1, 2, true, true, 0, false)"
+    assert cg.CONFIGS[True].export_line() == "OMNI_GG_EXPORT(pong_128x128_c1x2_fast, 128, 128, 128, 1, 2, true, true, 0)"
     assert cg.CONFIGS[False].name == "coop_128x128_c1x2_exact"
-    skip = cg.TileConfig((128, 192, 128), (1, 2), pingpong=True, fast_accum=True, swiglu=True, skip_rows=True)
-    assert skip.export_line() == \
-        "OMNI_GG_EXPORT(pong_128x192_c1x2_fast_skip_swiglu, 128, 192, 128, 1, 2, true, true, 1, true)"
-    assert "OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST, EPI, SKIP)" in cg.SOURCE.read_text()
-
-
-def test_row_skipping_is_refused_with_exact_accumulation():
-    with pytest.raises(ValueError, match="fast_accum=True"):
-        cg.TileConfig((128, 128, 128), (1, 2), pingpong=False, fast_accum=False, skip_rows=True)
+    assert cg.SWIGLU_CONFIGS[True].export_line() == \
+        "OMNI_GG_EXPORT(pong_128x192_c1x2_fast_swiglu, 128, 192, 128, 1, 2, true, true, 1)"
+    assert "OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST, EPI)" in cg.SOURCE.read_text()
 
 
 def test_finding_the_compiler_and_the_headers(fake_nvcc, monkeypatch, tmp_path):

@@ -141,33 +141,6 @@ def test_the_small_tile_build_gives_the_large_build_s_bits(platform, swiglu):
     assert both.pick(32, E) is small and both.pick(33, E) is large
 
 
-
-@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
-def test_row_skipping_gives_the_bits_of_whole_tiles(platform, swiglu):
-    """The row-skipping build leaves out the 64-row slices of a group's last tile that hold none of its rows;
-    at group sizes on each side of those slices (and COUNTS) it writes every row with the bits of the build that
-    multiplies whole tiles."""
-    from omni.platforms.cuda import cutlass_grouped as cg
-    from omni.platforms.cuda.capabilities import detect_caps
-
-    caps = detect_caps(0)
-    kernels = {}
-    for skip in (False, True):
-        cfg = dataclasses.replace(cg.config_of(True, swiglu), skip_rows=skip)
-        library = cg.build(cfg, caps.nvcc, caps.cutlass_include)
-        cg.test_in_child(library, cfg.name, 0)  # a fault stays in the child
-        kernels[skip] = cg.CutlassGroupedFp8(library, cfg.name)
-    for seed, counts in enumerate(([63, 64, 65, 128, 129, 191, 1, 0], [192, 0, 0, 0, 0, 0, 0, 64], COUNTS)):
-        x, w, offs = _operands(20 + seed, counts=counts)
-        pw = quant.prepare_weight(w, "fp8_row")
-        xq, xs = quant.quantize_fp8(x, per_row=True)
-        args = (xq, xs.reshape(-1).float(), pw.data, pw.scale.view(E, N), offs)
-        cols = N // 2 if swiglu else N
-        y = {skip: k(*args, out=torch.full((sum(counts), cols), float("nan"), dtype=torch.bfloat16, device="cuda"))
-             for skip, k in kernels.items()}
-        assert torch.isfinite(y[True]).all(), counts  # every row written
-        torch.testing.assert_close(y[True], y[False], atol=0, rtol=0)
-
 def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
     """Ours (the SwiGLU epilogue, paired w13) against torch's kernel with the separate pass: the same function to
     within the e4m3 requantization, and no further from the fp64 layer."""

@@ -15,10 +15,6 @@
 // scale_a [R] fp32, scale_b [G, N] fp32, offs [G] int32 cumulative group ends (on the
 // device: nothing here reads them on the host, so a launch is capturable).
 //
-// Row skipping (SKIP 1, fast accumulation): a group's rows rarely fill its last tile (a routed split of 65,552 rows
-// computes 6.6% padding in 128-row tiles). The mainloop below issues the wgmma of a 64-row slice of the tile only
-// where the slice holds rows of the group, so the padding computed falls to what 64-row slices leave (3.2%).
-//
 // Why our own build of CUTLASS's ptr-array kernel rather than torch._scaled_grouped_mm:
 // torch compiles one tile per shape class (256x128, cluster 2x2 for these shapes with
 // fast accumulation); the tile, cluster and schedule are template parameters here so the
@@ -83,134 +79,9 @@ struct SwiGluPack : cutlass::epilogue::fusion::Sm90VisitorImpl<> {
   }
 };
 
-
-// ---- Row skipping: which tile a warpgroup multiplies, and a mainloop that leaves out 64-row slices past the group.
-
-// CUTLASS's kernels call the scheduler's valid_warpgroup_in_work_tile right before a warpgroup waits for its turn
-// to multiply a tile, with that tile; the mainloop's mma is not told which tile it multiplies. The scheduler below
-// writes how many of the tile's rows belong to its group into the warpgroup's slot there (read from the groups'
-// shapes while the warpgroup waits, so the read's latency is hidden), and the mma reads the slot. One slot per
-// warpgroup (producer, consumer 0, consumer 1); each thread reads back what it wrote itself.
-struct TileSlot {
-  Problem::UnderlyingProblemShape const* shapes;  // the groups' (M, N, K), on the device
-  int rows;                                       // rows of the group in the tile, from its first
-};
-
-// The slots take a whole 1 KiB: the kernel's dynamic shared memory starts where the static ends, and its TMA
-// buffers need 1024-byte alignment (24 bytes of slots faulted with "misaligned address"); the mainloop's stage
-// count is computed with this KiB carved out.
-constexpr int kSlotBytes = 1024;
-CUTLASS_DEVICE TileSlot& tile_slot() {
-  __shared__ alignas(kSlotBytes) TileSlot slot[kSlotBytes / sizeof(TileSlot)];
-  return slot[cutlass::canonical_warp_group_idx()];
-}
-
-// A problem-shape type of its own, so that the kernels built with row skipping (and only those) get the scheduler
-// below (CUTLASS picks a grouped kernel's scheduler by its problem-shape type).
-struct SkipProblem : Problem {};
-
-template <class Base, int TileM>
-struct TileKeepingScheduler : Base {
-  using Base::Base;
-
-  template <class ClusterShape>
-  CUTLASS_DEVICE auto initial_work_tile_info(ClusterShape cluster) {  // every thread, once, before any tile
-    tile_slot().shapes = this->scheduler_params.problem_shapes_.problem_shapes;
-    return Base::initial_work_tile_info(cluster);
-  }
-
-  CUTLASS_DEVICE static bool valid_warpgroup_in_work_tile(typename Base::WorkTileInfo const& work) {
-    TileSlot& slot = tile_slot();
-    slot.rows = get<0>(slot.shapes[work.L_idx]) - work.M_idx * TileM;
-    return Base::valid_warpgroup_in_work_tile(work);
-  }
-};
-
-// CUTLASS's ptr-array mainloop (fast accumulation), with an mma that multiplies only the live 64-row slices of this
-// warpgroup's part of the tile. Slices past the group's rows keep whatever their accumulators held: the epilogue's
-// TMA store clips rows past the group, so they are never written. The pipeline is consumed exactly as the base
-// does it (one batch in flight, stages released one behind), so the base's mma_tail finishes it.
-template <class Base>
-struct RowSkipMainloop : Base {
-  using TiledMma = typename Base::TiledMma;
-
-  template <class Accum>
-  CUTLASS_DEVICE void mma(typename Base::MainloopPipeline pipeline, typename Base::PipelineState read, Accum& accum,
-                          int k_tiles, int thread_idx, typename Base::TensorStorage& smem,
-                          typename Base::Params const&) {
-    int rows = tile_slot().rows;
-    TiledMma tiled_mma;
-    int wg = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    auto thr = tiled_mma.get_slice(wg * cutlass::NumThreadsPerWarpGroup);
-    Tensor cA = thr.partition_A(make_identity_tensor(select<0, 2>(typename Base::TileShape{})));  // (MMA,M,K)
-    int live = 0;  // slices go up in rows, so the live ones are a prefix
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < size<1>(cA); ++m) live += get<0>(cA(0, m, 0)) < rows;
-    run(live, pipeline, read, accum, k_tiles, smem, tiled_mma, thr);
-  }
-
- private:
-  // Each k-tile chooses between two straight-line wgmma sequences (the whole part, or its first 64-row slice).
-  // Measured alternatives (BENCHMARKS.md, twenty-third session): a sequence per count chosen once a tile merges
-  // in-flight accumulators where the sequences join, and ptxas then serializes every wgmma of the kernel (waiting
-  // them out before the join instead cost 7-9%); a branch around each slice's wgmma makes ptxas fence each one
-  // (10-25% slower). This form compiles clean and is still 1-11% slower than CUTLASS's own mainloop.
-  template <int Live, class A, class B, class Accum>
-  CUTLASS_DEVICE static void k_tile(TiledMma& tiled_mma, A& tCrA, B& tCrB, Accum& accum, int stage) {
-    warpgroup_arrive();
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < size<2>(tCrA); ++k) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < Live; ++m) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int n = 0; n < size<1>(tCrB); ++n) {
-          cute::gemm(tiled_mma, tCrA(_, m, k, stage), tCrB(_, n, k, stage), accum(_, m, n));
-        }
-      }
-      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-    }
-    warpgroup_commit_batch();
-  }
-
-  template <class Accum, class Thr>
-  CUTLASS_DEVICE void run(int live, typename Base::MainloopPipeline& pipeline, typename Base::PipelineState& read, Accum& accum,
-                          int k_tiles, typename Base::TensorStorage& smem, TiledMma& tiled_mma, Thr& thr) {
-    Tensor sA = make_tensor(make_smem_ptr(smem.smem_A.data()), typename Base::SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
-    Tensor sB = make_tensor(make_smem_ptr(smem.smem_B.data()), typename Base::SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
-    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA,MMA_M,MMA_K,PIPE)
-    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (MMA,MMA_N,MMA_K,PIPE)
-    constexpr int Slices = decltype(size<1>(tCrA))::value;
-    static_assert(Slices <= 2, "a warpgroup's part of the tile is whole or its first 64-row slice");
-    auto release = read;
-    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(accum);
-    for (int t = 0; t < k_tiles; ++t) {
-      pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
-      int stage = read.index();
-      warpgroup_fence_operand(accum);
-      if (live == Slices) {
-        k_tile<Slices>(tiled_mma, tCrA, tCrB, accum, stage);
-      } else {
-        k_tile<1>(tiled_mma, tCrA, tCrB, accum, stage);
-      }
-      if (t > 0) {  // the batch before this one is done: its stage goes back to the producer
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(accum);
-        pipeline.consumer_release(release);
-        ++release;
-      }
-      ++read;
-    }
-    warpgroup_fence_operand(accum);
-  }
-};
-
 // EPI 0: bf16 D of the scaled product; EPI 1: SwiGLU of column pairs, packed bf16 in an 8-bit D (above).
-// SKIP: row skipping (above; fast accumulation only).
-template <class Tile, class Cluster, bool Pingpong, bool FastAccum, int Epi, bool Skip>
+template <class Tile, class Cluster, bool Pingpong, bool FastAccum, int Epi>
 struct GroupedFp8 {
-  static_assert(!Skip || FastAccum, "row skipping replaces the fast-accumulation mainloop only");
-  using ProblemT = cute::conditional_t<Skip, SkipProblem, Problem>;
   using ElemD = cute::conditional_t<Epi == 1, uint8_t, cutlass::bfloat16_t>;
   static constexpr int Align = 16 / sizeof(ElemD);  // elements per 16 bytes (TMA)
   using MainSchedule = cute::conditional_t<
@@ -243,14 +114,12 @@ struct GroupedFp8 {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       EpiTile, float, float, ElemC, cutlass::layout::RowMajor*, Align, ElemD,
       cutlass::layout::RowMajor*, Align, EpiSchedule, Evt>::CollectiveOp;
-  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElemA, cutlass::layout::RowMajor*, 16, ElemB,
       cutlass::layout::ColumnMajor*, 16, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage)) +
-                                                        (Skip ? kSlotBytes : 0)>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       MainSchedule>::CollectiveOp;
-  using Mainloop = cute::conditional_t<Skip, RowSkipMainloop<BuiltMainloop>, BuiltMainloop>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemT, Mainloop, Epilogue>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Problem, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -321,21 +190,12 @@ auto source_ptrs(GroupArgs<K> g) {
   }
 }
 
-// The groups' shapes as the kernel's problem-shape type (a row-skipping kernel's is derived from CUTLASS's).
-template <class P>
-P problem_of(int groups, Problem::UnderlyingProblemShape* shapes) {
-  P problem{};
-  problem.num_groups = groups;
-  problem.problem_shapes = shapes;
-  return problem;
-}
-
 // raster: 0 walks tiles along M first (CUTLASS's default for groups), 1 along N; swizzle: 1, 2, 4 or 8.
 template <class K>
 typename K::Gemm::Arguments make_args(GroupArgs<K> g, int groups, int sms, int raster = 0, int swizzle = 1) {
   typename K::Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGrouped,
-      problem_of<typename K::ProblemT>(groups, g.shape),
+      {groups, g.shape, nullptr},
       {g.a, g.stride_a, g.b, g.stride_b},
       {{{{g.sb}, {{g.sa}, {}, {}}, {}}, {}}, source_ptrs<K>(g), g.stride_d, g.d, g.stride_d}};
   args.hw_info.sm_count = sms;
@@ -370,17 +230,8 @@ int run(const void* A, const void* B, void* D, const float* sa, const float* sb,
 
 }  // namespace omni
 
-// The row-skipping kernels' scheduler: CUTLASS's grouped scheduler, keeping each warpgroup's tile (above).
-namespace cutlass::gemm::kernel::detail {
-template <class TileShape, class ClusterShape, uint32_t Stages>
-struct TileSchedulerSelector<GroupScheduler, arch::Sm90, TileShape, ClusterShape, Stages, omni::SkipProblem> {
-  using Scheduler = omni::TileKeepingScheduler<PersistentTileSchedulerSm90Group<omni::SkipProblem, Stages>,
-                                               cute::size<0>(TileShape{})>;
-};
-}  // namespace cutlass::gemm::kernel::detail
-
-#define OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST, EPI, SKIP)                                           \
-  using NAME##_t = omni::GroupedFp8<Shape<_##TM, _##TN, _##TK>, Shape<_##CM, _##CN, _1>, PONG, FAST, EPI, SKIP>;   \
+#define OMNI_GG_EXPORT(NAME, TM, TN, TK, CM, CN, PONG, FAST, EPI)                                                 \
+  using NAME##_t = omni::GroupedFp8<Shape<_##TM, _##TN, _##TK>, Shape<_##CM, _##CN, _1>, PONG, FAST, EPI>;         \
   extern "C" size_t omni_gg_##NAME##_scratch(int groups, int sms) { return omni::scratch_bytes<NAME##_t>(groups, sms); } \
   extern "C" int omni_gg_##NAME##_run(const void* A, const void* B, void* D, const float* sa, const float* sb,  \
                                       const int32_t* offs, int groups, int N, int K, int sms, int raster,        \
@@ -389,6 +240,6 @@ struct TileSchedulerSelector<GroupScheduler, arch::Sm90, TileShape, ClusterShape
   }
 
 #ifndef OMNI_GG_CONFIGS
-#error "define OMNI_GG_CONFIGS as OMNI_GG_EXPORT(name, tile_m, tile_n, tile_k, cluster_m, cluster_n, pingpong, fast, epi, skip) lines"
+#error "define OMNI_GG_CONFIGS as OMNI_GG_EXPORT(name, tile_m, tile_n, tile_k, cluster_m, cluster_n, pingpong, fast, epi) lines"
 #endif
 OMNI_GG_CONFIGS
