@@ -74,7 +74,6 @@ def test_errors_name_missing_unexpected_and_misshaped_keys(ckpt, tmp_path):
     assert "model.ln_f.weight: checkpoint (7,) vs model (64,)" in msg
 
 
-
 def test_a_rank_s_part_that_does_not_fit_its_shard_is_named(ckpt):
     """A tensor-parallel target reads its part by slicing the file's tensor; a part of the wrong shape is an
     error naming the key and both shapes, beside the other keys' load."""
@@ -88,6 +87,7 @@ def test_a_rank_s_part_that_does_not_fit_its_shard_is_named(ckpt):
         load_checkpoint(ckpt, targets, progress=False)
     assert "model.ln_f.weight: this rank's part (3,) vs sharded model (64,)" in str(err.value)
     assert str(err.value).count("this rank's part") == 1
+
 
 def test_index_names_the_shards(ckpt):
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())

@@ -117,16 +117,30 @@ def single_run(checkpoint, req):
     return Engine(pipe).run([req])[0].image_HW3
 
 
+def two_rank_recipe(tmp_path, degree: str):
+    """cpu_tiny on two CPU devices with ``degree`` (dp or cfg) 2, written as ``cpux2_<degree>2.yaml``."""
+    name = f"cpux2_{degree}2"
+    text = (resources_recipe("cpu_tiny").replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}",
+                                                  f"parallel: {{{degree}: 2}}")
+            .replace("count: 1", "count: 2").replace("name: cpu_tiny", f"name: {name}"))
+    recipe = tmp_path / f"{name}.yaml"
+    recipe.write_text(text)
+    return recipe
+
+
+def cancel_over_the_link(router):
+    """A long request cancelled through the router ends on its replica with RequestCancelled, not an image."""
+    long = router.submit_many([ImageRequest(prompt="snow", steps=100, seed=1, request_id="long")])[0]
+    router.cancel(long)
+    with pytest.raises(RequestCancelled):
+        long.result(timeout=120)
+
 def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, tmp_path):
     """start_replicas launches a dp=2 recipe; the router gives each replica two of four requests, and a cancel
     reaches the replica that runs the request (it ends with RequestCancelled, not an image)."""
     from omni.recipe import load_recipe
 
-    text = (resources_recipe("cpu_tiny").replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}",
-                                                  "parallel: {dp: 2}")
-            .replace("count: 1", "count: 2").replace("name: cpu_tiny", "name: cpux2_dp2"))
-    recipe = tmp_path / "cpux2_dp2.yaml"
-    recipe.write_text(text)
+    recipe = two_rank_recipe(tmp_path, "dp")
     assert load_recipe(recipe).parallel.dp == 2
     deployment = prepare(str(recipe), platform="cpu", overrides={"model.path": checkpoint})
     router = start_replicas(deployment, connect_timeout_s=120)
@@ -138,10 +152,7 @@ def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, t
         assert owners.count(router.replicas[0]) == owners.count(router.replicas[1]) == 2  # least-loaded
         for t in tickets:
             same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)
-        long = router.submit_many([ImageRequest(prompt="snow", steps=100, seed=1, request_id="long")])[0]
-        router.cancel(long)
-        with pytest.raises(RequestCancelled):
-            long.result(timeout=120)
+        cancel_over_the_link(router)
     finally:
         router.stop(60)
     assert not router.job.is_alive() and all(r.status == "stopped" for r in router.replicas)
@@ -149,12 +160,9 @@ def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, t
 
 def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tmp_path):
     """The server's warm-up (start_replicas(..., warm_up=True)) runs through the replica's driver, so both
-    ranks run it together; the replica then reports ready and serves the single-process images."""
-    text = (resources_recipe("cpu_tiny").replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}",
-                                                  "parallel: {cfg: 2}")
-            .replace("count: 1", "count: 2").replace("name: cpu_tiny", "name: cpux2_cfg2"))
-    recipe = tmp_path / "cpux2_cfg2.yaml"
-    recipe.write_text(text)
+    ranks run it together; the replica then reports ready, serves the single-process images, and ends a
+    request cancelled over the link."""
+    recipe = two_rank_recipe(tmp_path, "cfg")
     deployment = prepare(str(recipe), platform="cpu", overrides={"model.path": checkpoint,
                                                                  "serving.warmup_steps": 2})
     router = start_replicas(deployment, connect_timeout_s=120, warm_up=True)
@@ -165,10 +173,7 @@ def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tm
         tickets = [router.submit_many([r])[0] for r in requests(2)]
         for t in tickets:
             same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)
-        long = router.submit_many([ImageRequest(prompt="snow", steps=100, seed=1, request_id="long")])[0]
-        router.cancel(long)
-        with pytest.raises(RequestCancelled):
-            long.result(timeout=120)
+        cancel_over_the_link(router)
     finally:
         router.stop(60)
     assert not router.job.is_alive()
