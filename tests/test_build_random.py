@@ -105,3 +105,21 @@ def test_random_build_names_the_flavours_it_knows():
 
     with pytest.raises(ModelError, match="unknown model flavor 'sdxl'; registered: .*hunyuan_image3_instruct_distil"):
         random_release("sdxl", 2)
+
+
+@torch.inference_mode()
+def test_build_returns_the_loads_cached_memory_before_the_kv_pool(tiny_widths, monkeypatch):
+    """The load's freed temporaries go back to the device (``empty_cache``) once every layer is in place and
+    before the KV pool is allocated: on the H200 they held 11-15 GiB of cache after a 32-layer build."""
+    events, real_bind, real_pool = [], tiny_widths._bind_device, tiny_widths._kv_pool
+
+    def bind(recipe, platform, local_rank):
+        services = real_bind(recipe, platform, local_rank)
+        release = services.empty_cache
+        monkeypatch.setattr(services, "empty_cache", lambda: (events.append("empty_cache"), release())[1])
+        return services
+
+    monkeypatch.setattr(tiny_widths, "_bind_device", bind)
+    monkeypatch.setattr(tiny_widths, "_kv_pool", lambda *a: (events.append("kv_pool"), real_pool(*a))[1])
+    tiny_widths.build_pipeline(load_recipe("cpu_tiny"), select("cpu"), random_layers=2, progress=False)
+    assert events == ["empty_cache", "kv_pool"]
