@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -10,8 +11,9 @@ from typing import Callable
 import torch
 
 
-def timed(dev, fn: Callable[[], object], repeat: int = 3) -> float:
-    """Mean seconds of ``fn`` over ``repeat`` calls after one warm call, synchronized on ``dev``."""
+def mean_seconds(dev, fn: Callable[[], object], repeat: int = 3) -> float:
+    """Mean wall seconds of ``fn`` over ``repeat`` calls after one warm call, synchronized on ``dev`` (any device
+    with ``synchronize()``: the offload and attention benches time host work too)."""
     fn()
     dev.synchronize()
     t0 = time.perf_counter()
@@ -21,11 +23,33 @@ def timed(dev, fn: Callable[[], object], repeat: int = 3) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
+def median_seconds(fn: Callable[[], object], n: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``n`` runs, device events around each and no wait between runs (they queue
+    back to back, as a step loop runs); the host clock on the CPU. ``cuda_event_median`` waits after each call."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for s, e in ev:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in ev) / 1e3
+
+
 def h2d_bandwidth(dev, gib: int = 1) -> float:
     """Bytes per second of one pinned host -> device copy of ``gib`` GiB (what offload copies ride on)."""
     src = dev.pin(torch.empty(gib << 30, dtype=torch.uint8))
     dst = torch.empty_like(src, device=dev.device)
-    return src.numel() / timed(dev, lambda: dst.copy_(src, non_blocking=True))
+    return src.numel() / mean_seconds(dev, lambda: dst.copy_(src, non_blocking=True))
 
 
 def git_commit() -> str:
@@ -106,3 +130,10 @@ def chained_seconds(fns: dict, chain: int, rounds: int, burn: int, iters: int) -
     graphs = {name: captured(fn, chain) for name, fn in fns.items()}
     t = round_robin({name: g.replay for name, g in graphs.items()}, rounds, burn=burn, iters=iters)
     return {name: s / chain for name, s in t.items()}
+
+
+def round_robin_seconds(fns: dict, rounds: int, chain: int) -> dict:
+    """Median seconds per call: eager calls round robin, or (``chain``) replays of ``chain`` captured calls."""
+    if not chain:
+        return round_robin(fns, rounds)
+    return chained_seconds(fns, chain, rounds, burn=3 * len(fns), iters=3)

@@ -367,7 +367,8 @@ def main():
                 print(r, file=sys.stderr)
         return 0
 
-    from bench_cutlass_grouped import call, fp8, splits, timed  # noqa: E402 (a GPU run only)
+    from bench_common import round_robin_seconds  # noqa: E402 (a GPU run only)
+    from bench_cutlass_grouped import call, fp8, splits  # noqa: E402
 
     from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
 
@@ -435,7 +436,7 @@ def main():
                     "tiles with an expert": lay["valid_tiles"], "padded-row waste": round(lay["waste"], 4),
                     "grid": [grid["gx"], grid["gy"]], "raster": "along N" if grid["along_n"] else "along M"}
             torch.cuda.synchronize()
-            t = timed(fns, a.rounds, a.chain)
+            t = round_robin_seconds(fns, a.rounds, a.chain)
             row = {"split": split, "gemm": name, "R": R, "N": n, "K": k, "max_rows": int(counts.max()),
                    # the ptr-array kernel computes whole 128-row tiles too: a group's last tile is partly empty
                    "grouped kernel's M tiles": int(((counts + TILE_M - 1) // TILE_M).sum()),

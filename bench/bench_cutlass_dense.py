@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cutlass_probe import probe_configs, probe_library  # noqa: E402
 from bench_common import emit, git_commit  # noqa: E402
-from bench_cutlass_grouped import call, fp8, timed  # noqa: E402
+from bench_common import round_robin_seconds  # noqa: E402
+from bench_cutlass_grouped import call, fp8  # noqa: E402
 
 from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
 
@@ -146,7 +147,7 @@ def main():
             if label != "cublas _scaled_mm fast":
                 err[label] = float((fn().float() - ref).norm() / ref.norm())
         torch.cuda.synchronize()
-        t = timed(fns, a.rounds, a.chain)
+        t = round_robin_seconds(fns, a.rounds, a.chain)
         row = {"gemm": name, "M": M, "N": n, "K": k,
                **{f"{label} TFLOP/s": round(flops / s / 1e12, 1) for label, s in t.items()},
                "rel err vs cublas": err, "stages": stages,

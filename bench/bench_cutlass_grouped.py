@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import chained_seconds, emit, git_commit, round_robin  # noqa: E402
+from bench_common import emit, git_commit, round_robin_seconds  # noqa: E402
 
 from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs, swiglu_pairs  # noqa: E402
 
@@ -96,13 +96,6 @@ def usable(fns: dict) -> dict:
         except RuntimeError as e:
             print(f"skipped {name}: {str(e).splitlines()[0][:120]}", flush=True)
     return out
-
-
-def timed(fns: dict, rounds: int, chain: int) -> dict:
-    """Median seconds per call: eager calls round robin, or (``chain``) replays of ``chain`` captured calls."""
-    if not chain:
-        return round_robin(fns, rounds)
-    return chained_seconds(fns, chain, rounds, burn=3 * len(fns), iters=3)
 
 
 def kernel_names(fn) -> list[str]:
@@ -174,7 +167,7 @@ def main():
                     if acc in ref:
                         want = swiglu_pairs(ref[acc]) if kernel.swiglu else ref[acc]
                         err[label] = float((ours().float() - want).norm() / want.norm())
-            t = timed(fns, a.rounds, a.chain)
+            t = round_robin_seconds(fns, a.rounds, a.chain)
             weight_bytes = int((counts > 0).sum()) * n * k  # e4m3: the experts this split touches, read once
             row = {"tokens": tokens, "split": split, "gemm": name, "rows": R, "max_rows": int(counts.max()),
                    **{f"{m} TFLOP/s": round((2 * tokens * k * n if m == STEP_DENSE else flops) / s / 1e12, 1)

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_floor import floor  # noqa: E402
 from fast_naive import naive  # noqa: E402
 from fast_profile import profile, profile_io  # noqa: E402
-from fast_setup import PEAK, RELEASED_LAYERS, Setup, sync, timed  # noqa: E402
+from bench_common import median_seconds  # noqa: E402
+from fast_setup import PEAK, RELEASED_LAYERS, Setup, sync  # noqa: E402
 from random_fullsize import random_init_  # noqa: E402
 
 from omni.platform_manager import select  # noqa: E402
@@ -83,12 +84,12 @@ def engine(a, platform, quant, device, out, label):
     sync()
     s.prefill()
     sync()
-    t_prefill = timed(s.prefill, 3, warmup=1)
+    t_prefill = median_seconds(s.prefill, 3, warmup=1)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    t_step_eager = timed(lambda: s.step(False), a.timed)
+    t_step_eager = median_seconds(lambda: s.step(False), a.timed)
     x = s.block_input(torch.full((1,), 900.0, device=device))
-    t_bb_eager = timed(lambda: s.backbone(x), a.timed)
+    t_bb_eager = median_seconds(lambda: s.backbone(x), a.timed)
     layer0 = s.model.model.layers[0]
     layer_bytes = sum(t.numel() * t.element_size() for t in list(layer0.parameters()) + list(layer0.buffers()))
     res = out[f"engine_{label}"] = {
@@ -106,12 +107,12 @@ def engine(a, platform, quant, device, out, label):
     try:
         s.graphs = StepGraphs(platform, platform.info.device_type)
         s.step(True)
-        t_step_graph = timed(lambda: s.step(True), a.timed)
+        t_step_graph = median_seconds(lambda: s.step(True), a.timed)
         @torch.inference_mode()
         def replay_backbone():
             return s.graphs.run(s.graph_key, x, s.model.backbone, None)
 
-        t_bb_graph = timed(replay_backbone, a.timed)
+        t_bb_graph = median_seconds(replay_backbone, a.timed)
         io = t_step_graph - t_bb_graph
         res.update(step_graph_s=t_step_graph, backbone_graph_s=t_bb_graph, per_layer_graph_s=t_bb_graph / a.layers,
                    image_io_s=io, step_32_layers_s=t_bb_graph / a.layers * RELEASED_LAYERS + io, mode="graph",
@@ -180,7 +181,7 @@ def vae_decode(s: Setup, out, per_image: str):
     ref = to_pixels(vae.decode_image(lat, dtype=torch.float32))
     res = {}
     for name, dtype in VAE_DTYPES.items():
-        t = timed(lambda: vae.decode_image(lat, dtype=dtype), 3, warmup=1)
+        t = median_seconds(lambda: vae.decode_image(lat, dtype=dtype), 3, warmup=1)
         px = to_pixels(vae.decode_image(lat, dtype=dtype))
         res[name] = {"s": t, "finite": bool(px.isfinite().all()), "psnr_vs_fp32_db": psnr(px, ref),
                      "max_level_diff": float((px - ref).abs().max()),

@@ -38,7 +38,7 @@ T, D, N, K, H, I, E, TOPK = 8194, 4096, 32, 8, 128, 3072, 64, 8
 ROUTER = "router logits, fp32 product (x.float() @ wg.T vs the 3 x bf16 split)"
 
 
-def timed(fn, iters: int) -> float:
+def micros(fn, iters: int) -> float:
     """Microseconds (CUDA-event median)."""
     return cuda_event_median(fn, iters) * 1e6
 
@@ -148,14 +148,14 @@ def main():
     lig, why = liger()
     src = torch.empty(T * D * 4, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    bw = 2 * src.numel() / (timed(lambda: dst.copy_(src), 20) * 1e-6)  # bytes/s, read + write
+    bw = 2 * src.numel() / (micros(lambda: dst.copy_(src), 20) * 1e-6)  # bytes/s, read + write
     rows = []
     steps, accuracy = cases(ours, ref, lig, TritonKernels().quant_rows)
     for name, (nbytes, fns) in steps.items():
         row = {"step": name, "floor_us": nbytes / bw * 1e6}
         for k, f in fns.items():
             try:
-                row[k] = timed(f, a.iters)
+                row[k] = micros(f, a.iters)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is reported, the others still run
                 row[k + " error"] = f"{type(e).__name__}: {e}"[:200]
         if name in accuracy:

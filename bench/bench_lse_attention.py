@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import emit, timed  # noqa: E402
+from bench_common import emit, mean_seconds  # noqa: E402
 
 from omni.platform_manager import select  # noqa: E402
 from omni.reference import ReferenceAttention  # noqa: E402
@@ -58,8 +58,8 @@ def main() -> int:
     spec = AttentionSpec(num_heads=N, num_kv_heads=K, head_dim=H, dtype=torch.bfloat16, mask="dense", return_lse=True)
     kernel, reference = platform.attention(spec), ReferenceAttention(spec)
     q, k, v, meta = ring_step_case(a.queries, a.chunk, a.prefix, dev.device)
-    t_kernel = timed(dev, lambda: kernel(q, k, v, meta), a.repeat)
-    t_ref = timed(dev, lambda: reference(q, k, v, meta), a.repeat)
+    t_kernel = mean_seconds(dev, lambda: kernel(q, k, v, meta), a.repeat)
+    t_ref = mean_seconds(dev, lambda: reference(q, k, v, meta), a.repeat)
     (o, lse), (o_ref, lse_ref) = kernel(q, k, v, meta), reference(q, k, v, meta)
     out = {"device": platform.info.device_name, "kernel": kernel.name, "queries": a.queries,
            "keys": int(meta.mask_TS.shape[1]), "kernel_ms": 1e3 * t_kernel, "reference_ms": 1e3 * t_ref,

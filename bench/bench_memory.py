@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import emit, h2d_bandwidth, timed  # noqa: E402
+from bench_common import emit, h2d_bandwidth, mean_seconds  # noqa: E402
 from random_model import build_random_pipeline  # noqa: E402
 
 from omni.image_quality import psnr, ssim  # noqa: E402
@@ -39,11 +39,11 @@ def bench_offload(pipe, dev, window: int) -> dict:
     s = pipe.admit(request(50))
     pipe.prefill([s])
     step = lambda: pipe.denoise_step([s]) if s.step < 45 else None  # noqa: E731
-    resident = timed(dev, step)
+    resident = mean_seconds(dev, step)
     dev.reset_peak_memory()
     off = LayerOffloader(list(pipe.model.transformer.model.layers), dev, window=window)
     dev.empty_cache()
-    offloaded = timed(dev, step)
+    offloaded = mean_seconds(dev, step)
     bw = h2d_bandwidth(dev)
     bound = off.host_bytes / bw
     pipe.release(s)
@@ -63,7 +63,7 @@ def bench_vae(pipe, dev, platform, lanes: int) -> dict:
     for px in (1024, 2048):
         z = torch.randn(1, vae.cfg.latent_channels, px // 16, px // 16, device=dev.device)
         dev.reset_peak_memory()
-        out[f"decode_{px}_s"] = timed(dev, lambda: eager(z), repeat=2)
+        out[f"decode_{px}_s"] = mean_seconds(dev, lambda: eager(z), repeat=2)
         out[f"decode_{px}_peak_gib"] = dev.max_memory_allocated() / 2**30
         for n in sorted({1, lanes}):
             tl = TileLanes(dev, n)
@@ -72,7 +72,7 @@ def bench_vae(pipe, dev, platform, lanes: int) -> dict:
             for label, fn in (("eager", eager), ("graph", replayed)):
                 dev.reset_peak_memory()
                 tiles = lambda: tiled_decode(fn, z, tile=32, overlap=8, factor=16, lanes=tl)  # noqa: E731
-                out[f"tiled_{px}_{label}_{n}stream_s"] = timed(dev, tiles, repeat=2)
+                out[f"tiled_{px}_{label}_{n}stream_s"] = mean_seconds(dev, tiles, repeat=2)
                 out[f"tiled_{px}_{label}_{n}stream_peak_gib"] = dev.max_memory_allocated() / 2**30
             graphs.clear()
             dev.empty_cache()

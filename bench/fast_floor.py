@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import captured  # noqa: E402
-from fast_setup import RELEASED_LAYERS, Setup, timed  # noqa: E402
+from bench_common import captured, median_seconds  # noqa: E402
+from fast_setup import RELEASED_LAYERS, Setup  # noqa: E402
 
 from omni import quant as Q  # noqa: E402
 from omni.kv_pool import _meta  # noqa: E402
@@ -44,7 +44,7 @@ def floor(a, s: Setup, out, platform):
         times, kept = {}, {}
 
         def time_kernel(name, fn):
-            times[name] = timed(fn, 20)
+            times[name] = median_seconds(fn, 20)
             if prec == "fp8":
                 kept[name] = fn  # with its operands: replayed back to back below
 
@@ -109,7 +109,8 @@ def sustained_floor(kernels: dict, steps: int) -> dict:
     as the engine runs them: the clocks of sustained running under the power cap, which the kernels timed
     alone (a short burst each) do not see. Same kernels, same operands; only the running conditions differ."""
     graph = captured(lambda: [fn() for fn in kernels.values()])
-    layer_s = timed(lambda: [graph.replay() for _ in range(RELEASED_LAYERS)], steps, warmup=3) / RELEASED_LAYERS
+    step_s = median_seconds(lambda: [graph.replay() for _ in range(RELEASED_LAYERS)], steps, warmup=3)
+    layer_s = step_s / RELEASED_LAYERS
     print(f"[floor sustained] per layer {layer_s*1e3:.2f} ms (one graph of {len(kernels)} kernels, replayed "
           f"{RELEASED_LAYERS} times a step)", flush=True)
     return {"per_layer_s": layer_s, "step_32_layers_s": layer_s * RELEASED_LAYERS}

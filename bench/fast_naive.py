@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fast_setup import RELEASED_LAYERS, Setup, timed  # noqa: E402
+from bench_common import median_seconds  # noqa: E402
+from fast_setup import RELEASED_LAYERS, Setup  # noqa: E402
 
 from omni.moe import swiglu  # noqa: E402
 from omni.reference_glue import rms_norm, split_qkv  # noqa: E402
@@ -75,8 +76,8 @@ def naive(a, s: Setup, out):
             v = s.model.velocity(h[:, P + 1:], t.repeat(s.rows), s.th, s.tw)
             return euler_step(s.latents, cfg_combine(v[:1], v[1:], 5.0), 0.9, 0.88)
 
-    t_step = timed(step, max(3, a.timed // 3), warmup=1)
-    t_bb = timed(lambda: naive_step(s, x, cos, sin, mask), max(3, a.timed // 3), warmup=1)
+    t_step = median_seconds(step, max(3, a.timed // 3), warmup=1)
+    t_bb = median_seconds(lambda: naive_step(s, x, cos, sin, mask), max(3, a.timed // 3), warmup=1)
     io = t_step - t_bb
     res = {"step_s": t_step, "backbone_s": t_bb, "per_layer_s": t_bb / a.layers, "image_io_s": io,
            "step_32_layers_s": t_bb / a.layers * RELEASED_LAYERS + io}

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fast_setup import Setup, sync, timed  # noqa: E402
+from bench_common import median_seconds  # noqa: E402
+from fast_setup import Setup, sync  # noqa: E402
 
 from omni.models.hunyuan_image3.sampler import cfg_combine, euler_step  # noqa: E402
 
@@ -29,7 +30,7 @@ def profile(s: Setup, out, label, graph: bool = False):
     run()
     sync()
     with prof(activities=[ProfilerActivity.CUDA]) as p:
-        wall_ms = timed(lambda: [run() for _ in range(passes)], 1, warmup=0) * 1e3 / passes / s.a.layers
+        wall_ms = median_seconds(lambda: [run() for _ in range(passes)], 1, warmup=0) * 1e3 / passes / s.a.layers
     rows = []
     for ev in p.key_averages():
         t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
@@ -94,7 +95,7 @@ def io_parts(s: Setup, out, label):
 
     res = out[f"image_io_{label}"] = {}
     for name, fn in (("block_input", lambda: s.block_input(t)), ("velocity_cfg_euler", tail)):
-        wall = timed(fn, 20)
+        wall = median_seconds(fn, 20)
         with prof(activities=[ProfilerActivity.CUDA]) as p:
             fn()
             sync()

@@ -1,11 +1,9 @@
 """bench_fast's model under test: one random full-size model, its KV pool with both CFG rows' prefixes
-prefilled, and the constant tables of a 1024x1024 denoising step; the timers every part of bench_fast uses."""
+prefilled, and the constant tables of a 1024x1024 denoising step (its timer: ``bench_common.median_seconds``)."""
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,27 +33,6 @@ def bench_config(a):
 def sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def timed(fn, n: int, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``n`` runs, device events around each (host clock on the CPU)."""
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
-    sync()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for s, e in ev:
-        s.record()
-        fn()
-        e.record()
-    sync()
-    return statistics.median(s.elapsed_time(e) for s, e in ev) / 1e3
 
 
 class Setup:

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fast  # noqa: E402
 import fast_setup  # noqa: E402
+from bench_common import median_seconds  # noqa: E402
 
 from omni.platform_manager import select  # noqa: E402
 
@@ -47,7 +48,7 @@ def main() -> int:
     for _ in range(3):
         s.prefill()
     torch.cuda.synchronize()
-    wall = fast_setup.timed(s.prefill, a.iters, warmup=1)
+    wall = median_seconds(s.prefill, a.iters, warmup=1)
     t0 = time.perf_counter()
     s.prefill()
     host = time.perf_counter() - t0  # the host's time to enqueue one prefill (the device may still run)
