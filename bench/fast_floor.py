@@ -29,79 +29,110 @@ def step_flops(cfg, T: int, keys_per_query: list[int]) -> dict:
 
 
 def floor(a, s: Setup, out, platform):
-    cfg, dev = s.cfg, s.device
-    T = s.rows * s.n_block
-    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    inner, k, E = cfg.moe_intermediate_size[0], cfg.moe_topk[0], cfg.num_experts
-    dense_shapes = {"qkv": ((N + 2 * K) * H, D), "o_proj": (D, N * H), "shared_gate_up": (2 * inner, D),
-                    "shared_down": (D, inner), "router": (E, D)}
-    R = T * k
-    sizes = [R // E + (1 if e < R % E else 0) for e in range(E)]
-    offs = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
-    g = torch.Generator(device=dev).manual_seed(2)
+    """Each kernel of the step timed alone, in bf16 and fp8 (the fp8 ones also back to back), and their rates."""
+    g = torch.Generator(device=s.device).manual_seed(2)
+    offs = _balanced_offsets(s)
     res = {}
     for prec in ("bf16", "fp8"):
         times, kept = {}, {}
-
-        def time_kernel(name, fn):
+        for name, fn in _kernels(a, s, prec, platform, offs, g, res):
             times[name] = median_seconds(fn, 20)
             if prec == "fp8":
                 kept[name] = fn  # with its operands: replayed back to back below
-
-        for name, (o, i) in dense_shapes.items():
-            x = torch.randn(T, i, device=dev, generator=g, dtype=torch.bfloat16)
-            w = torch.randn(o, i, device=dev, generator=g, dtype=torch.bfloat16)
-            if prec == "bf16" or name == "router":
-                time_kernel(name, lambda x=x, w=w: x @ w.t())
-            else:
-                xq, xs = Q.quantize_fp8(x, True)
-                wq, ws = Q.quantize_fp8(w, True)
-                time_kernel(name, lambda xq=xq, xs=xs, wq=wq, ws=ws: torch._scaled_mm(
-                    xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
-                    use_fast_accum=a.fast_accum))
-        for name, (o, i) in {"experts_gate_up": (2 * inner, D), "experts_down": (D, inner)}.items():
-            x = torch.randn(R, i, device=dev, generator=g, dtype=torch.bfloat16)
-            w = torch.randn(E, o, i, device=dev, generator=g, dtype=torch.bfloat16)
-            if prec == "bf16":
-                time_kernel(name, lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16))
-            else:  # the engine's own grouped kernel (kernels.grouped_fp8 resolves it), on the same operands
-                kernel = platform.grouped_gemm(GroupedGemmSpec(
-                    num_experts=E, in_features=i, out_features=o, dtype=torch.bfloat16, quant="fp8_row",
-                    fast_accum=a.fast_accum, grouped_fp8=a.grouped_fp8))
-                xq, xs = Q.quantize_fp8(x, True)
-                pw = kernel.prepare_weight(w)
-                pre_quantized = getattr(kernel, "scaled", None)  # the cuda kernels take e4m3 rows (the reference: x)
-                time_kernel(name, (lambda xq=xq, xs=xs, pw=pw: pre_quantized(xq, xs, pw, offs)) if pre_quantized
-                            else (lambda x=x, pw=pw: kernel(x, pw, offs)))
-                res.setdefault("grouped_kernel", kernel.name)
-            x = w = None  # free the bf16 operands before the next shape (the kept fp8 kernels hold their own)
-        attn = s.model.model.layers[0].self_attn.attn["none"]
-        meta = _meta(s.runs, False, dev)
-        S = meta.cu_seqlens_k_host[-1]
-        q = torch.randn(T, N, H, device=dev, generator=g, dtype=torch.bfloat16)
-        kk = torch.randn(S, K, H, device=dev, generator=g, dtype=torch.bfloat16)
-        vv = torch.randn(S, K, H, device=dev, generator=g, dtype=torch.bfloat16)
-        time_kernel("attention", lambda: attn(q, kk, vv, meta))
         total = sum(times.values())
-        res[prec] = {"per_layer_s": total, "kernels_s": times,
-                     "step_32_layers_s": total * RELEASED_LAYERS,
+        res[prec] = {"per_layer_s": total, "kernels_s": times, "step_32_layers_s": total * RELEASED_LAYERS,
                      "image_s": total * RELEASED_LAYERS * a.steps}
         print(f"[floor {prec}] per layer {total*1e3:.2f} ms: " +
               ", ".join(f"{n} {t*1e3:.2f}" for n, t in times.items()), flush=True)
         if kept and torch.cuda.is_available():
             res[prec]["sustained"] = sustained_floor(kept, a.timed)
             kept.clear()
+    _rates(res, s)
+    out["floor"] = res
+
+
+def _balanced_offsets(s: Setup) -> torch.Tensor:
+    """Group ends of the routed rows spread evenly over the experts (the floor's best case)."""
+    cfg = s.cfg
+    R, E = s.rows * s.n_block * cfg.moe_topk[0], cfg.num_experts
+    sizes = [R // E + (1 if e < R % E else 0) for e in range(E)]
+    return torch.tensor(sizes, device=s.device).cumsum(0).to(torch.int32)
+
+
+def _kernels(a, s: Setup, prec: str, platform, offs, g, res: dict):
+    """(name, call) for each kernel of one layer in ``prec``, made one at a time (each with its own operands, so
+    the bf16 operands of one shape are freed before the next shape's are drawn)."""
+    yield from _dense_kernels(a, s, prec, g)
+    yield from _expert_kernels(a, s, prec, platform, offs, g, res)
+    yield "attention", _attention_kernel(s, g)
+
+
+def _dense_kernels(a, s: Setup, prec: str, g):
+    cfg, dev, T = s.cfg, s.device, s.rows * s.n_block
+    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    inner, E = cfg.moe_intermediate_size[0], cfg.num_experts
+    shapes = {"qkv": ((N + 2 * K) * H, D), "o_proj": (D, N * H), "shared_gate_up": (2 * inner, D),
+              "shared_down": (D, inner), "router": (E, D)}
+    for name, (o, i) in shapes.items():
+        x = torch.randn(T, i, device=dev, generator=g, dtype=torch.bfloat16)
+        w = torch.randn(o, i, device=dev, generator=g, dtype=torch.bfloat16)
+        if prec == "bf16" or name == "router":
+            yield name, lambda x=x, w=w: x @ w.t()
+            continue
+        xq, xs = Q.quantize_fp8(x, True)
+        wq, ws = Q.quantize_fp8(w, True)
+        yield name, lambda xq=xq, xs=xs, wq=wq, ws=ws: torch._scaled_mm(
+            xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=a.fast_accum)
+
+
+def _expert_kernels(a, s: Setup, prec: str, platform, offs, g, res: dict):
+    """The routed experts' two grouped GEMMs: torch's bf16 one, or the engine's own fp8 kernel
+    (``kernels.grouped_fp8`` resolves it) on the same operands."""
+    cfg, dev = s.cfg, s.device
+    D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[0], cfg.num_experts
+    R = s.rows * s.n_block * cfg.moe_topk[0]
+    for name, (o, i) in {"experts_gate_up": (2 * inner, D), "experts_down": (D, inner)}.items():
+        x = torch.randn(R, i, device=dev, generator=g, dtype=torch.bfloat16)
+        w = torch.randn(E, o, i, device=dev, generator=g, dtype=torch.bfloat16)
+        if prec == "bf16":
+            yield name, lambda x=x, w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
+            continue
+        kernel = platform.grouped_gemm(GroupedGemmSpec(
+            num_experts=E, in_features=i, out_features=o, dtype=torch.bfloat16, quant="fp8_row",
+            fast_accum=a.fast_accum, grouped_fp8=a.grouped_fp8))
+        xq, xs = Q.quantize_fp8(x, True)
+        pw = kernel.prepare_weight(w)
+        res.setdefault("grouped_kernel", kernel.name)
+        pre_quantized = getattr(kernel, "scaled", None)  # the cuda kernels take e4m3 rows (the reference: x)
+        yield name, ((lambda xq=xq, xs=xs, pw=pw: pre_quantized(xq, xs, pw, offs)) if pre_quantized
+                     else (lambda x=x, pw=pw: kernel(x, pw, offs)))
+
+
+def _attention_kernel(s: Setup, g):
+    """The layer's attention over both CFG rows' keys (the engine's kernel and its varlen tables)."""
+    cfg, dev, T = s.cfg, s.device, s.rows * s.n_block
+    N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    attn = s.model.model.layers[0].self_attn.attn["none"]
+    meta = _meta(s.runs, False, dev)
+    S = meta.cu_seqlens_k_host[-1]
+    q = torch.randn(T, N, H, device=dev, generator=g, dtype=torch.bfloat16)
+    kk = torch.randn(S, K, H, device=dev, generator=g, dtype=torch.bfloat16)
+    vv = torch.randn(S, K, H, device=dev, generator=g, dtype=torch.bfloat16)
+    return lambda: attn(q, kk, vv, meta)
+
+
+def _rates(res: dict, s: Setup) -> None:
+    """The layer's FLOPs, and the GEMMs' and attention's rates in each precision (into ``res``)."""
+    meta = _meta(s.runs, False, s.device)
     keys = [lk for b in range(meta.num_seqs) for lk in
             [meta.cu_seqlens_k_host[b + 1] - meta.cu_seqlens_k_host[b]] *
             (meta.cu_seqlens_q_host[b + 1] - meta.cu_seqlens_q_host[b])]
-    fl = step_flops(cfg, T, keys)
-    res["flops_per_layer"] = fl
+    fl = res["flops_per_layer"] = step_flops(s.cfg, s.rows * s.n_block, keys)
     for prec in ("bf16", "fp8"):
         kt = res[prec]["kernels_s"]
         gemm_t = sum(v for n, v in kt.items() if n != "attention")
         res[prec]["gemm_tflops"] = (fl["dense"] + fl["routed"]) / gemm_t / 1e12
         res[prec]["attention_tflops"] = fl["attention"] / kt["attention"] / 1e12
-    out["floor"] = res
 
 
 def sustained_floor(kernels: dict, steps: int) -> dict:
