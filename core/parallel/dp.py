@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from dataclasses import dataclass
 
 from omni.request import ImageRequest
 from omni.scheduler_errors import EngineUnavailable, QueueFull
 
 from .replica_link import RemoteReplica, serve_replica
+from .replica_listener import ConnectAbandoned, ReplicaListener
+
 _STOP_WORKERS_S = 15.0  # a cancelled launch's SIGTERM grace (supervise.TERMINATE_GRACE_S), with room to spare
 
 
@@ -161,51 +164,66 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
     recipe), never a name to load again. The router is an ``EngineHandle``
     like a local engine loop (call ``start()``, then ``wait_ready()``);
     ``stop()`` ends the replicas, and with them the launched workers. If the
-    workers fail before every replica connected, the launch error is raised here.
+    workers fail before every replica connected, the launch error is raised
+    here; past ``connect_timeout_s`` the launch is stopped and a timeout raised.
     """
     import secrets
-    from multiprocessing.connection import Listener
 
-    from .launch import launch
     from .mesh import Degrees
 
     degrees = Degrees.from_recipe(deployment.recipe.parallel)
-    authkey = secrets.token_bytes(32)
-    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    listener = ReplicaListener(secrets.token_bytes(32))
+    job, failure = _launch_job(deployment, degrees, listener, warm_up)
+    deadline = time.monotonic() + connect_timeout_s
+
+    def give_up() -> str | None:
+        if failure:
+            return str(failure[0])
+        return f"timeout after {connect_timeout_s}s" if time.monotonic() >= deadline else None
+
+    replicas = []
+    try:
+        job.thread.start()
+        for i in range(degrees.dp):
+            replicas.append(RemoteReplica(listener.accept(give_up), name=f"replica{i}"))
+    except BaseException as e:
+        # The launch failed, the timeout passed, a rank hung up mid-handshake, or Ctrl-C came while the ranks
+        # load: they ignore SIGINT, so stop them here; nothing else would before this process exits.
+        _abandon(job, replicas)
+        if isinstance(e, (ConnectAbandoned, OSError, EOFError)):
+            reason = e if isinstance(e, ConnectAbandoned) else (failure[0] if failure else repr(e))
+            raise RuntimeError(f"replicas of {deployment.recipe.name} did not connect: {reason}") from None
+        raise
+    finally:
+        listener.close()
+    return ReplicaRouter(replicas, job)
+
+
+def _launch_job(deployment, degrees, listener: ReplicaListener, warm_up: bool) -> tuple[LaunchJob, list]:
+    """The (not yet started) thread that launches every rank, and the list its launch error lands in (which
+    ``start_replicas``' wait for connections looks at)."""
+    from .launch import launch
+
     failure: list[BaseException] = []
     cancel = threading.Event()
 
     def run() -> None:
         try:
             launch(replica_worker, degrees, platform=deployment.recipe.platform, cancel=cancel,
-                   args=(listener.address, authkey, deployment, warm_up))
+                   args=(listener.address, listener.authkey, deployment, warm_up))
         except BaseException as e:  # noqa: BLE001 - reported by start_replicas or the replicas' status
             failure.append(e)
-            listener.close()  # unblocks accept()
 
-    job = LaunchJob(threading.Thread(target=run, name="omni-replicas", daemon=True), cancel)
-    timer = threading.Timer(connect_timeout_s, listener.close)
-    replicas = []
-    try:
-        job.thread.start()
-        timer.start()
-        for i in range(degrees.dp):
-            replicas.append(RemoteReplica(listener.accept(), name=f"replica{i}"))
-    except BaseException as e:
-        # The launch failed (accept() unblocked), the timeout passed, or Ctrl-C came while the ranks load:
-        # they ignore SIGINT, so stop them here; nothing else would before this process exits.
-        reason = failure[0] if failure else f"timeout after {connect_timeout_s}s"  # before cancel adds its own
-        cancel.set()
-        if job.is_alive():
-            job.join(_STOP_WORKERS_S)
-        for r in replicas:
-            r.conn.close()
-        if not isinstance(e, OSError):
-            raise
-        raise RuntimeError(f"replicas of {deployment.recipe.name} did not connect: {reason}") from None
-    finally:
-        timer.cancel()
-    return ReplicaRouter(replicas, job)
+    return LaunchJob(threading.Thread(target=run, name="omni-replicas", daemon=True), cancel), failure
+
+
+def _abandon(job: LaunchJob, replicas: list) -> None:
+    """Stop a launch that will not be served: cancel its ranks, wait for them, close the links made so far."""
+    job.cancel.set()
+    if job.is_alive():
+        job.join(_STOP_WORKERS_S)
+    for r in replicas:
+        r.conn.close()
 
 
 # ---------------------------------------------------------------------- the launcher target
@@ -214,8 +232,9 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
 def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = False) -> dict:
     """One rank of a deployment: build this replica's pipeline; serve it (first rank) or follow.
 
-    ``address``/``authkey``: the ``multiprocessing.connection.Listener`` of the
-    server process, which wraps each accepted connection in a ``RemoteReplica``.
+    ``address``/``authkey``: the server process's ``ReplicaListener`` (a
+    ``multiprocessing.connection`` handshake), which wraps each accepted
+    connection in a ``RemoteReplica``.
     """
     from multiprocessing.connection import Client
 

@@ -135,6 +135,7 @@ def cancel_over_the_link(router):
     with pytest.raises(RequestCancelled):
         long.result(timeout=120)
 
+
 def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, tmp_path):
     """start_replicas launches a dp=2 recipe; the router gives each replica two of four requests, and a cancel
     reaches the replica that runs the request (it ends with RequestCancelled, not an image)."""
@@ -177,6 +178,31 @@ def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tm
     finally:
         router.stop(60)
     assert not router.job.is_alive()
+
+
+def test_replicas_whose_ranks_fail_to_build_raise_the_ranks_error_here(checkpoint, tmp_path):
+    """The ranks fail while loading (a checkpoint without weights): start_replicas stops waiting for them and
+    raises their launch error, naming the rank and the cause, instead of waiting out the connect timeout."""
+    import shutil
+
+    broken = tmp_path / "no_weights"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(f"{checkpoint}/{name}", broken / name)
+    deployment = prepare(str(two_rank_recipe(tmp_path, "dp")), platform="cpu", overrides={"model.path": str(broken)})
+    with pytest.raises(RuntimeError, match=r"replicas of cpux2_dp2 did not connect: rank \d failed: .*safetensors"):
+        start_replicas(deployment, connect_timeout_s=120)
+
+
+def test_replicas_that_do_not_connect_in_time_are_stopped(checkpoint, tmp_path, monkeypatch):
+    """Past ``connect_timeout_s`` the launch is cancelled: the error names the timeout and the launch thread
+    (with the ranks it started) has ended before start_replicas returns."""
+    import threading
+
+    deployment = prepare(str(two_rank_recipe(tmp_path, "dp")), platform="cpu", overrides={"model.path": checkpoint})
+    with pytest.raises(RuntimeError, match=r"replicas of cpux2_dp2 did not connect: timeout after 0.2s"):
+        start_replicas(deployment, connect_timeout_s=0.2)
+    assert not any(t.name == "omni-replicas" and t.is_alive() for t in threading.enumerate())
 
 
 def resources_recipe(name: str) -> str:
