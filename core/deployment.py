@@ -106,6 +106,8 @@ def prepare(recipe: str | os.PathLike | Recipe, *, platform: str | None = None,
     if unmet:
         raise DeploymentError(f"recipe {r.name} {unmet}")
     r = _resolve_flavor(r, random_weights)
+    if r.model.path is not None and not random_weights:
+        _check_weights(r)
     from .platform_manager import select
 
     chosen = select(platform or r.platform, trace=trace)
@@ -141,6 +143,17 @@ def _resolve_flavor(recipe: Recipe, random_weights: bool = False) -> Recipe:
     if problems:
         raise DeploymentError(f"recipe {recipe.name} with model flavor {name}: " + "; ".join(problems))
     return recipe if name == m.flavor else recipe.replace_path("model.flavor", name)
+
+
+def _check_weights(recipe: Recipe) -> None:
+    """The checkpoint at ``model.path`` has its safetensors, every shard its index names (an interrupted download
+    is refused here, naming what is missing, before any worker starts loading)."""
+    from .weights import CheckpointError, checkpoint_files
+
+    try:
+        checkpoint_files(recipe.model.path)
+    except CheckpointError as e:
+        raise DeploymentError(f"recipe {recipe.name}: model.path {e}") from None
 
 
 def check_on(recipe: Recipe, platform) -> Recipe:

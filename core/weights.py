@@ -48,8 +48,16 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint directory, in a stable order."""
     root = Path(path)
     if (root / INDEX).is_file():
-        weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-        return [root / f for f in sorted(set(weight_map.values()))]
+        try:
+            files = [root / f for f in sorted(set(json.loads((root / INDEX).read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{root / INDEX}: not a safetensors index with a weight_map ({e!r})") from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{root}: {INDEX} names {len(missing)} of its {len(files)} shards that are not "
+                                  f"there ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an "
+                                  "interrupted download?")
+        return files
     if (root / SINGLE).is_file():
         return [root / SINGLE]
     found = sorted(root.glob("*.safetensors"))

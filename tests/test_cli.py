@@ -12,6 +12,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from omni.cli import build_parser, main
 from omni.recipe import load_recipe
@@ -218,6 +219,9 @@ def test_generate_hands_over_the_deployment_and_a_resolved_job(handover, capsys)
 
 
 def test_generate_flags_win_over_recipe_defaults(handover, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))  # --model must hold safetensors
     calls = handover("omni.generate", "generate_main")
     assert main(["generate", "--prompt", "x", "--size", "768x512", "--steps", "3", "--guidance", "0",
                  "--model", str(tmp_path), "-o", "y.png", "--latents", "z.safetensors"]) == 0
@@ -258,6 +262,18 @@ def test_generate_configuration_errors_exit_2(handover, capsys, argv, message):
     assert main(["generate", "--prompt", "x", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("omni-run: error: ") and message in err
+    assert not calls
+
+
+def test_a_model_directory_without_its_weights_exits_2_before_any_build(handover, capsys, tmp_path):
+    """--model naming a directory with a config but no safetensors (or an index whose shards are missing) is
+    refused like any bad flag: exit 2, naming model.path and what is missing, nothing built."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"never read")
+    calls = handover("omni.generate", "generate_main")
+    assert main(["generate", "--prompt", "x", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omni-run: error: recipe cpu_tiny: model.path ") and "only safetensors" in err
     assert not calls
 
 

@@ -100,6 +100,9 @@ def test_prepare_gives_a_frozen_picklable_final_deployment(tmp_path):
 def test_prepare_resolves_auto_and_checks_the_model_path(tmp_path):
     with pytest.raises(DeploymentError, match="is not a directory"):
         prepare("cpu_tiny", overrides={"model.path": str(tmp_path / "absent")})
+    with pytest.raises(DeploymentError, match=r"recipe cpu_tiny: model.path .*: no model.safetensors.index.json"):
+        prepare("cpu_tiny", overrides={"model.path": str(tmp_path)})  # a directory without weights
+    assert prepare("cpu_tiny", overrides={"model.path": str(tmp_path)}, random_weights=True), "benches need none"
     auto = load_recipe("cpu_tiny").replace_path("model.flavor", "auto")
     with pytest.raises(DeploymentError, match="model.flavor=auto reads the checkpoint's config.json"):
         prepare(auto)

@@ -100,6 +100,26 @@ def test_directory_without_safetensors_is_refused(tmp_path):
         checkpoint_files(tmp_path)
 
 
+def test_an_index_naming_shards_that_are_not_there_is_refused_naming_them(ckpt, tmp_path):
+    """A partial download: the index is there, a shard is not. Refused before any tensor is read."""
+    import shutil
+
+    partial = tmp_path / "partial"
+    shutil.copytree(ckpt, partial)
+    shards = sorted(partial.glob("*.safetensors"))
+    shards[-1].unlink()
+    with pytest.raises(CheckpointError, match=rf"names 1 of its {len(shards)} shards that are not there "
+                                              rf"\({shards[-1].name}\): an interrupted download"):
+        checkpoint_files(partial)
+
+
+@pytest.mark.parametrize("index", ["{not json", '{"metadata": {}}', '{"weight_map": [1, 2]}'])
+def test_an_index_that_is_not_one_is_refused_naming_the_file(tmp_path, index):
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a safetensors index"):
+        checkpoint_files(tmp_path)
+
+
 def meta_model(ckpt):
     cfg = HunyuanImage3Config.from_file(ckpt / "config.json")
     with torch.device("meta"):

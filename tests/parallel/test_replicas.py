@@ -181,16 +181,18 @@ def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tm
 
 
 def test_replicas_whose_ranks_fail_to_build_raise_the_ranks_error_here(checkpoint, tmp_path):
-    """The ranks fail while loading (a checkpoint without weights): start_replicas stops waiting for them and
-    raises their launch error, naming the rank and the cause, instead of waiting out the connect timeout."""
+    """The ranks fail while loading (a weights file that is not safetensors, which only reading finds):
+    start_replicas stops waiting for them and raises their launch error, naming the rank and the cause, instead
+    of waiting out the connect timeout."""
     import shutil
 
-    broken = tmp_path / "no_weights"
+    broken = tmp_path / "bad_weights"
     broken.mkdir()
     for name in ("config.json", "tokenizer.json"):
         shutil.copy(f"{checkpoint}/{name}", broken / name)
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
     deployment = prepare(str(two_rank_recipe(tmp_path, "dp")), platform="cpu", overrides={"model.path": str(broken)})
-    with pytest.raises(RuntimeError, match=r"replicas of cpux2_dp2 did not connect: rank \d failed: .*safetensors"):
+    with pytest.raises(RuntimeError, match=r"replicas of cpux2_dp2 did not connect: rank \d failed: SafetensorError: "):
         start_replicas(deployment, connect_timeout_s=120)
 
 
