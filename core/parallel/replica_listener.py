@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import struct
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Callable
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2  # how often a wait looks at ``give_up`` (a failed launch, the deadline)
+HANDSHAKE_S = 10.0  # a client that connects and then says nothing is dropped after this long
 
 
 class ConnectAbandoned(Exception):
@@ -48,7 +50,9 @@ class ReplicaListener:
 
     def _authenticated(self, sock: socket.socket) -> Connection | None:
         sock.setblocking(True)
-        conn = Connection(sock.detach())
+        _receive_timeout(sock, HANDSHAKE_S)  # the kernel's own: the connection reads the bare descriptor
+        fd = sock.detach()
+        conn = Connection(fd)
         try:
             deliver_challenge(conn, self.authkey)
             answer_challenge(conn, self.authkey)
@@ -56,7 +60,16 @@ class ReplicaListener:
             log.warning("dropped a connection to the replica listener that failed the handshake: %r", e)
             conn.close()
             return None
+        link = socket.socket(fileno=fd)  # a view of the same descriptor, to lift the timeout: the link waits
+        _receive_timeout(link, 0.0)      # as long as a replica takes (requests, warm-up)
+        link.detach()
         return conn
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _receive_timeout(sock: socket.socket, seconds: float) -> None:
+    """``SO_RCVTIMEO`` (a Linux ``struct timeval``; 0 waits for ever): a blocking read past it fails."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", whole, int((seconds - whole) * 1e6)))

@@ -165,9 +165,9 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
     if vision is not None:
         vision.finalize()
     # The layer-by-layer load leaves its freed temporaries (a layer in the checkpoint's dtype, quantization
-    # scratch) cached in the allocator: 11-15 GiB on the H200 at 32 layers. Return them before the KV pool and
-    # the graph pools are sized, so other processes and allocations outside the cache see them (BENCHMARKS.md,
-    # twenty-fourth session).
+    # scratch) cached in the allocator: 10.7-15.4 GiB on the H200 at 32 layers. Return them before the KV pool is
+    # allocated and graphs are captured, so other processes and allocations outside the cache see them
+    # (BENCHMARKS.md, twenty-fourth session).
     services.empty_cache()
     return model, vae, vision, _offloaders(recipe, model, vae, services)
 

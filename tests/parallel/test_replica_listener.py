@@ -10,6 +10,8 @@ import pytest
 
 from omni.parallel.replica_listener import POLL_S, ConnectAbandoned, ReplicaListener
 
+pytestmark = pytest.mark.timeout(60)  # a wait that does not end must fail, not hang the suite
+
 
 def test_a_wait_nobody_answers_ends_with_the_reason_give_up_gives():
     listener = ReplicaListener(b"key")
@@ -71,4 +73,36 @@ def test_a_client_with_another_key_is_dropped_and_the_rank_after_it_accepted():
         thread.join(10)
         assert stranger_errors, "the stranger's side fails too"
     finally:
+        listener.close()
+
+
+def test_a_client_that_connects_and_says_nothing_is_dropped_after_the_handshake_time(monkeypatch):
+    """A connection that never answers the challenge cannot hold the wait: it is dropped after
+    ``HANDSHAKE_S`` and the rank connecting after it is accepted, its link without that timeout."""
+    import socket
+
+    from omni.parallel import replica_listener
+
+    monkeypatch.setattr(replica_listener, "HANDSHAKE_S", 0.3)
+    listener = ReplicaListener(b"key")
+    silent = socket.create_connection(listener.address)
+    got = []
+
+    def rank():
+        time.sleep(0.5)
+        with Client(listener.address, authkey=b"key") as c:
+            time.sleep(0.6)  # longer than the handshake's time: the accepted link must still wait for it
+            c.send("rank 0")
+            got.append(c.recv())
+
+    thread = threading.Thread(target=rank)
+    thread.start()
+    try:
+        conn = listener.accept(lambda: None)
+        assert conn.recv() == "rank 0"
+        conn.send("ack")
+        thread.join(10)
+        assert got == ["ack"]
+    finally:
+        silent.close()
         listener.close()
