@@ -77,8 +77,6 @@ def relative(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def cuda_event_median(fn: Callable[[], object], iters: int = 30, warmup: int = 3) -> float:
     """Median seconds of ``fn`` on the current CUDA stream, timed with events (after ``warmup`` calls)."""
-    import statistics
-
     for _ in range(warmup):
         fn()
     out = []
@@ -96,8 +94,6 @@ def round_robin(fns: dict, rounds: int, burn: int = 200, iters: int = 10) -> dic
     """Median seconds of each function over ``rounds`` rounds in which every one is timed in turn (CUDA events,
     ``iters`` calls each), after ``burn`` calls of the first: under a power cap the clock drifts as a run heats
     up, so no function may own the cool start or the hot end."""
-    import statistics
-
     first = next(iter(fns.values()))
     for _ in range(burn):  # reach the power cap's steady clock before anything is timed
         first()

@@ -36,8 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cutlass_probe import probe_configs, probe_library  # noqa: E402
-from bench_common import emit, git_commit  # noqa: E402
-from bench_common import round_robin_seconds  # noqa: E402
+from bench_common import emit, git_commit, round_robin_seconds  # noqa: E402
 from bench_cutlass_grouped import call, fp8  # noqa: E402
 
 from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs  # noqa: E402
