@@ -1,7 +1,9 @@
 """``omni-run serve``: the engine thread plus uvicorn, from a checked recipe.
 
-Startup order: the deployment's engine handle is opened (world size > 1:
-its ranks are launched and connect first); uvicorn binds (GET /health
+Startup order: the endpoint's address is bound (a port in use or a host
+that is not this machine's is refused at once, exit status 2, before any
+weight loads); the deployment's engine handle is opened (world size > 1:
+its ranks are launched and connect first); uvicorn serves on the bound socket (GET /health
 answers 503 "starting" while the model loads); the engine thread selects
 device services, builds the pipeline and the scheduler, then /health turns 200. If the build fails
 (a KV mode the platform's attention cannot serve, missing weights, ...) the
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import uvicorn
 
+from omni.deployment import DeploymentError
 from omni.engine_handle import EngineHandle
 
 from .app import ServingOptions, create_app
@@ -49,6 +53,30 @@ class _Server(uvicorn.Server):
 
 def serve_main(deployment, endpoint) -> int:
     """Serve ``deployment`` on ``endpoint`` (an ``omni.deployment.Endpoint``) until interrupted; 1 if the engine died."""
+    sock = bind(endpoint)
+    try:
+        return _serve(deployment, endpoint, sock)
+    finally:
+        sock.close()
+
+
+def bind(endpoint) -> socket.socket:
+    """The server's socket, bound to ``endpoint`` (uvicorn listens on it later); a DeploymentError naming the
+    address and the reason where it cannot be bound."""
+    host = endpoint.host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
+    try:
+        sock.bind((host, endpoint.port))
+    except OSError as e:
+        sock.close()
+        raise DeploymentError(f"cannot listen on {endpoint.host}:{endpoint.port} (--host/--port, serving.host/"
+                              f"serving.port): {e.strerror or e}") from None
+    return sock
+
+
+def _serve(deployment, endpoint, sock: socket.socket) -> int:
     engine = deployment.open_engine(warm_up=True)  # world size > 1: launches the ranks and connects their replicas
     # From here on the engine is stopped whatever happens: a multi-rank engine's ranks ignore Ctrl-C (the
     # server stops them), so an exception or a Ctrl-C before uvicorn takes over the signals must stop them too.
@@ -67,7 +95,7 @@ def serve_main(deployment, endpoint) -> int:
         _watch(engine, stop_if_dead)
         log.info("serving %s on http://%s:%d (platform %s, recipe %s); /health is 503 until the model is loaded",
                  options.model_id, endpoint.host, endpoint.port, deployment.recipe.platform, deployment.recipe.name)
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.stop()
     if engine.status == "dead":

@@ -68,6 +68,21 @@ def test_sigint_answers_the_running_request_503_and_logs_no_traceback(server_pro
     assert "warm-up done in" in log, "the server warms up before it reports ready (serving.warmup_steps)"
 
 
+def test_serve_on_a_port_in_use_exits_2_before_loading_anything():
+    """The address is bound first: a port another process listens on ends the run at once with exit status 2
+    and the address in the message, before any weight loads (it used to load, warm up, then exit 3)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "omni.cli", "--port", str(port), "serve"], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert f"omni-run: error: cannot listen on 127.0.0.1:{port} (--host/--port, serving.host/serving.port): " \
+           in proc.stderr and "in use" in proc.stderr
+    assert "pipeline ready" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
+
+
 def test_bench_in_process(tmp_path):
     out = tmp_path / "bench.json"
     rc = bench_main(["--recipe", "cpu_tiny", "--concurrency", "1", "--requests", "1", "--steps", "1",
