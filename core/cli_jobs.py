@@ -78,8 +78,46 @@ def _check_text_flags(args) -> None:
 
 
 def generate_job(args, request: ImageRequest, default: str, images: tuple = ()) -> GenerateJob:
-    return GenerateJob(request, Path(args.output), Path(args.latents) if args.latents else None,
-                       output_size=_output_size(args, default, images), verbose=args.verbose)
+    output = _image_output(Path(args.output))
+    latents = _writable("--latents", Path(args.latents)) if args.latents else None
+    return GenerateJob(request, output, latents, output_size=_output_size(args, default, images),
+                       verbose=args.verbose)
+
+
+def _image_output(path: Path) -> Path:
+    """``-o`` checked before anything is generated: an image format Pillow writes, chosen by the extension,
+    in a place this process can write (an image that cannot be saved is an image lost)."""
+    from PIL import Image
+
+    if path.is_dir():
+        raise UsageError(f"-o/--output {path}: is a directory; name the image file (e.g. {path / 'out.png'})")
+    Image.init()
+    known = Image.registered_extensions()
+    if known.get(path.suffix.lower()) not in Image.SAVE:
+        writable = sorted(ext for ext, fmt in known.items() if fmt in Image.SAVE and ext in _COMMON_IMAGES)
+        raise UsageError(f"-o/--output {path}: the extension picks the image format; use one of "
+                         f"{', '.join(writable)}")
+    return _writable("-o/--output", path)
+
+
+_COMMON_IMAGES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+
+
+def _writable(flag: str, path: Path) -> Path:
+    """``path`` once its directory exists and a file can be created there (created and removed again where it did
+    not exist, appended nothing where it did); a UsageError naming ``flag`` otherwise."""
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(21, "it is a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "ab"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    return path
 
 
 def _output_size(args, default: str, images: tuple) -> tuple[int, int] | None:

@@ -108,7 +108,9 @@ def _image_flags(p: argparse.ArgumentParser, prompt_help: str, size_help: str) -
     g.add_argument("--steps", type=int, help="denoising steps, 1..200 (default: defaults.steps)")
     g.add_argument("--guidance", type=float, help="guidance scale, 0..30 (default: defaults.guidance)")
     g.add_argument("--seed", type=int, help="random seed (default: random)")
-    g.add_argument("-o", "--output", default="out.png", metavar="PNG", help="output file (default: out.png)")
+    g.add_argument("-o", "--output", default="out.png", metavar="IMAGE",
+                   help="output image; its extension picks the format (.png, .jpg, .webp, ...; default: out.png); "
+                   "checked before anything is generated")
     g.add_argument("--latents", metavar="FILE", help="also write the final latents as safetensors (parity checks)")
     g.add_argument("-v", "--verbose", action="store_true",
                    help="also print the model's native size the image was generated at before the fit to --size")

@@ -277,6 +277,31 @@ def test_a_model_directory_without_its_weights_exits_2_before_any_build(handover
     assert not calls
 
 
+@pytest.mark.parametrize("output, message", [
+    ("{tmp}/x.foo", "-o/--output {tmp}/x.foo: the extension picks the image format; use one of .bmp, .jpeg, .jpg, "),
+    ("{tmp}", "-o/--output {tmp}: is a directory; name the image file (e.g. {tmp}/out.png)"),
+    ("{tmp}/file/x.png", "-o/--output {tmp}/file/x.png: cannot write there (File exists)"),
+])
+def test_an_output_that_cannot_be_written_exits_2_before_generating(handover, capsys, tmp_path, output, message):
+    """-o is checked before the engine runs: an image that could not be saved would be an image lost."""
+    (tmp_path / "file").write_text("a file where the directory would go")
+    calls = handover("omni.generate", "generate_main")
+    assert main(["generate", "--prompt", "x", "-o", output.format(tmp=tmp_path)]) == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not calls
+
+
+def test_an_output_check_leaves_no_file_behind_and_an_existing_one_untouched(handover, tmp_path):
+    calls = handover("omni.generate", "generate_main")
+    kept = tmp_path / "kept.png"
+    kept.write_bytes(b"earlier image")
+    assert main(["generate", "--prompt", "x", "-o", str(tmp_path / "deep" / "new.webp")]) == 0
+    assert main(["generate", "--prompt", "x", "-o", str(kept), "--latents", str(tmp_path / "z.safetensors")]) == 0
+    assert [c[1].output for c in calls] == [tmp_path / "deep" / "new.webp", kept]
+    assert (tmp_path / "deep").is_dir() and not (tmp_path / "deep" / "new.webp").exists()
+    assert kept.read_bytes() == b"earlier image" and not (tmp_path / "z.safetensors").exists()
+
+
 def test_bad_recipe_file_exits_2(handover, tmp_path, capsys):
     handover("omni.generate", "generate_main")
     bad = recipe_file(tmp_path, "attention: {backend: fa4}\n")
