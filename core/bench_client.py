@@ -89,8 +89,14 @@ class HttpTarget:
         self._client = lambda: httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
 
     def check(self) -> None:
-        client = self._client()
-        r = client.get("/health")
+        import httpx
+
+        from .cli_jobs import UsageError
+
+        try:
+            r = self._client().get("/health")
+        except httpx.TransportError as e:  # nothing there: the flag is wrong (or the server is not up yet)
+            raise UsageError(f"--url {self.name}: cannot reach {self.url}/health ({type(e).__name__}: {e})") from None
         if r.status_code != 200:
             raise SystemExit(f"{self.url}/health answered {r.status_code}: {r.text[:200]}")
 

@@ -83,6 +83,15 @@ def test_serve_on_a_port_in_use_exits_2_before_loading_anything():
     assert "pipeline ready" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr
 
 
+def test_bench_against_a_url_nobody_serves_exits_2_naming_it(capsys):
+    from omni.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "--url", url, "--requests", "1", "--concurrency", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"omni-run: error: --url {url}: cannot reach {url}/health (ConnectError: " in err
+
+
 def test_bench_in_process(tmp_path):
     out = tmp_path / "bench.json"
     rc = bench_main(["--recipe", "cpu_tiny", "--concurrency", "1", "--requests", "1", "--steps", "1",
