@@ -170,15 +170,24 @@ def build_parser() -> argparse.ArgumentParser:
     _deployment(parser, top=True)
     _serving(parser, top=True)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-
-    p = _command(sub, "platforms", "list installed platforms and whether each is usable here",
-                 "example:\n  omni-run platforms")
+    _listing_commands(sub)
+    _image_commands(sub)
+    p = _command(sub, "chat", "answer in text with an Instruct model: one --prompt, or one prompt per stdin line "
+                              "(each a fresh single-turn prompt, no history)", CHAT_EPILOG)
     _common(p, top=False)
+    _deployment(p, top=False)
+    _chat_flags(p)
+    _serve_command(sub)
+    _command(sub, "bench", "benchmark a running server (all arguments go to the benchmark client)",
+             "example:\n  omni-run bench --help", add_help=False)
+    return parser
 
-    p = _command(sub, "models", "list the registered model flavors and whether each can be built",
-                 "example:\n  omni-run models")
-    _common(p, top=False)
 
+def _listing_commands(sub) -> None:
+    """platforms, models, recipes: what is installed, registered and valid here."""
+    for name, what in (("platforms", "list installed platforms and whether each is usable here"),
+                       ("models", "list the registered model flavors and whether each can be built")):
+        _common(_command(sub, name, what, f"example:\n  omni-run {name}"), top=False)
     p = _command(sub, "recipes", "list and validate recipes",
                  "examples:\n  omni-run recipes\n  omni-run recipes --platform cuda\n"
                  "  omni-run recipes --check my.yaml\n  omni-run recipes --schema\n  omni-run recipes --docs")
@@ -190,11 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", metavar="DIR", nargs="?", const="",
                    help="regenerate the recipe docs (default DIR: docs/recipes of this checkout)")
 
+
+def _image_commands(sub) -> None:
+    """generate and edit: one image each, in this process or on the recipe's ranks."""
     p = _command(sub, "generate", "generate one image", GENERATE_EPILOG)
     _common(p, top=False)
     _deployment(p, top=False)
     _image_flags(p, "what to draw", "image size (default: the recipe's defaults.size)")
-
     p = _command(sub, "edit", "edit images: a prompt plus 1 to 3 reference images (an Instruct model)",
                  EDIT_EPILOG)
     _common(p, top=False)
@@ -204,12 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--image", action="append", required=True, metavar="FILE",
                    help="a reference image (PNG, JPEG, WebP, GIF, BMP); repeat for up to 3, in prompt order")
 
-    p = _command(sub, "chat", "answer in text with an Instruct model: one --prompt, or one prompt per stdin line "
-                              "(each a fresh single-turn prompt, no history)", CHAT_EPILOG)
-    _common(p, top=False)
-    _deployment(p, top=False)
-    _chat_flags(p)
 
+def _serve_command(sub) -> None:
     p = _command(sub, "serve", "serve the OpenAI-style images API (also: omni-run without a command)",
                  "examples:\n  omni-run serve\n  omni-run serve --platform npu --recipe a2_tp4 --model /ckpt/HI3 "
                  "--port 9000\n  omni-run --platform npu --recipe a2_tp4 --model /ckpt/HI3   (same, bare form)"
@@ -222,10 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
                                                       "bounds), behind Ray's HTTP proxy on --host/--port")
     g.add_argument("--ray-address", metavar="ADDR", help="Ray cluster to join: auto, or HOST:PORT of its head "
                                                          "(default: start a local one); needs --ray")
-
-    _command(sub, "bench", "benchmark a running server (all arguments go to the benchmark client)",
-             "example:\n  omni-run bench --help", add_help=False)
-    return parser
 
 
 def _version() -> str:
