@@ -100,7 +100,8 @@ def _image_flags(p: argparse.ArgumentParser, prompt_help: str, size_help: str) -
     """The flags generate and edit share (what to draw, how, where to write it, whether to think first)."""
     g = p.add_argument_group("image")
     g.add_argument("--prompt", required=True, help=prompt_help)
-    g.add_argument("--negative-prompt", default=None, help="text of the unconditional CFG row (default: the official <cfg>-token row)")
+    g.add_argument("--negative-prompt", default=None,
+                   help="text of the unconditional CFG row (default: the official <cfg>-token row)")
     g.add_argument("--size", metavar="WxH|native|auto",
                    help=size_help + "; the image has exactly this size (generated at the model's nearest native size, "
                                     "centre-cropped to the aspect, resampled); native: the model's size untouched; "
@@ -220,7 +221,8 @@ def _serve_command(sub) -> None:
     p = _command(sub, "serve", "serve the OpenAI-style images API (also: omni-run without a command)",
                  "examples:\n  omni-run serve\n  omni-run serve --platform npu --recipe a2_tp4 --model /ckpt/HI3 "
                  "--port 9000\n  omni-run --platform npu --recipe a2_tp4 --model /ckpt/HI3   (same, bare form)"
-                 "\n  omni-run serve --ray --ray-address auto --recipe h200_fp8 --model /ckpt/HI3   (Ray Serve replicas)")
+                 "\n  omni-run serve --ray --ray-address auto --recipe h200_fp8 --model /ckpt/HI3   "
+                 "(Ray Serve replicas)")
     _common(p, top=False)
     _deployment(p, top=False)
     _serving(p, top=False)
