@@ -266,8 +266,8 @@ def test_generate_configuration_errors_exit_2(handover, capsys, argv, message):
 
 
 def test_a_model_directory_without_its_weights_exits_2_before_any_build(handover, capsys, tmp_path):
-    """--model naming a directory with a config but no safetensors (or an index whose shards are missing) is
-    refused like any bad flag: exit 2, naming model.path and what is missing, nothing built."""
+    """--model naming a directory with a config but no safetensors is refused like any bad flag: exit 2, naming
+    model.path and what is missing, nothing built (an index with missing shards: tests/test_weights.py)."""
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "pytorch_model.bin").write_bytes(b"never read")
     calls = handover("omni.generate", "generate_main")

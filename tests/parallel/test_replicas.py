@@ -192,11 +192,12 @@ def test_replicas_whose_ranks_fail_to_build_raise_the_ranks_error_here(checkpoin
         shutil.copy(f"{checkpoint}/{name}", broken / name)
     (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
     deployment = prepare(str(two_rank_recipe(tmp_path, "dp")), platform="cpu", overrides={"model.path": str(broken)})
-    with pytest.raises(RuntimeError, match=r"replicas of cpux2_dp2 did not connect: rank \d failed: SafetensorError: "):
+    failed = r"replicas of cpux2_dp2 did not connect: rank \d failed: SafetensorError: "
+    with pytest.raises(RuntimeError, match=failed):
         start_replicas(deployment, connect_timeout_s=120)
 
 
-def test_replicas_that_do_not_connect_in_time_are_stopped(checkpoint, tmp_path, monkeypatch):
+def test_replicas_that_do_not_connect_in_time_are_stopped(checkpoint, tmp_path):
     """Past ``connect_timeout_s`` the launch is cancelled: the error names the timeout and the launch thread
     (with the ranks it started) has ended before start_replicas returns."""
     import threading
