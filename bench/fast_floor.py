@@ -39,6 +39,7 @@ def floor(a, s: Setup, out, platform):
             times[name] = median_seconds(fn, 20)
             if prec == "fp8":
                 kept[name] = fn  # with its operands: replayed back to back below
+            fn = None  # a bf16 kernel's operands are freed before the next kernel's are drawn
         total = sum(times.values())
         res[prec] = {"per_layer_s": total, "kernels_s": times, "step_32_layers_s": total * RELEASED_LAYERS,
                      "image_s": total * RELEASED_LAYERS * a.steps}
@@ -78,11 +79,12 @@ def _dense_kernels(a, s: Setup, prec: str, g):
         w = torch.randn(o, i, device=dev, generator=g, dtype=torch.bfloat16)
         if prec == "bf16" or name == "router":
             yield name, lambda x=x, w=w: x @ w.t()
-            continue
-        xq, xs = Q.quantize_fp8(x, True)
-        wq, ws = Q.quantize_fp8(w, True)
-        yield name, lambda xq=xq, xs=xs, wq=wq, ws=ws: torch._scaled_mm(
-            xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=a.fast_accum)
+        else:
+            xq, xs = Q.quantize_fp8(x, True)
+            wq, ws = Q.quantize_fp8(w, True)
+            yield name, lambda xq=xq, xs=xs, wq=wq, ws=ws: torch._scaled_mm(
+                xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16, use_fast_accum=a.fast_accum)
+        x = w = None  # before the next shape's operands are drawn
 
 
 def _expert_kernels(a, s: Setup, prec: str, platform, offs, g, res: dict):
@@ -96,16 +98,24 @@ def _expert_kernels(a, s: Setup, prec: str, platform, offs, g, res: dict):
         w = torch.randn(E, o, i, device=dev, generator=g, dtype=torch.bfloat16)
         if prec == "bf16":
             yield name, lambda x=x, w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
-            continue
-        kernel = platform.grouped_gemm(GroupedGemmSpec(
-            num_experts=E, in_features=i, out_features=o, dtype=torch.bfloat16, quant="fp8_row",
-            fast_accum=a.fast_accum, grouped_fp8=a.grouped_fp8))
-        xq, xs = Q.quantize_fp8(x, True)
-        pw = kernel.prepare_weight(w)
-        res.setdefault("grouped_kernel", kernel.name)
-        pre_quantized = getattr(kernel, "scaled", None)  # the cuda kernels take e4m3 rows (the reference: x)
-        yield name, ((lambda xq=xq, xs=xs, pw=pw: pre_quantized(xq, xs, pw, offs)) if pre_quantized
-                     else (lambda x=x, pw=pw: kernel(x, pw, offs)))
+        else:
+            yield name, _engine_grouped(a, platform, x, w, offs, res)
+        x = w = None  # before the next shape's operands are drawn (a kept fp8 call holds its own)
+
+
+def _engine_grouped(a, platform, x, w, offs, res: dict):
+    """The engine's grouped fp8 kernel for ``w`` (what ``kernels.grouped_fp8`` resolves), called on ``x``."""
+    E, o, i = w.shape
+    kernel = platform.grouped_gemm(GroupedGemmSpec(
+        num_experts=E, in_features=i, out_features=o, dtype=torch.bfloat16, quant="fp8_row",
+        fast_accum=a.fast_accum, grouped_fp8=a.grouped_fp8))
+    pw = kernel.prepare_weight(w)
+    res.setdefault("grouped_kernel", kernel.name)
+    pre_quantized = getattr(kernel, "scaled", None)  # the cuda kernels take e4m3 rows (the reference: x)
+    if pre_quantized is None:
+        return lambda: kernel(x, pw, offs)
+    xq, xs = Q.quantize_fp8(x, True)
+    return lambda: pre_quantized(xq, xs, pw, offs)
 
 
 def _attention_kernel(s: Setup, g):
