@@ -128,7 +128,8 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False) ->
     World size 1: an ``EngineLoop`` whose thread builds the pipeline and the
     scheduler ``recipe.serving`` describes. World size > 1: every rank of the
     mesh is launched on this host (``omni.parallel.dp.start_replicas``) and
-    the router over its dp replicas is returned once they connected.
+    the router over its dp replicas is returned once each replica's first rank
+    connected, before they load: it reports starting until they are ready.
     ``warm_up``: the engine runs the default request first (``serving.warmup_steps``; servers ask for it), and
     a short text answer where the flavour writes text (``warm_up_requests``).
     """

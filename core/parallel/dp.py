@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from omni.request import ImageRequest
 from omni.scheduler_errors import EngineUnavailable, QueueFull
 
-from .replica_link import RemoteReplica, serve_replica
+from .replica_link import RemoteReplica, report_dead, serve_replica
 from .replica_listener import ConnectAbandoned, ReplicaListener
 
 _STOP_WORKERS_S = 15.0  # a cancelled launch's SIGTERM grace (supervise.TERMINATE_GRACE_S), with room to spare
@@ -39,10 +39,12 @@ _STOP_WORKERS_S = 15.0  # a cancelled launch's SIGTERM grace (supervise.TERMINAT
 
 @dataclass(frozen=True)
 class LaunchJob:
-    """The thread running ``launch`` for a router's replicas, and the event that cancels it."""
+    """The thread running ``launch`` for a router's replicas, the event that cancels it, and the launch's error
+    once it failed (a rank's ``WorkerError``: the root cause when a replica's link then drops)."""
 
     thread: threading.Thread
     cancel: threading.Event
+    failures: list
 
     def is_alive(self) -> bool:
         return self.thread.is_alive()
@@ -112,6 +114,8 @@ class ReplicaRouter:
 
     @property
     def error(self):
+        if self.job is not None and self.job.failures:  # a rank failed: its replica's link only saw the hang-up
+            return self.job.failures[0]
         return next((r.error for r in self.replicas if getattr(r, "error", None) is not None), None)
 
     def unavailable_reason(self) -> str:
@@ -214,7 +218,7 @@ def _launch_job(deployment, degrees, listener: ReplicaListener, warm_up: bool) -
         except BaseException as e:  # noqa: BLE001 - reported by start_replicas or the replicas' status
             failure.append(e)
 
-    return LaunchJob(threading.Thread(target=run, name="omni-replicas", daemon=True), cancel), failure
+    return LaunchJob(threading.Thread(target=run, name="omni-replicas", daemon=True), cancel, failure), failure
 
 
 def _abandon(job: LaunchJob, replicas: list) -> None:
@@ -245,15 +249,22 @@ def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = Fal
     from .runtime import ParallelRuntime
 
     parallel = ParallelRuntime(ctx.mesh, ctx.platform) if ctx.degrees.replica_size > 1 else None
-    pipeline = deployment.build_pipeline(platform=ctx.platform, local_rank=ctx.info.local_device, progress=False,
-                                         parallel=parallel)
     control = ctx.mesh.control("replica")
-    if control.rank != 0:
+    # The first rank connects before it loads: the server serves (GET /health: 503, "starting") while the
+    # replicas load, and a load that fails reaches it with its reason, not as a dropped link.
+    conn = Client(address, authkey=authkey) if control.rank == 0 else None
+    try:
+        pipeline = deployment.build_pipeline(platform=ctx.platform, local_rank=ctx.info.local_device,
+                                             progress=False, parallel=parallel)
+    except BaseException as e:
+        if conn is not None:
+            report_dead(conn, e)
+        raise
+    if conn is None:
         return {"rank": ctx.rank, "followed": follow(pipeline, control)}
     driver = DriverPipeline(pipeline, control)
     warm = warm_up_requests(deployment) if warm_up else ()
     engine = EngineLoop(lambda: serving_scheduler(driver, deployment.recipe, warm)).start()
-    conn = Client(address, authkey=authkey)
     try:
         serve_replica(engine, conn)
     finally:

@@ -168,6 +168,14 @@ def serve_replica(engine, conn) -> None:
     _ReplicaServer(engine, conn).run()
 
 
+def report_dead(conn, error: BaseException) -> None:
+    """Tell the ``RemoteReplica`` at the other end that this replica will not serve, and why (a failed load)."""
+    try:
+        conn.send(("dead", None, _to_wire(error)))
+    except OSError:
+        pass
+
+
 class _ReplicaServer:
     """The replica's end of the link: submissions and cancels in, acks and results out (results are sent from
     the engine's threads as the futures settle, so sends share a lock)."""

@@ -3,7 +3,8 @@
 Startup order: the endpoint's address is bound (a port in use or a host
 that is not this machine's is refused at once, exit status 2, before any
 weight loads); the deployment's engine handle is opened (world size > 1:
-its ranks are launched and connect first); uvicorn serves on the bound socket (GET /health
+its ranks are launched and each replica's first rank connects, then they
+load); uvicorn serves on the bound socket (GET /health
 answers 503 "starting" while the model loads); the engine thread selects
 device services, builds the pipeline and the scheduler, then /health turns 200. If the build fails
 (a KV mode the platform's attention cannot serve, missing weights, ...) the

@@ -180,10 +180,10 @@ def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tm
     assert not router.job.is_alive()
 
 
-def test_replicas_whose_ranks_fail_to_build_raise_the_ranks_error_here(checkpoint, tmp_path):
-    """The ranks fail while loading (a weights file that is not safetensors, which only reading finds):
-    start_replicas stops waiting for them and raises their launch error, naming the rank and the cause, instead
-    of waiting out the connect timeout."""
+def test_replicas_that_fail_to_load_report_why_and_the_router_goes_dead(checkpoint, tmp_path):
+    """The first ranks connect before they load, so the server can answer 503 "starting" meanwhile. A load that
+    fails (a weights file that is not safetensors, which only reading finds) reaches the router with its reason:
+    the router turns dead instead of ready, and its error is the rank's own once the launch has ended."""
     import shutil
 
     broken = tmp_path / "bad_weights"
@@ -192,9 +192,15 @@ def test_replicas_whose_ranks_fail_to_build_raise_the_ranks_error_here(checkpoin
         shutil.copy(f"{checkpoint}/{name}", broken / name)
     (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
     deployment = prepare(str(two_rank_recipe(tmp_path, "dp")), platform="cpu", overrides={"model.path": str(broken)})
-    failed = r"replicas of cpux2_dp2 did not connect: rank \d failed: SafetensorError: "
-    with pytest.raises(RuntimeError, match=failed):
-        start_replicas(deployment, connect_timeout_s=120)
+    router = start_replicas(deployment, connect_timeout_s=120)
+    try:
+        router.start()
+        assert not router.wait_ready(120) and router.status == "dead"
+        assert "SafetensorError" in router.unavailable_reason()
+    finally:
+        router.stop(60)
+    assert not router.job.is_alive()
+    assert str(router.error).startswith("rank ") and "failed: SafetensorError: " in str(router.error)
 
 
 def test_replicas_that_do_not_connect_in_time_are_stopped(checkpoint, tmp_path):

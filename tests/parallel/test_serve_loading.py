@@ -1,0 +1,48 @@
+"""A multi-rank ``omni-run serve`` while its ranks load: the HTTP server already answers, 503 "starting".
+
+The first rank of each replica connects to the server before it loads its shard, so /health (and any request)
+gets a 503 with the reason and Retry-After during the load and the warm-up, not a refused connection that a
+load balancer or an orchestrator's probe would take for a dead server. A real server process, real ranks.
+
+The tiny model loads in under a second, so the window seen here is mostly the warm-up (made long). That the
+first rank connects before it loads is shown by tests/parallel/test_replicas.py: a load that fails reaches the
+router as a dead replica with its reason, where a rank that had not connected yet would fail the launch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from test_serve_interrupt import assert_quiet, ctrl_c, start_server, two_rank_recipe, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def health(port: int) -> httpx.Response | None:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    except httpx.TransportError:
+        return None
+
+
+def test_a_multi_rank_server_answers_503_starting_while_its_ranks_load(tmp_path):
+    recipe = two_rank_recipe(tmp_path, "cfg: 2")
+    # a long warm-up (the replica reports ready after it) keeps the loading window seconds wide on any machine
+    recipe.write_text(recipe.read_text().replace("serving:\n", "serving:\n  warmup_steps: 200\n", 1))
+    proc, port, err = start_server(recipe, tmp_path)
+    try:
+        first = wait_until(lambda: health(port), proc, err, "an answer from /health")
+        assert first.status_code == 503, f"{first.status_code} {first.text}"
+        assert first.json()["status"] == "starting" and "retry-after" in first.headers, first.text
+        ready = wait_until(lambda: (r := health(port)) is not None and r.status_code == 200, proc, err,
+                           "200 from /health", timeout=150)
+        assert ready
+        code, stderr = ctrl_c(proc, err)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0, stderr
+    assert_quiet(stderr)
