@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,7 +33,7 @@ from bench_common import git_commit  # noqa: E402
 
 from omni.engine import Engine  # noqa: E402
 from omni.deployment import prepare  # noqa: E402
-from omni.recipe import parse_bytes, parse_size  # noqa: E402
+from omni.recipe import parse_bytes, parse_overrides, parse_size  # noqa: E402
 from omni.request import ImageRequest  # noqa: E402
 
 PROMPTS = ["a red fox in fresh snow, morning light", "an isometric city block at night, neon signs",
@@ -97,13 +96,6 @@ def run_mode(pipeline, services, reqs: list[ImageRequest], max_running: int) -> 
                             for k in ("prefill", "denoise", "vae")}}
 
 
-def _override(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise SystemExit(f"--set expects KEY=VALUE, got {text!r}")
-    return key.strip(), yaml.safe_load(value)
-
-
 def _median(runs: list[dict]) -> dict:
     """The run with the median wall time (the whole record, so its numbers stay consistent)."""
     return sorted(runs, key=lambda m: m["wall_s"])[len(runs) // 2]
@@ -132,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    overrides = dict(_override(kv) for kv in args.set)
+    overrides = parse_overrides(args.set)
     if args.model:
         overrides["model.path"] = args.model
     if args.kv_budget is None and args.platform == "cpu":

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit, git_commit  # noqa: E402
 
 from omni.deployment import prepare  # noqa: E402
+from omni.recipe import parse_overrides  # noqa: E402
 from omni.request import TextRequest  # noqa: E402
 
 WORDS = "a red cat on green grass photo of the petals neon pink and blue with".split()
@@ -136,10 +137,7 @@ def run(engine, graphs, mode: str, c: int, a) -> dict:
 def main() -> int:
     a = parse()
     commit = git_commit()
-    import yaml
-
-    overrides = {"device.memory_gib": a.memory_gib}
-    overrides.update({k.strip(): yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in a.set)})
+    overrides = {"device.memory_gib": a.memory_gib, **parse_overrides(a.set)}
     deployment = prepare(a.recipe, overrides=overrides, random_weights=True)
     t0 = time.perf_counter()
     engine = deployment.build_pipeline(random_layers=a.layers, progress=False)

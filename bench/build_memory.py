@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit, git_commit  # noqa: E402
 
 from omni.deployment import prepare  # noqa: E402
+from omni.recipe import parse_overrides  # noqa: E402
 
 GIB = 2**30
 
@@ -64,11 +65,8 @@ def main() -> int:
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("build_memory: needs a CUDA device (it reads the CUDA caching allocator)")
-    import yaml
-
-    overrides = {k.strip(): yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in a.set)}
-    engine = prepare(a.recipe, overrides=overrides, random_weights=True).build_pipeline(random_layers=a.layers,
-                                                                                        progress=False)
+    deployment = prepare(a.recipe, overrides=parse_overrides(a.set), random_weights=True)
+    engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
     torch.cuda.synchronize()
     out = {"recipe": a.recipe, "overrides": a.set, "layers": a.layers, "commit": git_commit(),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, **parts(engine)}

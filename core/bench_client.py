@@ -127,13 +127,11 @@ class InProcessTarget:
     """The deployment built here, behind the same engine handle the server uses."""
 
     def __init__(self, args):
-        import yaml
-
         from omni.deployment import prepare
-        from omni.recipe import load_recipe
+        from omni.recipe import load_recipe, parse_overrides
 
         recipe = load_recipe(args.recipe)
-        overrides = {k.strip(): yaml.safe_load(v) for k, _, v in (kv.partition("=") for kv in args.set)}
+        overrides = parse_overrides(args.set)
         if args.model:
             overrides["model.path"] = args.model
         if args.max_running or "serving.max_running" not in overrides:

@@ -96,7 +96,7 @@ __all__ = [
     "platform_choices",
     "Device", "Model", "Parallel", "Quant", "Attention", "Kernels", "KvCache", "Offload", "StepCache", "Graph", "Vae",
     "Serving", "Ray", "Defaults", "Recipe",
-    "apply_patches", "parse_recipe", "load_recipe", "list_recipes", "field_paths", "schema_rows",
+    "apply_patches", "parse_recipe", "load_recipe", "list_recipes", "field_paths", "schema_rows", "parse_overrides",
 ]
 
 RECIPES_PACKAGE = "omni.recipes"
@@ -123,6 +123,18 @@ def apply_patches(recipe: Recipe, patches: Iterable, log: Callable[[str], None])
                 log(f"plan patch: {path}: {old!r} -> {value!r} ({reason})")
         recipe = new
     return recipe
+
+
+def parse_overrides(items: Iterable[str], flag: str = "--set") -> dict:
+    """``KEY=VALUE`` command-line overrides as ``{dotted key: YAML value}`` (``prepare(overrides=...)`` checks
+    the keys and values); an item without ``=`` is a RecipeError naming ``flag``."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise RecipeError(f"{flag} expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
 
 
 # ------------------------------------------------------------------ loading

@@ -368,3 +368,13 @@ def test_recipe_class_fields_are_kw_only_frozen_slots():
         assert params.frozen and "__slots__" in cls.__dict__, cls
         assert all(f.kw_only for f in dataclasses.fields(cls)), cls
     assert recipe.Recipe is Recipe
+
+
+def test_command_line_overrides_parse_as_yaml_and_refuse_an_item_without_a_value():
+    from omni.recipe import parse_overrides
+
+    assert parse_overrides(["kernels.fuse_shared_expert=true", " device.memory_gib = 139", "model.path="]) == {
+        "kernels.fuse_shared_expert": True, "device.memory_gib": 139, "model.path": None}
+    for bad in ("kernels.fuse_shared_expert", "=1"):
+        with pytest.raises(RecipeError, match=rf"--set expects KEY=VALUE, got '{bad}'"):
+            parse_overrides([bad])

@@ -177,12 +177,12 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
 
     degrees = Degrees.from_recipe(deployment.recipe.parallel)
     listener = ReplicaListener(secrets.token_bytes(32))
-    job, failure = _launch_job(deployment, degrees, listener, warm_up)
+    job = _launch_job(deployment, degrees, listener, warm_up)
     deadline = time.monotonic() + connect_timeout_s
 
     def give_up() -> str | None:
-        if failure:
-            return str(failure[0])
+        if job.failures:
+            return str(job.failures[0])
         return f"timeout after {connect_timeout_s}s" if time.monotonic() >= deadline else None
 
     replicas = []
@@ -195,7 +195,7 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
         # load: they ignore SIGINT, so stop them here; nothing else would before this process exits.
         _abandon(job, replicas)
         if isinstance(e, (ConnectAbandoned, OSError, EOFError)):
-            reason = e if isinstance(e, ConnectAbandoned) else (failure[0] if failure else repr(e))
+            reason = e if isinstance(e, ConnectAbandoned) else (job.failures[0] if job.failures else repr(e))
             raise RuntimeError(f"replicas of {deployment.recipe.name} did not connect: {reason}") from None
         raise
     finally:
@@ -203,8 +203,8 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
     return ReplicaRouter(replicas, job)
 
 
-def _launch_job(deployment, degrees, listener: ReplicaListener, warm_up: bool) -> tuple[LaunchJob, list]:
-    """The (not yet started) thread that launches every rank, and the list its launch error lands in (which
+def _launch_job(deployment, degrees, listener: ReplicaListener, warm_up: bool) -> LaunchJob:
+    """The launch of every rank, its thread not yet started; its error lands in ``failures`` (which
     ``start_replicas``' wait for connections looks at)."""
     from .launch import launch
 
@@ -218,7 +218,7 @@ def _launch_job(deployment, degrees, listener: ReplicaListener, warm_up: bool) -
         except BaseException as e:  # noqa: BLE001 - reported by start_replicas or the replicas' status
             failure.append(e)
 
-    return LaunchJob(threading.Thread(target=run, name="omni-replicas", daemon=True), cancel, failure), failure
+    return LaunchJob(threading.Thread(target=run, name="omni-replicas", daemon=True), cancel, failure)
 
 
 def _abandon(job: LaunchJob, replicas: list) -> None:

@@ -187,7 +187,7 @@ class _ReplicaServer:
 
     def run(self) -> None:
         if not self.engine.wait_ready():
-            self.send(("dead", None, _to_wire(self.engine.error or RuntimeError("engine failed to start"))))
+            report_dead(self.conn, self.engine.error or RuntimeError("engine failed to start"))
             return
         self.send(("ready", None, {"warm_up_s": self.engine.scheduler.warm_up_s}))
         while True:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from importlib import resources
 
 import numpy as np
 import pytest
 from PIL import Image
 from safetensors.torch import load_file
+
+from two_ranks import two_rank_recipe
 
 ARGS = ("--prompt", "a red cat on green grass", "--steps", "2", "--seed", "5")
 
@@ -29,21 +30,11 @@ def generate(tmp_path, tag: str, *extra: str) -> tuple[subprocess.CompletedProce
     return proc, np.asarray(Image.open(png)).astype(np.int16), load_file(str(latents))["latents"]
 
 
-def tp2_recipe(tmp_path) -> str:
-    text = resources.files("omni.recipes").joinpath("cpu_tiny.yaml").read_text()
-    text = (text.replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}", "parallel: {tp: 2}")
-            .replace("count: 1", "count: 2").replace("name: cpu_tiny", "name: cpu_tiny_tp2"))
-    assert "parallel: {tp: 2}" in text and "count: 2" in text
-    path = tmp_path / "cpu_tiny_tp2.yaml"
-    path.write_text(text)
-    return str(path)
-
-
 @pytest.mark.slow  # two full CLI runs with 1024px VAE decodes (~30 s); the layouts' numerics: test_parity.py
 @pytest.mark.timeout(900)
 def test_tp2_generate_launches_ranks_and_matches_one_process(tmp_path):
     one, image_1, latents_1 = generate(tmp_path, "one")
-    two, image_2, latents_2 = generate(tmp_path, "tp2", "--recipe", tp2_recipe(tmp_path))
+    two, image_2, latents_2 = generate(tmp_path, "tp2", "--recipe", str(two_rank_recipe(tmp_path, "tp")))
     assert "world 1" in one.stdout and "world 2" in two.stdout, "the tp2 run must launch two ranks"
     assert latents_1.shape == latents_2.shape
     assert (latents_1 - latents_2).abs().max().item() <= 5e-5

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import workers
+from two_ranks import two_rank_recipe
 from omni.deployment import prepare
 from omni.parallel.dp import ReplicaRouter, start_replicas
 from omni.parallel.launch import launch
@@ -115,17 +116,6 @@ def single_run(checkpoint, req):
 
     pipe = build_pipeline(load_recipe("cpu_tiny"), select("cpu"), model_path=checkpoint, progress=False)
     return Engine(pipe).run([req])[0].image_HW3
-
-
-def two_rank_recipe(tmp_path, degree: str):
-    """cpu_tiny on two CPU devices with ``degree`` (dp or cfg) 2, written as ``cpux2_<degree>2.yaml``."""
-    name = f"cpux2_{degree}2"
-    text = (resources_recipe("cpu_tiny").replace("parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}",
-                                                  f"parallel: {{{degree}: 2}}")
-            .replace("count: 1", "count: 2").replace("name: cpu_tiny", f"name: {name}"))
-    recipe = tmp_path / f"{name}.yaml"
-    recipe.write_text(text)
-    return recipe
 
 
 def cancel_over_the_link(router):

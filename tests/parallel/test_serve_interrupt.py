@@ -12,29 +12,17 @@ import signal
 import subprocess
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import httpx
 import pytest
 
 from procs import descendants, describe, wait_gone
+from two_ranks import two_rank_recipe
 from omni.parallel.launch import free_port
 
 pytestmark = pytest.mark.timeout(120)
-SINGLE_RANK = "parallel: {tp: 1, ep: 1, ulysses: 1, ring: 1, cfg: 1, dp: 1}"
 ALARMS = ("Traceback", "EOFError", "ERROR", "Fatal Python error", "leaked semaphore")
-
-
-def two_rank_recipe(tmp_path: Path, parallel: str) -> Path:
-    """cpu_tiny (embedded weights, no download) on two CPU ranks."""
-    text = resources.files("omni.recipes").joinpath("cpu_tiny.yaml").read_text()
-    assert SINGLE_RANK in text and "count: 1" in text
-    name = "cpu_tiny_" + parallel.replace(": ", "")
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(text.replace(SINGLE_RANK, f"parallel: {{{parallel}}}").replace("count: 1", "count: 2")
-                    .replace("name: cpu_tiny", f"name: {name}"))
-    return path
 
 
 def start_server(recipe: Path, tmp_path: Path) -> tuple[subprocess.Popen, int, Path]:
@@ -95,10 +83,10 @@ def assert_quiet(stderr: str) -> None:
     assert not alarms, f"stderr after Ctrl-C:\n{stderr}"
 
 
-@pytest.mark.parametrize("parallel", ["cfg: 2", "dp: 2"])
-def test_ctrl_c_stops_a_ready_multi_rank_server_cleanly(tmp_path, parallel):
+@pytest.mark.parametrize("degree", ["cfg", "dp"])
+def test_ctrl_c_stops_a_ready_multi_rank_server_cleanly(tmp_path, degree):
     """cfg 2: one replica of two ranks in lock-step; dp 2: two one-rank replicas behind the router."""
-    proc, port, err = start_server(two_rank_recipe(tmp_path, parallel), tmp_path)
+    proc, port, err = start_server(two_rank_recipe(tmp_path, degree), tmp_path)
     try:
         wait_until(lambda: healthy(port), proc, err, "200 from /health")
         ranks = rank_processes(proc.pid)
@@ -115,7 +103,7 @@ def test_ctrl_c_stops_a_ready_multi_rank_server_cleanly(tmp_path, parallel):
 
 def test_ctrl_c_while_the_ranks_load_stops_them(tmp_path):
     """Before the replicas connect the CLI's interrupt status (130) applies; no rank may be left behind."""
-    proc, _, err = start_server(two_rank_recipe(tmp_path, "cfg: 2"), tmp_path)
+    proc, _, err = start_server(two_rank_recipe(tmp_path, "cfg"), tmp_path)
 
     def both_ranks() -> list[int] | None:
         ranks = rank_processes(proc.pid)

@@ -16,7 +16,8 @@ import signal
 import httpx
 import pytest
 
-from test_serve_interrupt import assert_quiet, ctrl_c, start_server, two_rank_recipe, wait_until
+from test_serve_interrupt import assert_quiet, ctrl_c, start_server, wait_until
+from two_ranks import two_rank_recipe
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,8 +29,8 @@ def health(port: int) -> httpx.Response | None:
         return None
 
 
-def test_a_multi_rank_server_answers_503_starting_while_its_ranks_load(tmp_path):
-    recipe = two_rank_recipe(tmp_path, "cfg: 2")
+def test_a_multi_rank_server_answers_503_starting_until_its_replicas_are_ready(tmp_path):
+    recipe = two_rank_recipe(tmp_path, "cfg")
     # a long warm-up (the replica reports ready after it) keeps the loading window seconds wide on any machine
     recipe.write_text(recipe.read_text().replace("serving:\n", "serving:\n  warmup_steps: 200\n", 1))
     proc, port, err = start_server(recipe, tmp_path)
@@ -37,9 +38,8 @@ def test_a_multi_rank_server_answers_503_starting_while_its_ranks_load(tmp_path)
         first = wait_until(lambda: health(port), proc, err, "an answer from /health")
         assert first.status_code == 503, f"{first.status_code} {first.text}"
         assert first.json()["status"] == "starting" and "retry-after" in first.headers, first.text
-        ready = wait_until(lambda: (r := health(port)) is not None and r.status_code == 200, proc, err,
-                           "200 from /health", timeout=150)
-        assert ready
+        wait_until(lambda: (r := health(port)) is not None and r.status_code == 200, proc, err, "200 from /health",
+                   timeout=150)  # fails the test when it does not come
         code, stderr = ctrl_c(proc, err)
     finally:
         if proc.poll() is None:
