@@ -113,6 +113,9 @@ class HttpTarget:
             return Sample(False, dt, str(r.status_code))
         return Sample(True, dt, stages=r.json()["data"][0].get("timings", {}))
 
+    def reserved_memory(self) -> None:
+        return None
+
     def peak_memory(self) -> None:
         return None
 
@@ -187,6 +190,11 @@ class InProcessTarget:
     def peak_memory(self) -> int | None:
         return None if self.services is None else self.services.max_memory_allocated()
 
+    def reserved_memory(self) -> int | None:
+        """What the caching allocator holds now (allocated plus its cache): what other processes on the card
+        cannot have. None on the CPU and for a server."""
+        return None if self.services is None else self.services.memory_stats().get("reserved_bytes")
+
     def reset_peak_memory(self) -> None:
         if self.services is not None:
             self.services.reset_peak_memory()
@@ -220,7 +228,8 @@ def run_level(target, bodies: list[dict], concurrency: int) -> dict:
         for f in [pool.submit(client) for _ in range(concurrency)]:
             f.result()
     wall = time.perf_counter() - t0
-    return summarize(samples, concurrency, wall, target.peak_memory())
+    return summarize(samples, concurrency, wall, target.peak_memory()) | {
+        "device_memory_reserved_bytes": target.reserved_memory()}
 
 
 def summarize(samples: list[Sample], concurrency: int, wall: float, peak: int | None) -> dict:
@@ -244,16 +253,20 @@ def _round(x: float | None) -> float | None:
 
 def table(levels: list[dict]) -> str:
     head = ("conc", "ok/req", "p50 s", "p90 s", "p99 s", "img/h", "queue", "prefill", "denoise", "vae", "encode",
-            "peak GiB")
+            "peak GiB", "reserved GiB")
     rows = [head]
     for lv in levels:
         lat, st = lv["latency_s"], lv["stage_mean_s"]
-        peak = lv["peak_device_memory_bytes"]
+        peak, reserved = lv["peak_device_memory_bytes"], lv.get("device_memory_reserved_bytes")
         rows.append((str(lv["concurrency"]), f"{lv['ok']}/{lv['requests']}",
                      *(_fmt(lat[k]) for k in ("p50", "p90", "p99")), _fmt(lv["images_per_hour"], 1),
-                     *(_fmt(st[k], 3) for k in STAGES), "-" if peak is None else f"{peak / 2**30:.2f}"))
+                     *(_fmt(st[k], 3) for k in STAGES), _gib(peak), _gib(reserved)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
 
 
 def _fmt(x, digits: int = 2) -> str:

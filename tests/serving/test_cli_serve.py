@@ -99,6 +99,7 @@ def test_bench_in_process(tmp_path):
     assert rc == 0
     [level] = json.loads(out.read_text())["levels"]
     assert level["ok"] == 1 and level["peak_device_memory_bytes"] > 0
+    assert level["device_memory_reserved_bytes"] is None  # the CPU has no caching allocator to report
 
 
 def test_percentile():
