@@ -8,6 +8,7 @@ device module, so one class serves cuda, xpu, npu and musa alike.
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
 from dataclasses import dataclass
 
@@ -85,6 +86,24 @@ class DeviceServices:
         fraction = min(1.0, limit_bytes / total)
         setter(fraction, self.device)
         return fraction
+
+    def expandable_segments(self) -> str:
+        """Have the caching allocator grow its segments in place (torch's ``expandable_segments``) from here on,
+        so that memory freed by one phase can serve the next phase's larger blocks instead of staying reserved
+        beside new segments. Returns what was done, for the log: set, left to the environment's allocator
+        settings (``PYTORCH_ALLOC_CONF`` / ``PYTORCH_<DEVICE>_ALLOC_CONF`` name it already: the operator's word
+        wins), or nothing to do on the CPU. Segments reserved before the call keep their kind."""
+        if self.device_type == "cpu":
+            return "no caching allocator on the cpu"
+        for var in ("PYTORCH_ALLOC_CONF", f"PYTORCH_{self.device_type.upper()}_ALLOC_CONF"):
+            if "expandable_segments" in os.environ.get(var, ""):
+                return f"left to {var}={os.environ[var]}"
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9, every accelerator
+        if setter is None:
+            raise RuntimeError(f"device.expandable_segments: torch {torch.__version__} cannot set the allocator "
+                               "at run time (torch._C._accelerator_setAllocatorSettings); set it false")
+        setter("expandable_segments:True")
+        return "set"
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` in page-locked host memory: allocated once and filled by one copy, or ``t`` if it is already there

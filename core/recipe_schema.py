@@ -59,6 +59,10 @@ class Device(_Validated):
                              rule=_at_least(0), parse=_parse_float)
     memory_limit_gib: float = _opt(0.0, "cap on this process's device memory in GiB (a share of a card); allocations "
                                         "beyond it fail; 0 = no cap", rule=_at_least(0), parse=_parse_float)
+    expandable_segments: bool = _opt(False, "the caching allocator grows its segments in place (torch's "
+                                            "expandable_segments) instead of reserving new ones beside the "
+                                            "cache; less memory held back from other processes, same speed "
+                                            "where measured (BENCHMARKS.md)")
 
     def _rules(self) -> None:
         if self.memory_limit_gib and self.memory_gib and self.memory_limit_gib > self.memory_gib:

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE_FIELD_PATHS = [
     "name", "description", "platform", "requires",
     "device.kind", "device.count", "device.memory_gib", "device.memory_limit_gib",
+    "device.expandable_segments",
     "model.flavor", "model.path", "model.dtype", "model.vae_dtype",
     "parallel.tp", "parallel.ep", "parallel.ulysses", "parallel.ring", "parallel.cfg", "parallel.dp",
     "quant.scheme", "quant.experts_only",

@@ -253,8 +253,11 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
 
 
 def _bind_device(recipe, platform, local_rank: int):
-    """This worker's device services, capped at ``device.memory_limit_gib`` where the recipe asks."""
+    """This worker's device services, set before the first tensor lands on the device: expandable segments and
+    the ``device.memory_limit_gib`` cap where the recipe asks."""
     services = platform.device_services(local_rank)
+    if recipe.device.expandable_segments:
+        log.info("expandable allocator segments: %s", services.expandable_segments())
     if recipe.device.memory_limit_gib:  # a share of the card: the allocator refuses to grow past it
         fraction = services.limit_memory(int(recipe.device.memory_limit_gib * 2**30))
         log.info("device memory capped at %g GiB (%.0f%% of the card)", recipe.device.memory_limit_gib, 100 * fraction)
