@@ -158,7 +158,8 @@ def precision_lines(recipe: Recipe) -> list[str]:
              f"- offload: {o.mode}" + (f" (resident_layers {o.resident_layers}, prefetch_window {o.prefetch_window})"
                                        if o.mode in ("layers", "experts") else ""),
              f"- graph: {recipe.graph.mode}; step cache: {'on' if recipe.step_cache.enabled else 'off'}; "
-             f"VAE tiling: {'on' if recipe.vae.tiling else 'off'}",
+             f"VAE tiling: {'on' if recipe.vae.tiling else 'off'}; allocator: "
+             f"{'expandable segments' if recipe.device.expandable_segments else 'default segments'}",
              f"- serving: max_running {recipe.serving.max_running}, max_batch_tokens "
              f"{recipe.serving.max_batch_tokens}, max_queue {recipe.serving.max_queue}"]
     return lines
