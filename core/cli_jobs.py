@@ -4,6 +4,7 @@ refusal naming its flag), the reference images (read and checked by the server's
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from .recipe import RecipeError, parse_size
@@ -105,11 +106,16 @@ _COMMON_IMAGES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 
 def _writable(flag: str, path: Path) -> Path:
     """``path`` once its directory exists and a file can be created there (created and removed again where it did
-    not exist, appended nothing where it did); a UsageError naming ``flag`` otherwise."""
+    not exist, appended nothing where it did); a UsageError naming ``flag`` otherwise. Something there that is not
+    a regular file (a FIFO, a device) is asked for write permission only: opening a FIFO waits for a reader."""
     try:
         if path.is_dir():
             raise IsADirectoryError(21, "it is a directory")
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() and not path.is_file():
+            if not os.access(path, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+            return path
         existed = path.exists()
         with open(path, "ab"):
             pass

@@ -302,6 +302,20 @@ def test_an_output_check_leaves_no_file_behind_and_an_existing_one_untouched(han
     assert kept.read_bytes() == b"earlier image" and not (tmp_path / "z.safetensors").exists()
 
 
+@pytest.mark.timeout(30)
+def test_an_output_fifo_is_checked_without_opening_it(handover, tmp_path):
+    """-o naming a FIFO (an image piped to another program) passes the check at once: opening a FIFO to probe
+    it would wait for a reader that comes only once the image is written."""
+    import os
+    import stat
+
+    fifo = tmp_path / "image.png"
+    os.mkfifo(fifo)
+    calls = handover("omni.generate", "generate_main")
+    assert main(["generate", "--prompt", "x", "-o", str(fifo)]) == 0
+    assert [c[1].output for c in calls] == [fifo] and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
 def test_bad_recipe_file_exits_2(handover, tmp_path, capsys):
     handover("omni.generate", "generate_main")
     bad = recipe_file(tmp_path, "attention: {backend: fa4}\n")

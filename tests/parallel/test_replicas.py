@@ -204,6 +204,23 @@ def test_replicas_that_do_not_connect_in_time_are_stopped(checkpoint, tmp_path):
     assert not any(t.name == "omni-replicas" and t.is_alive() for t in threading.enumerate())
 
 
+def test_ranks_that_fail_before_they_connect_stop_the_launch_naming_the_rank(checkpoint, tmp_path, monkeypatch):
+    """A rank that fails before its first rank connects (here gloo cannot find the network interface it was
+    told to use, so the process group never forms) is found by the listener's wait: the error names the rank
+    and its cause at once, not after ``connect_timeout_s``, and the launch has ended."""
+    import threading
+    import time
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "omni_no_such_if0")  # the ranks inherit it
+    deployment = prepare(str(two_rank_recipe(tmp_path, "dp")), platform="cpu", overrides={"model.path": checkpoint})
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"replicas of cpux2_dp2 did not connect: rank [01] failed: RuntimeError: "
+                                           r".*omni_no_such_if0"):
+        start_replicas(deployment, connect_timeout_s=600)
+    assert time.monotonic() - t0 < 120, "the failure was found by the wait, not by the timeout"
+    assert not any(t.name == "omni-replicas" and t.is_alive() for t in threading.enumerate())
+
+
 def resources_recipe(name: str) -> str:
     from importlib import resources
 
