@@ -39,39 +39,70 @@ def supervise(procs: list, reports: dict, timeout_s: float | None, cancel: threa
     the failures arriving within ``ROOT_CAUSE_WINDOW_S`` are compared and the
     root cause wins (``_root_cause_order``), not an echo.
     """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    results: dict[int, Any] = {}
-    failures: list[tuple[float, WorkerError | KeyboardInterrupt]] = []
-    by_sentinel = {p.sentinel: (p, reports[c]) for p, c in zip(procs, reports)}
-    waiting = set(reports) | set(by_sentinel)
-    settle_until = None
-    while len(results) < len(procs):
-        now = time.monotonic()
-        if failures and (settle_until is None or now >= settle_until or not waiting):
-            raise min(failures, key=_root_cause_order)[1]
-        if deadline is not None and now >= deadline:
-            missing = sorted(set(reports.values()) - set(results))
-            raise TimeoutError(f"workers {missing} did not finish within {timeout_s}s; all workers stopped")
-        if cancel is not None and cancel.is_set():
-            raise LaunchCancelled("launch cancelled; all workers stopped")
-        limits = [t - now for t in (deadline, settle_until) if t is not None]
-        if cancel is not None:  # an Event cannot join mp.connection.wait: look at it this often
-            limits.append(CANCEL_POLL_S)
-        for obj in mp.connection.wait(list(waiting), timeout=max(0.0, min(limits)) if limits else None):
-            waiting.discard(obj)
-            if obj in reports:
-                failure = _read_report(obj, results)
-            else:
-                proc, rank = by_sentinel[obj]
-                proc.join()
-                _drain(reports, results, waiting, failures)
-                failure = None if rank in results or any(getattr(f[1], "rank", None) == rank for f in failures) \
-                    else (time.time(), WorkerError(rank, _exit_reason(proc.exitcode), silent=True))
-            if failure is not None:
-                failures.append(failure)
-                settle_until = settle_until or time.monotonic() + ROOT_CAUSE_WINDOW_S
+    watch = _Watch(procs, reports, timeout_s, cancel)
+    while len(watch.results) < len(procs):
+        watch.check()
+        for obj in mp.connection.wait(list(watch.waiting), timeout=watch.wait_s()):
+            watch.take(obj)
     base_rank = min(reports.values())
-    return [results[base_rank + i] for i in range(len(procs))]
+    return [watch.results[base_rank + i] for i in range(len(procs))]
+
+
+class _Watch:
+    """What ``supervise`` knows between two waits: the results, the failures and what is still to wait on (each
+    worker's report pipe and its process sentinel)."""
+
+    def __init__(self, procs: list, reports: dict, timeout_s: float | None, cancel: threading.Event | None):
+        self.reports, self.timeout_s, self.cancel = reports, timeout_s, cancel
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.results: dict[int, Any] = {}
+        self.failures: list[tuple[float, WorkerError | KeyboardInterrupt]] = []
+        self.by_sentinel = {p.sentinel: (p, reports[c]) for p, c in zip(procs, reports)}
+        self.waiting = set(reports) | set(self.by_sentinel)
+        self.settle_until: float | None = None  # the end of the root-cause window opened by the first failure
+
+    def check(self) -> None:
+        """Raise the root cause once the failures have settled, the timeout once it has passed, or the cancel."""
+        now = time.monotonic()
+        if self.failures and (self.settle_until is None or now >= self.settle_until or not self.waiting):
+            raise min(self.failures, key=_root_cause_order)[1]
+        if self.deadline is not None and now >= self.deadline:
+            missing = sorted(set(self.reports.values()) - set(self.results))
+            raise TimeoutError(f"workers {missing} did not finish within {self.timeout_s}s; all workers stopped")
+        if self.cancel is not None and self.cancel.is_set():
+            raise LaunchCancelled("launch cancelled; all workers stopped")
+
+    def wait_s(self) -> float | None:
+        """How long the next wait may block: to the deadline, to the end of the window, to the next look at the
+        cancel event (an Event cannot join ``mp.connection.wait``); None: until something happens."""
+        now = time.monotonic()
+        limits = [t - now for t in (self.deadline, self.settle_until) if t is not None]
+        if self.cancel is not None:
+            limits.append(CANCEL_POLL_S)
+        return max(0.0, min(limits)) if limits else None
+
+    def take(self, obj) -> None:
+        """A report arrived on ``obj`` or the worker of sentinel ``obj`` exited."""
+        self.waiting.discard(obj)
+        failure = _read_report(obj, self.results) if obj in self.reports else self._exited(*self.by_sentinel[obj])
+        if failure is not None:
+            self.failures.append(failure)
+            self.settle_until = self.settle_until or time.monotonic() + ROOT_CAUSE_WINDOW_S
+
+    def _exited(self, proc, rank: int):
+        """A worker's exit is a failure of its own only when it left no report (those it sent are read first)."""
+        proc.join()
+        self._drain()
+        reported = rank in self.results or any(getattr(f[1], "rank", None) == rank for f in self.failures)
+        return None if reported else (time.time(), WorkerError(rank, _exit_reason(proc.exitcode), silent=True))
+
+    def _drain(self) -> None:
+        """Read reports already sent (a worker may exit before its report is read)."""
+        for conn in [c for c in self.reports if c in self.waiting and c.poll()]:
+            self.waiting.discard(conn)
+            failure = _read_report(conn, self.results)
+            if failure is not None:
+                self.failures.append(failure)
 
 
 def _root_cause_order(failure: tuple) -> tuple:
@@ -94,15 +125,6 @@ def _read_report(conn, results: dict):
     if kind == "interrupted":
         return when, KeyboardInterrupt(f"rank {rank} was interrupted")
     return when, WorkerError(rank, payload, tb)
-
-
-def _drain(reports: dict, results: dict, waiting: set, failures: list) -> None:
-    """Read reports already sent (a worker may exit before its report is read)."""
-    for conn in [c for c in reports if c in waiting and c.poll()]:
-        waiting.discard(conn)
-        failure = _read_report(conn, results)
-        if failure is not None:
-            failures.append(failure)
 
 
 def _exit_reason(code: int | None) -> str:
