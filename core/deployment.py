@@ -199,4 +199,6 @@ def _log_summary(r: Recipe) -> None:
              p.ring, p.tp, p.ep, r.model.dtype, r.quant.scheme, r.model.flavor)
 
 
-__all__ = ["Deployment", "DeploymentError", "Endpoint", "RecipeError", "check_on", "device_problems", "one_replica", "prepare"]
+__all__ = [
+    "Deployment", "DeploymentError", "Endpoint", "RecipeError", "check_on", "device_problems", "one_replica", "prepare",
+]

@@ -37,7 +37,8 @@ class DeviceServices:
 
     @property
     def device(self) -> torch.device:
-        return torch.device(self.device_type) if self.device_type == "cpu" else torch.device(self.device_type, self.index)
+        return (torch.device(self.device_type) if self.device_type == "cpu"
+                else torch.device(self.device_type, self.index))
 
     @property
     def _mod(self):  # the torch.<device_type> module; present for every registered backend

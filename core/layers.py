@@ -88,7 +88,8 @@ class GroupedLinear(nn.Module):
                                     dtype=dtype, quant=quant, fast_accum=fast_accum, grouped_fp8=grouped_fp8,
                                     small_rows=small_rows)
         self.kernel = platform.grouped_gemm(self.spec)
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, dtype=dtype),
+                                   requires_grad=False)
         self.register_buffer("weight_scale", None)
         self.prepared: PreparedWeight | None = None
 

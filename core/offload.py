@@ -56,7 +56,8 @@ class LayerOffloader:
         self.stats = OffloadStats(blocks=self.offloaded)
         self.copy_stream = services.stream()
         self.host = {i: park_on_host(self.blocks[i], services, keep) for i in self.offloaded}
-        self.slots = [self._new_slot(self.host[self.offloaded[0]]) for _ in range(min(self.window, len(self.offloaded)))]
+        self.slots = [self._new_slot(self.host[self.offloaded[0]])
+                      for _ in range(min(self.window, len(self.offloaded)))]
         for pos, i in enumerate(self.offloaded):
             self.blocks[i].register_forward_pre_hook(lambda m, a, pos=pos: self._before(pos))
             self.blocks[i].register_forward_hook(lambda m, a, o, pos=pos: self._after(pos))

@@ -122,7 +122,8 @@ def _select_auto(plugins: dict[str, object], trace: bool) -> "Platform":
         return Platform(present[0].info, plugins[present[0].name], trace=trace)
     summary = "; ".join(f"{d.name}: {'present' if d.info else ', '.join(d.reasons) or 'absent'}" for d in dets)
     if not present:
-        raise PlatformError(f"--platform auto found no accelerator ({summary}); pass --platform cpu to use the reference")
+        raise PlatformError(f"--platform auto found no accelerator ({summary}); "
+                            "pass --platform cpu to use the reference")
     raise PlatformError(f"--platform auto found several accelerators ({summary}); choose one with --platform")
 
 

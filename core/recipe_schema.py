@@ -346,7 +346,8 @@ class Recipe(_Validated):
         if self.kernels.fuse_shared_expert and (p.ep > 1 or self.quant.experts_only):
             why = (f"parallel.ep={p.ep} spreads the routed experts over ranks, while every rank needs the shared one"
                    if p.ep > 1 else "quant.experts_only keeps the shared expert in model.dtype, the routed ones fp8")
-            raise RecipeError(f"true conflicts: {why}; set kernels.fuse_shared_expert: false", "kernels.fuse_shared_expert")
+            raise RecipeError(f"true conflicts: {why}; set kernels.fuse_shared_expert: false",
+                              "kernels.fuse_shared_expert")
         if self.offload.mode in ("layers", "experts", "vae") and self.graph.mode == "capture":
             raise RecipeError(f"offload.mode={self.offload.mode} conflicts with graph.mode=capture: streamed "
                               "weights move between device slots, which a captured graph cannot follow; "

@@ -321,7 +321,8 @@ class MoESpec:
     fast_accum: bool = False  # fp8 expert products may accumulate without promotion (``kernels.fp8_fast_accum``)
     grouped_fp8: str = "auto"  # one of GROUPED_FP8: the kernel of both fp8 expert GEMMs (``kernels.grouped_fp8``)
     small_rows: int = GROUPED_SMALL_ROWS  # as GroupedGemmSpec.small_rows, for both expert GEMMs
-    skinny_rows: int = GROUPED_SKINNY_ROWS  # most rows of one expert, few-row kernel (``kernels.grouped_fp8_skinny_rows``)
+    # most rows of one expert, few-row kernel (``kernels.grouped_fp8_skinny_rows``)
+    skinny_rows: int = GROUPED_SKINNY_ROWS
     pdl_rows: int = PDL_ROWS  # calls of at most this many rows may launch with PDL (``kernels.pdl_rows``)
 
     def __post_init__(self) -> None:
@@ -345,7 +346,8 @@ class PreparedMoE:
 
 
 class MoEImpl(Protocol):
-    """``prepare_weights(w13_EOI, w2_EOI) -> PreparedMoE``; ``(x_TD, topk_weights_Tk, topk_ids_Tk, prepared) -> y_TD``."""
+    """``prepare_weights(w13_EOI, w2_EOI) -> PreparedMoE``;
+    ``(x_TD, topk_weights_Tk, topk_ids_Tk, prepared) -> y_TD``."""
 
     name: str
 

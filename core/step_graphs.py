@@ -143,8 +143,8 @@ class _Entry:
 class StepGraphs:
     """Captured step backbones per batch signature (see the module docstring)."""
 
-    def __init__(self, platform, device_type: str, *, max_graphs: int = 4, strict: bool = True, name: str = "denoise_step",
-                 key_bucket: int = 0, collectives: str = ""):
+    def __init__(self, platform, device_type: str, *, max_graphs: int = 4, strict: bool = True,
+                 name: str = "denoise_step", key_bucket: int = 0, collectives: str = ""):
         self.platform, self.device_type, self.max_graphs, self.name = platform, device_type, max_graphs, name
         self.collectives = collectives  # the backend of collectives inside the region (tp's all-reduces)
         self.key_bucket = key_bucket  # > 0: prompt lengths share graphs (``step_key``)
@@ -184,7 +184,8 @@ class StepGraphs:
     def _capture(self, signature, binding, x_TD, forward, make_args) -> _Entry:
         while len(self._graphs) >= self.max_graphs:
             self._graphs.popitem(last=False)  # the graph and its pool go with the entry
-        spec = CaptureSpec(device_type=self.device_type, name=f"{self.name}[{len(signature)} rows, {x_TD.shape[0]} tok]",
+        spec = CaptureSpec(device_type=self.device_type,
+                           name=f"{self.name}[{len(signature)} rows, {x_TD.shape[0]} tok]",
                            pool_id=self.pool_id, collectives=self.collectives)
         runner = self.platform.graph_runner(spec)
         x, args = x_TD.clone(), make_args()

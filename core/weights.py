@@ -165,7 +165,8 @@ class _Loader:
     def finish(self, what: str, strict: bool) -> None:
         problems = self.problems + (self.missing() if strict else [])
         if problems:
-            raise CheckpointError(f"{what} does not fit the model ({len(problems)} problem(s)):\n  " + "\n  ".join(problems))
+            raise CheckpointError(f"{what} does not fit the model ({len(problems)} problem(s)):\n  "
+                                  + "\n  ".join(problems))
 
 
 def load_checkpoint(path: str | Path, targets: list[LoadTarget], *, skip_prefixes: tuple[str, ...] = (),

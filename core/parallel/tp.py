@@ -197,7 +197,8 @@ def check_plan(entries: list, cfg, mesh, sizes: dict) -> None:
             parts = _parts(mesh, style.axis)[1]
             if isinstance(style, Colwise):
                 size, blocks, what = sizes[name][1], _blocks(cfg, style), "output"
-                ok = size % blocks == 0 and (blocks % parts == 0 if style.whole_blocks else (size // blocks) % parts == 0)
+                ok = size % blocks == 0 and (blocks % parts == 0 if style.whole_blocks
+                                             else (size // blocks) % parts == 0)
             else:
                 size, blocks, what = sizes[name][0], 1, "input"
                 ok = size % parts == 0

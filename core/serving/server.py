@@ -53,7 +53,8 @@ class _Server(uvicorn.Server):
 
 
 def serve_main(deployment, endpoint) -> int:
-    """Serve ``deployment`` on ``endpoint`` (an ``omni.deployment.Endpoint``) until interrupted; 1 if the engine died."""
+    """Serve ``deployment`` on ``endpoint`` (an ``omni.deployment.Endpoint``) until interrupted; 1 if the engine
+    died."""
     sock = bind(endpoint)
     try:
         return _serve(deployment, endpoint, sock)

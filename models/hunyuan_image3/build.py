@@ -247,7 +247,8 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
                                                   random_values=bool(random_layers))
     runtime = SingleDevice() if parallel is None else parallel
     pool = _kv_pool(recipe, cfg, model, runtime, services.device)
-    log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages, pool.page_size)
+    log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages,
+             pool.page_size)
     t2i = _step_model(recipe, cfg, root, model, vae, vision, services.device, instruct)
     return _step_engine(recipe, platform, t2i, pool, runtime, services, offloaders)
 

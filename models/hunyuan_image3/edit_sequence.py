@@ -103,7 +103,8 @@ class CondSlots:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EditSequence(T2ISequence):
-    """One row of an editing batch: a ``T2ISequence`` (``ids``, ``pos_yx``, ``prefix_len``, ``token_h/w``) plus ``conds``.
+    """One row of an editing batch: a ``T2ISequence`` (``ids``, ``pos_yx``, ``prefix_len``, ``token_h/w``) plus
+    ``conds``.
 
     ``conds`` lists the conditioning images in order. Everything before the
     generated block's ``<timestep>`` (conditioning blocks included) is the

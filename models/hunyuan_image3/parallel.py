@@ -38,7 +38,8 @@ TP_PLAN = {
     "model.layers.*.mlp.experts.down_proj": Rowwise(reduce=False, axis="expert_tp"),
     "model.layers.*.mlp": ReduceOutput(axis="tp"),
     # ---- replicated, deliberately
-    "model.layers.*.self_attn.query_layernorm": Replicate("per-head RMSNorm over head_dim: same weights for every head"),
+    "model.layers.*.self_attn.query_layernorm": Replicate("per-head RMSNorm over head_dim: "
+                                                          "same weights for every head"),
     "model.layers.*.self_attn.key_layernorm": Replicate("per-head RMSNorm over head_dim: same weights for every head"),
     "model.layers.*.input_layernorm": Replicate("RMSNorm over the full hidden size (activations are replicated)"),
     "model.layers.*.post_attention_layernorm": Replicate("RMSNorm over the full hidden size"),

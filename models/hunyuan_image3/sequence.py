@@ -106,7 +106,8 @@ def cot_pieces(cot_text: str | None, *, drop_think: bool = False) -> list[TextPi
     for start, end in COT_MARKERS:
         if start in cot_text and end in cot_text:
             before, inner, after = _split_pair(cot_text, start, end)
-            kept = [] if drop_think and start == "<think>" else [TextPiece(start), TextPiece(inner, True), TextPiece(end)]
+            kept = ([] if drop_think and start == "<think>"
+                    else [TextPiece(start), TextPiece(inner, True), TextPiece(end)])
             return cot_pieces(before, drop_think=drop_think) + kept + cot_pieces(after, drop_think=drop_think)
     return [TextPiece(cot_text, True)]
 

@@ -79,7 +79,8 @@ class VisionConfig:
         _require(vit, "hidden_act", "gelu_pytorch_tanh")
         _require(aligner, "projector_type", "mlp_gelu")
         if processor.get("patch_size", vit["patch_size"]) != vit["patch_size"]:
-            raise ValueError(f"vit_processor.patch_size {processor['patch_size']} != vit.patch_size {vit['patch_size']}")
+            raise ValueError(f"vit_processor.patch_size {processor['patch_size']} "
+                             f"!= vit.patch_size {vit['patch_size']}")
         if aligner.get("input_dim", vit["hidden_size"]) != vit["hidden_size"]:
             raise ValueError(f"vit_aligner.input_dim {aligner['input_dim']} != vit.hidden_size {vit['hidden_size']}")
         known = {f.name for f in fields(cls)}
@@ -144,7 +145,8 @@ class VisionEmbeddings(nn.Module):
         self.side = round(cfg.num_patches ** 0.5)
 
     def positions(self, h: int, w: int, P: int) -> torch.Tensor:
-        """``[P, D]``: the ``S x S`` table interpolated to ``h x w`` (bilinear, antialias), row-major; pad rows = row 0."""
+        """``[P, D]``: the ``S x S`` table interpolated to ``h x w`` (bilinear, antialias), row-major;
+        pad rows = row 0."""
         table = self.position_embedding.weight
         # the official code upcasts to fp32 on the CPU only (antialias needs it there); fp32 everywhere here
         grid_1DSS = table.float().T.reshape(1, -1, self.side, self.side)

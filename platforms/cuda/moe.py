@@ -173,7 +173,8 @@ class CudaMoE:
         else:  # GroupedMM
             h = self.gemm13(x[token_R], prepared.w13, offs)
             y = self.gemm2(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
-        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, addends() if callable(addends) else addends)
+        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype,
+                                    addends() if callable(addends) else addends)
 
 
 def resolve_moe(spec: MoESpec, caps: Caps, reject):

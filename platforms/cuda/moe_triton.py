@@ -310,7 +310,8 @@ class TritonKernels:
         if not 0 < nb <= MAX_BLOCKS or num_experts > MAX_EXPERTS:
             return torch_route_rows(ids_Tk, num_experts)
         eb = triton.next_power_of_2(num_experts)
-        token_R, inverse_R = torch.empty(R, dtype=torch.int64, device=dev), torch.empty(R, dtype=torch.int64, device=dev)
+        token_R, inverse_R = (torch.empty(R, dtype=torch.int64, device=dev),
+                              torch.empty(R, dtype=torch.int64, device=dev))
         ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
         chunk = SMALL_CHUNK if R <= SMALL_ROWS else SORT_CHUNK
         warps, pdl = (4 if chunk == SMALL_CHUNK else 8), self.pdl.kw(R)

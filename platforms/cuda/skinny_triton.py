@@ -101,7 +101,8 @@ class SkinnyFp8:
         y = torch.empty(M, N, dtype=out_dtype, device=xq_MK.device)
         t = self.tile_for(M)
         _skinny_fp8_kernel[(triton.cdiv(N, t.block_n),)](
-            xq_MK.contiguous(), xs_M1.reshape(-1).float().contiguous(), wq_NK, ws_N.reshape(-1).float().contiguous(), y, M, N, K,
+            xq_MK.contiguous(), xs_M1.reshape(-1).float().contiguous(), wq_NK, ws_N.reshape(-1).float().contiguous(),
+            y, M, N, K,
             BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
             num_warps=t.warps, num_stages=t.stages, **self.pdl.kw(M))
         return y

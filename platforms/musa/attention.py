@@ -45,7 +45,8 @@ def build_flash(spec: AttentionSpec, caps: MusaCaps, reject, load=load_module):
     if not caps.flash_installed:
         return reject(f"fa3: the vendor FlashAttention ({FLASH_MODULE}) is not installed")
     if caps.cc < FLASH_MIN_CC:
-        return reject(f"fa3: the vendor flash kernels need compute capability >= 3.1, device is {caps.cc[0]}.{caps.cc[1]}")
+        return reject("fa3: the vendor flash kernels need compute capability >= 3.1, "
+                      f"device is {caps.cc[0]}.{caps.cc[1]}")
     if spec.paged:
         return reject("fa3: paged KV unsupported by the vendor flash attention; sdpa gathers pages")
     if spec.mask == "dense":

@@ -73,7 +73,8 @@ def platform_info(reject) -> PlatformInfo | None:
 def recipe_problems(recipe) -> list[str]:
     problems, backend = [], recipe.attention.backend
     if backend not in ATTENTION_BACKENDS:
-        problems.append(f"musa: attention.backend={backend} is not a musa backend (choose {', '.join(ATTENTION_BACKENDS)})")
+        problems.append(f"musa: attention.backend={backend} is not a musa backend "
+                        f"(choose {', '.join(ATTENTION_BACKENDS)})")
     if backend == "fa3" and recipe.kv_cache.mode == "paged":
         problems.append("musa: paged KV unsupported by the vendor flash attention (attention.backend=fa3 with "
                         "kv_cache.mode=paged); use kv_cache.mode=contiguous or attention.backend=sdpa")

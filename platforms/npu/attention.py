@@ -92,7 +92,8 @@ def _tnd_head_dim_ok(spec: AttentionSpec) -> bool:
 
 def build_fia(spec: AttentionSpec, caps: NpuCaps, reject, load=load_torch_npu):
     if not caps.fia:
-        return reject(f"fia: runs on Atlas A2/A3 (Ascend910B, Ascend910_93) and Ascend 950; this SoC is {caps.soc or 'unknown'}")
+        return reject("fia: runs on Atlas A2/A3 (Ascend910B, Ascend910_93) and Ascend 950; "
+                      f"this SoC is {caps.soc or 'unknown'}")
     if spec.mask == "dense":
         return reject("fia: no arbitrary (dense) masks in TND layout here; sdpa serves them")
     if spec.dtype not in HALF:

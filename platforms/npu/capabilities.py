@@ -71,7 +71,8 @@ def recipe_problems(recipe) -> list[str]:
     problems = []
     backend, page = recipe.attention.backend, recipe.kv_cache.page_tokens
     if backend not in ATTENTION_BACKENDS:
-        problems.append(f"npu: attention.backend={backend} is not an npu backend (choose {', '.join(ATTENTION_BACKENDS)})")
+        problems.append(f"npu: attention.backend={backend} is not an npu backend "
+                        f"(choose {', '.join(ATTENTION_BACKENDS)})")
     if backend == "fia" and recipe.kv_cache.mode == "paged" and (page % 128 or not 128 <= page <= 512):
         problems.append(f"npu: attention.backend=fia with kv_cache.page_tokens={page}: FIA paged KV needs "
                         f"a multiple of 128 in 128..512")

@@ -61,7 +61,8 @@ def resolve_linear(spec: GemmSpec, caps: NpuCaps, reject, load=load_torch_npu):
     if spec.quant in LATER:
         return reject(f"npu: quant {spec.quant!r}: {LATER[spec.quant]}")
     if spec.dtype not in HALF:
-        return reject(f"npu: w8a8 activations are quantized by npu_dynamic_quant, which takes fp16/bf16, got {spec.dtype}")
+        return reject("npu: w8a8 activations are quantized by npu_dynamic_quant, which takes fp16/bf16, "
+                      f"got {spec.dtype}")
     if max(spec.in_features, spec.out_features) > MAX_DIM:
         return reject(f"npu: npu_quant_matmul needs K, N <= {MAX_DIM}, got {spec.in_features}x{spec.out_features}")
     torch_npu = load()
@@ -94,7 +95,8 @@ def resolve_grouped(spec: GroupedGemmSpec, caps: NpuCaps, reject, load=load_torc
     if spec.quant in LATER:
         return reject(f"npu: quant {spec.quant!r}: {LATER[spec.quant]}")
     if spec.quant == "w8a8" and spec.dtype not in HALF:
-        return reject(f"npu: w8a8 activations are quantized by npu_dynamic_quant, which takes fp16/bf16, got {spec.dtype}")
+        return reject("npu: w8a8 activations are quantized by npu_dynamic_quant, which takes fp16/bf16, "
+                      f"got {spec.dtype}")
     if max(spec.in_features, spec.out_features) > MAX_DIM:
         return reject(f"npu: npu_grouped_matmul needs dims < 65536, got {spec.in_features}x{spec.out_features}")
     torch_npu = load()

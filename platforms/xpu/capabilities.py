@@ -52,7 +52,8 @@ def ipex_problem() -> str:
     except PackageNotFoundError:  # importable without metadata (a source tree): nothing to compare
         return ""
     if _minor(ipex_version) != _minor(torch.__version__):
-        return f"{IPEX} {ipex_version} targets torch {'.'.join(map(str, _minor(ipex_version)))}, this is torch {torch.__version__}"
+        return (f"{IPEX} {ipex_version} targets torch {'.'.join(map(str, _minor(ipex_version)))}, "
+                f"this is torch {torch.__version__}")
     return ""
 
 

@@ -1,6 +1,6 @@
 """Command line of the tiny training run.
 
-    python -m omni.models.hunyuan_image3.train_tiny --out runs/tiny --seed 0          # vae, dit, export (the shipped run)
+    python -m omni.models.hunyuan_image3.train_tiny --out runs/tiny --seed 0        # vae, dit, export (the shipped run)
     python -m omni.models.hunyuan_image3.train_tiny --out runs/tiny --phase dit --resume   # continue one part
     python -m omni.models.hunyuan_image3.train_tiny --model instruct --out runs/edit --device cuda  # the Instruct run
 
