@@ -171,15 +171,26 @@ def omni_device_services(info: PlatformInfo) -> object | None:
     ``pin(tensor) -> tensor``, ``to_host_async(tensor) -> (host tensor, event
     or None)`` (a copy into page-locked memory queued behind the work so far,
     readable once the event has passed: the text decode steps read their
-    tokens through it without waiting for the step they launched next) and
-    ``empty_cache()``. ``Platform.side_stream()`` builds the MoE's side stream
+    tokens through it without waiting for the step they launched next),
+    ``empty_cache()``, ``limit_memory(bytes) -> fraction`` (``device.memory_limit_gib``)
+    and ``expandable_segments() -> str`` (``device.expandable_segments``: the
+    caching allocator grows segments in place from the call on; returns what
+    was done, for the log). The build calls the last two before any weight is
+    on the device. ``Platform.side_stream()`` builds the MoE's side stream
     (``omni.streams``) from it.
     Capture safety: ``synchronize``, ``memory_stats`` and ``to_host_async``
-    must not be used inside a captured region.
+    must not be used inside a captured region; ``limit_memory`` and
+    ``expandable_segments`` only before the first capture.
     Default implementation: ``torch.accelerator``-based services, or the CPU
     services (synchronize is a no-op, no streams, memory from the process RSS,
-    ``to_host_async`` copies at once and returns no event).
-    Versions: 0.3 (``to_host_async``); 0.2 (``stream(priority)``); 0.1.
+    ``to_host_async`` copies at once and returns no event, no memory cap, no
+    allocator to set). ``expandable_segments`` goes through torch's
+    accelerator-wide allocator settings (torch >= 2.9) and leaves the allocator
+    alone where ``PYTORCH_ALLOC_CONF`` or ``PYTORCH_<DEVICE>_ALLOC_CONF`` names
+    ``expandable_segments``; a platform whose allocator does not read torch's
+    settings returns services that set its own.
+    Versions: 0.4 (``expandable_segments``); 0.3 (``to_host_async``);
+    0.2 (``stream(priority)``); 0.1.
     """
 
 
