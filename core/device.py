@@ -100,9 +100,11 @@ class DeviceServices:
             if "expandable_segments" in os.environ.get(var, ""):
                 return f"left to {var}={os.environ[var]}"
         setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9, every accelerator
+        if setter is None:  # an older torch: the device module's own (torch.cuda's since torch 2.1)
+            setter = getattr(getattr(self._mod, "memory", None), "_set_allocator_settings", None)
         if setter is None:
-            raise RuntimeError(f"device.expandable_segments: torch {torch.__version__} cannot set the allocator "
-                               "at run time (torch._C._accelerator_setAllocatorSettings); set it false")
+            raise RuntimeError(f"device.expandable_segments: torch {torch.__version__} cannot set the "
+                               f"{self.device_type} allocator at run time; set it false")
         setter("expandable_segments:True")
         return "set"
 

@@ -59,11 +59,26 @@ def test_the_operators_allocator_settings_win(monkeypatch, var):
 
 
 def test_a_setting_of_other_keys_does_not_count_as_the_operators_word(monkeypatch):
+    """The environment names other keys only, so the setting goes on to torch: here a torch with neither setter,
+    which is refused naming the field."""
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", None)  # as on a torch older than 2.9
-    with pytest.raises(RuntimeError, match=r"device.expandable_segments: torch .* cannot set the allocator"):
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", None)
+    with pytest.raises(RuntimeError, match=r"device.expandable_segments: torch .* cannot set the cuda allocator"):
         DeviceServices("cuda").expandable_segments()
+
+
+def test_a_torch_older_than_2_9_sets_it_through_the_device_module(monkeypatch):
+    """Before torch 2.9 there is no accelerator-wide setter; torch.cuda's own (since 2.1) takes the same string.
+    (Recorded here: the CPU build cannot reach a CUDA allocator.)"""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    assert DeviceServices("cuda").expandable_segments() == "set"
+    assert calls == ["expandable_segments:True"]
 
 
 def test_the_recipe_field_takes_booleans_only():
