@@ -52,6 +52,9 @@ class StepEngine:
     asynchronously (without it a replayed step's time shows up in whatever waits next, the VAE decode).
     ``to_host(t)``: ``(host copy of t, event to wait on before reading it, or None)`` without waiting
     (``DeviceServices.to_host_async``); the decode steps read their tokens through it.
+    ``memory_stats()``: the device's memory in bytes by name (``DeviceServices.memory_stats``: allocated,
+    reserved, peak; a host reports its peak RSS), read by the server's /metrics at scrape time: torch's allocator statistics are
+    host-side counters (no device call), so a scrape does not touch a capture running on the engine thread.
     ``vae_tiles``: ``(tile, overlap)`` latents, None decodes whole. ``offloaders``:
     ``omni.offload.LayerOffloader`` objects (their hooks do the work; kept here for their stats).
     ``on_velocity(state, v_BChw)``: called with every row's velocity of a request after each step (tests
@@ -63,8 +66,10 @@ class StepEngine:
                  vae_graphs: StepGraphs | None = None, text_graphs: StepGraphs | None = None,
                  vae_tiles: tuple[int, int] | None = None, vae_lanes: TileLanes | None = None, offloaders=(),
                  on_velocity: Callable[[RequestState, torch.Tensor], None] | None = None,
-                 synchronize: Callable[[], None] | None = None, to_host: Callable | None = None):
+                 synchronize: Callable[[], None] | None = None, to_host: Callable | None = None,
+                 memory_stats: Callable[[], dict] | None = None):
         self.model, self.pool, self.runtime = model, pool, runtime
+        self.memory_stats = memory_stats or dict  # the device's byte counts, read by /metrics at scrape time
         self.synchronize = synchronize or (lambda: None)  # stage times are the device's, not the launch queue's
         self.to_host = to_host or (lambda t: (t.cpu(), None))  # (host copy, event to wait on): see text_steps.Drawn
         self.text_lookahead = True  # decode steps launched before the last one's tokens are read (text_steps)

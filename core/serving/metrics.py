@@ -39,6 +39,7 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        yield from _memory_gauges(getattr(sched.pipeline, "memory_stats", dict)())
         for key, doc in (("steps", "packed denoising steps run"), ("step_tokens", "tokens through those steps"),
                          ("admitted", "requests admitted"), ("finished", "requests completed"),
                          ("failed", "requests failed inside the pipeline"), ("cancelled", "requests cancelled"),
@@ -46,6 +47,22 @@ class _EngineCollector:
             c = CounterMetricFamily(f"omni_scheduler_{key}", doc)
             c.add_metric([], float(sched.stats[key]))
             yield c
+
+
+MEMORY_DOCS = {"allocated_bytes": "device memory held by live tensors",
+               "reserved_bytes": "device memory the caching allocator holds (live tensors and its cache): what "
+                                 "other processes on the device cannot have",
+               "peak_bytes": "most device memory live tensors held since start (the host's peak RSS on a cpu "
+                             "platform)"}
+
+
+def _memory_gauges(stats: dict):
+    """``omni_device_memory_<name>`` for each byte count the pipeline's device reports (none from a pipeline
+    that does not say: a multi-rank replica's devices are in its ranks' processes)."""
+    for name, value in stats.items():
+        g = GaugeMetricFamily(f"omni_device_memory_{name}", MEMORY_DOCS.get(name, name.replace("_", " ")))
+        g.add_metric([], float(value))
+        yield g
 
 
 class Metrics:

@@ -300,7 +300,7 @@ def _step_engine(recipe, platform, t2i, pool: KVPool, runtime, services, offload
         step_cache=recipe.step_cache.threshold if recipe.step_cache.enabled else 0.0,
         step_graphs=StepGraphs(platform, device_type, key_bucket=key_bucket(model),
                                collectives=runtime.step_collectives) if capture else None,
-        synchronize=services.synchronize, to_host=services.to_host_async,
+        synchronize=services.synchronize, to_host=services.to_host_async, memory_stats=services.memory_stats,
         vae_graphs=StepGraphs(platform, device_type, name="vae_decode",
                               max_graphs=2 * recipe.vae.streams) if capture else None,
         text_graphs=text_graphs(platform, device_type, model, runtime) if capture and writes_text else None,

@@ -59,3 +59,17 @@ def test_without_the_call_the_segments_are_not_expandable():
     off = _probe("off")
     assert off["expandable"] and not any(off["expandable"]), off
     assert off["same"]
+
+
+def test_metrics_report_the_devices_memory():
+    """/metrics' device gauges on a CUDA device: allocated, reserved and peak bytes, each at least the tensor
+    held (``omni.serving.metrics._memory_gauges`` over ``DeviceServices.memory_stats``)."""
+    from omni.device import DeviceServices
+    from omni.serving.metrics import _memory_gauges
+
+    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    gauges = {g.name: g.samples[0].value for g in _memory_gauges(DeviceServices("cuda", 0).memory_stats())}
+    assert set(gauges) == {"omni_device_memory_allocated_bytes", "omni_device_memory_reserved_bytes",
+                           "omni_device_memory_peak_bytes"}
+    assert all(v >= held.numel() for v in gauges.values()), gauges
+    assert gauges["omni_device_memory_reserved_bytes"] >= gauges["omni_device_memory_allocated_bytes"]

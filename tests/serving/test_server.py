@@ -47,6 +47,9 @@ def test_metrics_exposes_scheduler_and_latency(served, drained):
                  'omni_stage_seconds_count{stage="denoise"}', 'omni_stage_seconds_count{stage="encode"}',
                  "omni_scheduler_steps_total", 'omni_http_requests_total{endpoint="images",status="200"}'):
         assert name in text, name
+    # the device's memory: on the cpu platform, the process's peak RSS, which a served model makes large
+    [peak] = [line for line in text.splitlines() if line.startswith("omni_device_memory_peak_bytes ")]
+    assert float(peak.split()[1]) > 100 * 2**20
 
 
 # ------------------------------------------------------------------ images
