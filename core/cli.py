@@ -8,7 +8,7 @@ refusing platform), each printed as one ``omni-run: error: ...`` line.
 For ``generate`` and ``serve`` the CLI turns its flags into frozen objects
 and hands them over; it never passes the argparse Namespace on::
 
-    omni.deployment.prepare(--recipe, --platform, overrides from --model/--host/--port)
+    omni.deployment.prepare(--recipe, --platform, overrides from --set, then --model/--host/--port)
         -> Deployment (checked, patched, platform and model flavour concrete)
     generate: GenerateJob (the ImageRequest with recipe defaults filled, the output path)
         -> omni.generate.generate_main(deployment, job)
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from .deployment import DeploymentError, Endpoint, check_on
-from .recipe import GiB, Recipe, RecipeError, list_recipes, load_recipe, schema_rows
+from .recipe import GiB, Recipe, RecipeError, list_recipes, load_recipe, parse_overrides, schema_rows
 from .cli_jobs import (
     UsageError, check_generation_flags, check_range, generate_job, image_request, reference_images, serving_helpers,
 )
@@ -157,8 +157,9 @@ def cmd_models(args) -> int:
 def _deployment(args, serving: bool):
     from .deployment import prepare
 
-    _check_platform(args.platform or load_recipe(args.recipe).platform)
-    overrides = {"model.path": args.model} if args.model else {}
+    overrides = parse_overrides(getattr(args, "set", []) + getattr(args, "set_", []))  # before, then after COMMAND
+    _check_platform(args.platform or load_recipe(args.recipe).replace_paths(overrides).platform)
+    overrides |= {"model.path": args.model} if args.model else {}
     if serving:
         overrides |= {k: v for k, v in (("serving.host", args.host), ("serving.port", args.port)) if v is not None}
     return prepare(args.recipe, platform=args.platform, overrides=overrides, trace=args.trace)

@@ -55,6 +55,11 @@ def _deployment(parser: argparse.ArgumentParser, top: bool) -> None:
                    help="cpu, cuda, rocm, npu, xpu, musa, ... (default: the recipe's platform; auto = detect)")
     g.add_argument("--model", metavar="PATH", default=default(None),
                    help="Hugging Face-format model directory (overrides model.path)")
+    # the command's own --set items add to those before the command (sub-level values of other flags replace)
+    g.add_argument("--set", metavar="KEY=VALUE", action="append", default=default([]), dest="set" if top else "set_",
+                   help="override one recipe key for this run, checked like the file (repeatable; omni-run "
+                        "recipes --schema lists the keys), e.g. --set serving.max_running=2; --model, --host and "
+                        "--port win over --set of the same key")
 
 
 def _serving(parser: argparse.ArgumentParser, top: bool) -> None:

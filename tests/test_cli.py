@@ -21,21 +21,21 @@ BUILTIN_PLATFORMS = ("cpu", "cuda", "rocm", "npu", "xpu", "musa")
 
 # The CLI surface, frozen: changing it is a deliberate change for every user and script.
 CLI_SURFACE = {
-    "": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe", "--trace",
-         "--version", "-h"],
+    "": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--recipe", "--set",
+         "--trace", "--version", "-h"],
     "platforms": ["--help", "--log-level", "--trace", "-h"],
     "models": ["--help", "--log-level", "--trace", "-h"],
     "recipes": ["--check", "--docs", "--help", "--log-level", "--platform", "--schema", "--trace", "-h"],
     "generate": ["--bot-task", "--cot-max-tokens", "--drop-think", "--guidance", "--help", "--latents", "--log-level",
-                 "--model", "--negative-prompt", "--output", "--platform", "--prompt", "--recipe", "--seed", "--size",
-                 "--steps", "--trace", "--verbose", "-h", "-o", "-v"],
+                 "--model", "--negative-prompt", "--output", "--platform", "--prompt", "--recipe", "--seed", "--set",
+                 "--size", "--steps", "--trace", "--verbose", "-h", "-o", "-v"],
     "edit": ["--bot-task", "--cot-max-tokens", "--drop-think", "--guidance", "--help", "--image", "--latents",
              "--log-level", "--model", "--negative-prompt", "--output", "--platform", "--prompt", "--recipe", "--seed",
-             "--size", "--steps", "--trace", "--verbose", "-h", "-o", "-v"],
+             "--set", "--size", "--steps", "--trace", "--verbose", "-h", "-o", "-v"],
     "chat": ["--help", "--image", "--log-level", "--max-tokens", "--model", "--platform", "--prompt", "--recipe",
-             "--seed", "--system-prompt", "--temperature", "--top-k", "--top-p", "--trace", "-h"],
+             "--seed", "--set", "--system-prompt", "--temperature", "--top-k", "--top-p", "--trace", "-h"],
     "serve": ["--api-key", "--help", "--host", "--log-level", "--model", "--platform", "--port", "--ray",
-              "--ray-address", "--recipe", "--trace", "-h"],
+              "--ray-address", "--recipe", "--set", "--trace", "-h"],
     "bench": [],  # everything after `bench` goes to the benchmark client
 }
 
@@ -230,6 +230,36 @@ def test_generate_flags_win_over_recipe_defaults(handover, tmp_path):
     assert (req.width, req.height, req.steps, req.guidance, str(job.output)) == (768, 512, 3, 0.0, "y.png")
     assert str(job.latents) == "z.safetensors" and req.return_latents
     assert deployment.recipe.model.path == os.path.abspath(tmp_path)
+
+
+def test_set_overrides_recipe_keys_and_the_named_flags_win(handover, tmp_path):
+    """--set KEY=VALUE changes one recipe key for this run (checked like the file, before anything loads); the
+    items before the command and the command's own add up; --model / --port name their key outright and win
+    over a --set of the same key."""
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    calls = handover("omni.serving.server", "serve_main")
+    assert main(["--set", "serving.max_running=3", "serve", "--set", "device.expandable_segments=true",
+                 "--set", "serving.port=9001", "--port", "9002", "--set", "model.path=/nowhere",
+                 "--model", str(tmp_path)]) == 0
+    [(deployment, endpoint)] = calls
+    r = deployment.recipe
+    assert (r.serving.max_running, r.device.expandable_segments, endpoint.port) == (3, True, 9002)
+    assert r.model.path == os.path.abspath(tmp_path)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("serving.max_running", "--set expects KEY=VALUE, got 'serving.max_running'"),
+    ("serving.max_runing=2", "serving.max_runing: unknown key 'max_runing'"),
+    ("serving.max_running=lots", "serving.max_running: "),
+])
+def test_a_bad_set_exits_2_naming_it_before_anything_runs(handover, capsys, item, message):
+    calls = handover("omni.generate", "generate_main")
+    assert main(["generate", "--prompt", "x", "--set", item]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("omni-run: error: ") and message in err
+    assert not calls
 
 
 def test_generate_exit_status_and_runtime_errors(handover, capsys):
