@@ -158,10 +158,10 @@ def _deployment(args, serving: bool):
     from .deployment import prepare
 
     overrides = parse_overrides(getattr(args, "set", []) + getattr(args, "set_", []))  # before, then after COMMAND
-    _check_platform(args.platform or load_recipe(args.recipe).replace_paths(overrides).platform)
     overrides |= {"model.path": args.model} if args.model else {}
     if serving:
         overrides |= {k: v for k, v in (("serving.host", args.host), ("serving.port", args.port)) if v is not None}
+    _check_platform(args.platform or load_recipe(args.recipe).replace_paths(overrides).platform)
     return prepare(args.recipe, platform=args.platform, overrides=overrides, trace=args.trace)
 
 

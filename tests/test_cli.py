@@ -241,7 +241,7 @@ def test_set_overrides_recipe_keys_and_the_named_flags_win(handover, tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
     calls = handover("omni.serving.server", "serve_main")
     assert main(["--set", "serving.max_running=3", "serve", "--set", "device.expandable_segments=true",
-                 "--set", "serving.port=9001", "--port", "9002", "--set", "model.path=/nowhere",
+                 "--set", "serving.port=0", "--port", "9002", "--set", "model.path=/nowhere",
                  "--model", str(tmp_path)]) == 0
     [(deployment, endpoint)] = calls
     r = deployment.recipe
