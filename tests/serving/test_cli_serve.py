@@ -39,6 +39,39 @@ def test_serve_binds_localhost_and_bench_measures_it(server_process, tmp_path):
     [level] = json.loads(out.read_text())["levels"]
     assert level["ok"] == 2 and level["latency_s"]["p50"] > 0 and level["images_per_hour"] > 0
     assert level["stage_mean_s"]["vae"] > 0 and level["stage_mean_s"]["denoise"] > 0
+    assert level["device_memory_reserved_bytes"] is None  # read from its /metrics: a cpu server reports none
+
+
+def test_bench_reads_a_servers_reserved_memory_from_its_metrics():
+    """Against a URL the level's reserved memory is the server's ``omni_device_memory_reserved_bytes`` (what a
+    GPU server's /metrics reports; here a stand-in serving that text, as the cpu platform has no allocator);
+    an answer without it, or a refused scrape, leaves the figure out."""
+    import http.server
+
+    from omni.bench_client import HttpTarget
+
+    pages = {"/metrics": (200, "omni_device_memory_peak_bytes 1.0e+10\nomni_device_memory_reserved_bytes "
+                                "1.1853e+11\nomni_queue_depth 0.0\n")}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, text = pages.get(self.path, (404, ""))
+            self.send_response(status)
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        target = HttpTarget(f"http://127.0.0.1:{server.server_address[1]}", None, 10)
+        assert target.reserved_memory() == 118_530_000_000
+        pages["/metrics"] = (200, "omni_device_memory_peak_bytes 1.0e+10\n")
+        assert target.reserved_memory() is None
+        pages["/metrics"] = (401, "omni_device_memory_reserved_bytes 5\n")
+        assert target.reserved_memory() is None
+        server.shutdown()
 
 
 def test_sigint_answers_the_running_request_503_and_logs_no_traceback(server_process):
