@@ -53,8 +53,9 @@ class StepEngine:
     ``to_host(t)``: ``(host copy of t, event to wait on before reading it, or None)`` without waiting
     (``DeviceServices.to_host_async``); the decode steps read their tokens through it.
     ``memory_stats()``: the device's memory in bytes by name (``DeviceServices.memory_stats``: allocated,
-    reserved, peak; a host reports its peak RSS), read by the server's /metrics at scrape time: torch's allocator statistics are
-    host-side counters (no device call), so a scrape does not touch a capture running on the engine thread.
+    reserved, peak; a host reports its peak RSS), read by the server's /metrics at scrape time: torch's
+    allocator statistics are host-side counters (no device call), so a scrape does not touch a capture
+    running on the engine thread.
     ``vae_tiles``: ``(tile, overlap)`` latents, None decodes whole. ``offloaders``:
     ``omni.offload.LayerOffloader`` objects (their hooks do the work; kept here for their stats).
     ``on_velocity(state, v_BChw)``: called with every row's velocity of a request after each step (tests
