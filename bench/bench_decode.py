@@ -67,7 +67,8 @@ def answers(c: int, words: int, tokens: int, staggered: bool = False, distinct: 
         start = i if distinct else 0
         text = " ".join(WORDS[(start + j * 7) % len(WORDS)] for j in range(words))
         return f"{i}. {text}" if distinct else text
-    lengths = [tokens // 4 + (tokens - tokens // 4) * i // max(c - 1, 1) for i in range(c)] if staggered else [tokens] * c
+    lengths = ([tokens // 4 + (tokens - tokens // 4) * i // max(c - 1, 1) for i in range(c)] if staggered
+               else [tokens] * c)
     return [TextRequest(prompt=prompt(i), max_tokens=n, temperature=0.0, seed=i, stop_ids=())
             for i, n in enumerate(lengths)]
 

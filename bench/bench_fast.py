@@ -128,7 +128,8 @@ def engine(a, platform, quant, device, out, label):
     kv_layer = s.pool.k[0].numel() * s.pool.k[0].element_size() * 2
     res["peak_mem_gib_measured_layers"] = peak / 2**30
     res["peak_mem_gib_32_layers_estimate"] = (peak + (RELEASED_LAYERS - a.layers) * (layer_bytes + kv_layer)) / 2**30
-    print(f"[engine {label}] peak {peak/2**30:.1f} GiB with {a.layers} layers; ~{res['peak_mem_gib_32_layers_estimate']:.1f}"
+    print(f"[engine {label}] peak {peak/2**30:.1f} GiB with {a.layers} layers; "
+          f"~{res['peak_mem_gib_32_layers_estimate']:.1f}"
           f" GiB estimated for 32 (+ weights and KV of the other layers)", flush=True)
     return s, res
 

@@ -4,7 +4,8 @@ One 1024x1024 CFG step packs T = 8194 tokens (2 rows x (1 + 4096)); hidden
 4096, 32 query / 8 KV heads of 128, shared-expert width 3072, 64 experts top 8.
 For each step of the glue (``omni_glue_impl``) it times, in the same run:
 
-    torch     the reference's ops (the router: the fp32 copy of the rows and an fp32 GEMM) (``omni.reference_glue``: what the model ran before fusion);
+    torch     the reference's ops (the router: the fp32 copy of the rows and an fp32 GEMM)
+              (``omni.reference_glue``: what the model ran before fusion);
               the MoE's routing and combine: what the cuda MoE ran before (torch's sort; combine, then two adds)
     liger     liger-kernel's Triton kernel for the same step where it has one (rms_norm,
               fused_add_rms_norm, rope, swiglu), plus our quant_rows where the step also quantizes

@@ -144,8 +144,8 @@ def build(a, platform, recipe):
     dev = platform.device_services(0)
     t0 = time.perf_counter()
     model = random_fullsize.build_random_model_layerwise(
-        model_config(a), platform, dtype=torch.bfloat16, quant=recipe.quant.scheme, paged=recipe.kv_cache.mode == "paged",
-        page_size=recipe.kv_cache.page_tokens, device=dev.device,
+        model_config(a), platform, dtype=torch.bfloat16, quant=recipe.quant.scheme,
+        paged=recipe.kv_cache.mode == "paged", page_size=recipe.kv_cache.page_tokens, device=dev.device,
         progress=lambda i: log(f"  layer {i + 1}/{a.layers} built", t0))
     tiles = (recipe.vae.tile_latents, recipe.vae.overlap) if recipe.vae.tiling else None
     pipe = build_random_pipeline(recipe, platform, num_layers=a.layers, model=model, vae_tiles=tiles,

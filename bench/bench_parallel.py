@@ -221,7 +221,8 @@ def _kernel_name(model) -> str:
 
 def report(result: dict, path: Path | None) -> None:
     graph = result["per_rank"][0].get("graph", "eager")
-    print(f"\nlayout {result['layout']} ({graph})  layers {result['layers']}  {result['size']} x {result['rows_per_step']} rows  "
+    print(f"\nlayout {result['layout']} ({graph})  layers {result['layers']}  "
+          f"{result['size']} x {result['rows_per_step']} rows  "
           f"prefix {result['prompt_tokens']}  {result['device_name']}  {result['dist_backend']}")
     print(f"{'rank':>4} {'step ms':>9} {'comm ms':>9} {'comm %':>7} {'no-comm ms':>10} {'by diff %':>9} "
           f"{'peak GiB':>9} {'32-layer step s':>16}")

@@ -83,7 +83,8 @@ def cases(glue, moe):
     b16 = 2
     return [
         ("rms_norm + fp8 rows", "norm", lambda: glue.rms_norm(x, w, True), T * D * (2 + 2 + 1)),
-        ("add + rms_norm + fp8 rows", "norm", lambda: glue.add_rms_norm(x, d, w, True), T * D * (2 * b16 + 2 * b16 + 1)),
+        ("add + rms_norm + fp8 rows", "norm", lambda: glue.add_rms_norm(x, d, w, True),
+         T * D * (2 * b16 + 2 * b16 + 1)),
         ("rope + qk-norm + v", "rope", lambda: glue.rope_qk_norm(qkv, cos, sin, wq, wk, (N, K)),
          2 * T * (N + 2 * K) * H * b16 + 2 * T * H * b16),
         ("router softmax + top-8", "route", lambda: glue.route(logits), T * E * 4 + T * TOPK * 12),
@@ -111,7 +112,8 @@ def set_tile(glue, moe, key: str, tile) -> None:
 
 
 def current_tile(glue, moe, key: str):
-    quant = {"quant_routed": moe.quant_tiles.get(I, moe.quant_tile), "quant_hidden": moe.quant_tiles.get(D, moe.quant_tile)}
+    quant = {"quant_routed": moe.quant_tiles.get(I, moe.quant_tile),
+             "quant_hidden": moe.quant_tiles.get(D, moe.quant_tile)}
     return {**{k: getattr(moe, attr) for k, attr in MOE_TILES.items()}, **quant}.get(key) or glue.tiles[key]
 
 

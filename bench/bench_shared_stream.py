@@ -81,9 +81,9 @@ def main() -> int:
     fa = bench_fast.parse(["--layers", str(a.layers), "--fast-accum", "--config", a.config])
     s = fast_setup.Setup(fa, platform, "fp8_row", dev)
     s.prefill()
-    graphs, ref, result = {}, None, {"layers": a.layers, "steps_per_round": a.steps, "device": platform.info.device_name,
-                                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                                       time.gmtime())}
+    graphs, ref, result = {}, None, {"layers": a.layers, "steps_per_round": a.steps,
+                                     "device": platform.info.device_name, "torch": torch.__version__,
+                                     "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     sides = variants(platform, [int(p) for p in a.priorities.split(",")])
     for name, side in sides.items():
         graphs[name] = StepGraphs(platform, platform.info.device_type) if platform.info.accelerator else None

@@ -43,7 +43,8 @@ PROMPTS = ["a red fox in fresh snow, morning light", "an isometric city block at
 
 
 def build(cache_dir: Path | None = None):
-    """The cpu_tiny deployment's pipeline; ``cache_dir``: where the embedded checkpoint is written (default: the cache)."""
+    """The cpu_tiny deployment's pipeline; ``cache_dir``: where the embedded checkpoint is written
+    (default: the cache)."""
     from omni.models.hunyuan_image3.tiny import ensure_tiny_checkpoint
 
     overrides = {"model.path": str(ensure_tiny_checkpoint(cache_dir))} if cache_dir else {}

@@ -169,7 +169,8 @@ def main() -> int:
         results.append(row)
         side = ", ".join(f"{v['decode_tokens_per_s']:.0f} tok/s / image step {v['image_step_s'] * 1e3:.0f} ms at "
                          f"{k} per image step" for k, v in beside.items())
-        print(f"c={c}: {cached['decode_tokens_per_s']:.0f} tok/s cached vs {nocache['tokens_per_s']:.0f} without cache; "
+        print(f"c={c}: {cached['decode_tokens_per_s']:.0f} tok/s cached vs "
+              f"{nocache['tokens_per_s']:.0f} without cache; "
               f"TTFT {cached['ttft_mean_s'] * 1e3:.0f} ms; beside an image: {side}", file=sys.stderr)
     out = {"commit": commit, "platform": platform.name, "device": platform.info.device_name, "layers": a.layers,
            "note": f"transformer at {a.layers} of {RELEASED_LAYERS} layers, random weights, greedy",

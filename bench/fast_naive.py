@@ -82,4 +82,5 @@ def naive(a, s: Setup, out):
     res = {"step_s": t_step, "backbone_s": t_bb, "per_layer_s": t_bb / a.layers, "image_io_s": io,
            "step_32_layers_s": t_bb / a.layers * RELEASED_LAYERS + io}
     out["naive_bf16"] = res
-    print(f"[naive bf16] step {t_step*1e3:.1f} ms ({a.layers} layers), per layer {t_bb/a.layers*1e3:.2f} ms", flush=True)
+    print(f"[naive bf16] step {t_step*1e3:.1f} ms ({a.layers} layers), per layer {t_bb/a.layers*1e3:.2f} ms",
+          flush=True)

@@ -57,7 +57,8 @@ def profile(s: Setup, out, label, graph: bool = False):
                                "top": [{"kernel": n[:120], "ms_per_layer": m, "calls_per_layer": c}
                                        for n, m, c in rows[:40]]}
     print(f"[kernels {label}] per layer {total:.2f} ms of kernel time in {wall_ms:.2f} ms of wall time "
-          f"({'graph replay' if graph else 'eager'}): " + ", ".join(f"{k} {v:.2f}" for k, v in cats.items()), flush=True)
+          f"({'graph replay' if graph else 'eager'}): " + ", ".join(f"{k} {v:.2f}" for k, v in cats.items()),
+          flush=True)
     for n, m, c in rows[:12]:
         print(f"    {m:7.3f} ms  x{c:<3d} {n[:100]}", flush=True)
 

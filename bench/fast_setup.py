@@ -25,8 +25,8 @@ RELEASED_LAYERS = 32
 def bench_config(a):
     cfg = released_layers(a.layers)
     if a.config == "small":
-        cfg = dataclasses.replace(cfg, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, attention_head_dim=64,
-                                  num_experts=8, moe_intermediate_size=(128,) * a.layers)
+        cfg = dataclasses.replace(cfg, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                  attention_head_dim=64, num_experts=8, moe_intermediate_size=(128,) * a.layers)
     return cfg
 
 

@@ -96,7 +96,8 @@ def profiled_steps(engine, c: int, steps: int) -> tuple[float, list, list]:
 def host_summary(averages, steps: int, top: int) -> dict:
     """Host milliseconds per step of each labelled phase, and the host operators by their own CPU time."""
     cpu = [e for e in averages if e.device_type == torch.autograd.DeviceType.CPU]
-    phases = {e.key.split(":", 1)[1]: round(e.cpu_time_total / steps / 1e3, 3) for e in cpu if e.key.startswith("phase:")}
+    phases = {e.key.split(":", 1)[1]: round(e.cpu_time_total / steps / 1e3, 3)
+              for e in cpu if e.key.startswith("phase:")}
     ops = sorted((e for e in cpu if not e.key.startswith("phase:")), key=lambda e: -e.self_cpu_time_total)
     return {"host_ms_per_step": {p: phases.get(p, 0.0) for p in PHASES},
             "host_top": [{"op": e.key[:80], "calls_per_step": round(e.count / steps, 2),

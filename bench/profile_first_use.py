@@ -121,14 +121,15 @@ def main() -> int:
         print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled", flush=True)
     answers = [answer_s(engine, a.answers, seed=i) for i in range(2)] if a.answers else []
     for i, row in enumerate(answers):
-        print(f"answer {i + 1}: {row['seconds']:.2f} s for {row['tokens']} tokens, {row['compiled']} compiled", flush=True)
+        print(f"answer {i + 1}: {row['seconds']:.2f} s for {row['tokens']} tokens, {row['compiled']} compiled",
+              flush=True)
     rows = []
     for i, n in enumerate(int(w) for w in a.words.split(",")):
         rows.append(first_use(engine, deployment.recipe, n, a.size, seed=i))
         print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": "empty at start",
-           "compiled_while_building": before, "warm_up": warm, "answers": answers, "requests": rows, "torch": torch.__version__,
-           "device": torch.cuda.get_device_name()}
+           "compiled_while_building": before, "warm_up": warm, "answers": answers, "requests": rows,
+           "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     return 0

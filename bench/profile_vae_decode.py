@@ -52,7 +52,8 @@ def main() -> int:
         torch.cuda.synchronize()
     evs = sorted(((e.key, e.device_time_total, e.count) for e in prof.key_averages() if e.device_time_total > 0),
                  key=lambda e: -e[1])
-    print(f"[vae profile] {'plain' if a.plain else 'prepared'} {a.dtype} decode kernels {sum(e[1] for e in evs) / 1e3:.1f} ms in "
+    print(f"[vae profile] {'plain' if a.plain else 'prepared'} {a.dtype} decode kernels "
+          f"{sum(e[1] for e in evs) / 1e3:.1f} ms in "
           f"{sum(e[2] for e in evs)} launches")
     for key, us, count in evs[:a.top]:
         print(f"   {us / 1e3:8.2f} ms x{count:<4d} {key[:110]}")

@@ -284,7 +284,8 @@ def test_vendors_without_triton_kernels_refuse_a_triton_demand(name):
     plugin = importlib.import_module(f"omni.platforms.{name}.plugin").plugin
     for spec in (MOE, FP8_ROW):
         reason = plugin.triton_refusal(dataclasses.replace(spec, memory_bound="triton"))
-        assert reason == f"{name}: kernels.memory_bound=triton, but this platform has no Triton kernels (use auto or torch)"
+        assert reason == (f"{name}: kernels.memory_bound=triton, but this platform has no Triton kernels "
+                          "(use auto or torch)")
         assert plugin.triton_refusal(dataclasses.replace(spec, memory_bound="auto")) is None
     cuda = importlib.import_module("omni.platforms.cuda.plugin").plugin
     assert cuda.triton_refusal(dataclasses.replace(MOE, memory_bound="triton")) is None  # cuda decides in its modules

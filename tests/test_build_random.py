@@ -61,8 +61,10 @@ def test_random_layers_build_layer_by_layer_and_generate(tiny_widths):
     engine.release(s)
 
 
-@pytest.mark.parametrize("flavor,pipeline,rows", [("hunyuan_image3_instruct", "HunyuanImage3Instruct", 2),
-                                                   ("hunyuan_image3_instruct_distil", "HunyuanImage3InstructDistil", 1)])
+@pytest.mark.parametrize("flavor,pipeline,rows", [
+    ("hunyuan_image3_instruct", "HunyuanImage3Instruct", 2),
+    ("hunyuan_image3_instruct_distil", "HunyuanImage3InstructDistil", 1),
+])
 @torch.inference_mode()
 def test_instruct_and_distil_random_builds_draw_through_their_pipelines(monkeypatch, flavor, pipeline, rows):
     """The Instruct releases' random builds: their pipeline class, their encoders filled, Distil's extra

@@ -27,7 +27,8 @@ def convs(model) -> list[nn.Conv2d]:
 
 @pytest.fixture(scope="module")
 def both(golden_data):
-    return build_golden_model(golden_data, select("cpu")), build_golden_model(golden_data, platform_with("channels_last"))
+    return (build_golden_model(golden_data, select("cpu")),
+            build_golden_model(golden_data, platform_with("channels_last")))
 
 
 def test_the_capability_gives_nhwc_conv_weights_and_only_then(both):

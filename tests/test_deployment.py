@@ -19,8 +19,8 @@ from omni import model_registry
 from omni.deployment import Deployment, DeploymentError, one_replica, prepare
 from omni.recipe import RecipeError, load_recipe
 
-BUILTIN = ("hunyuan_image3", "hunyuan_image3_instruct", "hunyuan_image3_instruct_distil", "hunyuan_image3_instruct_tiny",
-           "hunyuan_image3_tiny")
+BUILTIN = ("hunyuan_image3", "hunyuan_image3_instruct", "hunyuan_image3_instruct_distil",
+           "hunyuan_image3_instruct_tiny", "hunyuan_image3_tiny")
 from golden_utils import GOLDEN_DIR as GOLDEN
 
 

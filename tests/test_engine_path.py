@@ -137,7 +137,8 @@ def test_pipeline_two_steps_match_official(pipeline, golden_data):
     close("latents after step 1", s.latents_1Chw, g["A.latents_next"])
     pipeline.denoise_step([s])
     sig = g["A.sched4_sigmas"]
-    want = euler_step(g["A.latents_next"], cfg_combine(g["A_step2.pred"][:1], g["A_step2.pred"][1:], 5.0), sig[1], sig[2])
+    want = euler_step(g["A.latents_next"], cfg_combine(g["A_step2.pred"][:1], g["A_step2.pred"][1:], 5.0),
+                      sig[1], sig[2])
     close("latents after step 2", s.latents_1Chw, want)
     pipeline.release(s)
 

@@ -67,7 +67,8 @@ def test_first_step_full_sequence_layer_input_and_hidden_states(engine, golden):
     x_LD = torch.cat([prefix, block, rest])
     close("inputs_embeds", x_LD[None], g["DISTIL.inputs_embeds"], TIMESTEP_ATOL)
     hidden = []
-    hooks = [layer.register_forward_hook(lambda mod, a, out: hidden.append(out)) for layer in m.transformer.model.layers]
+    hooks = [layer.register_forward_hook(lambda mod, a, out: hidden.append(out))
+             for layer in m.transformer.model.layers]
     try:
         cos, sin = rope_cos_sin(torch.tensor(row.pos_yx), m.cfg.head_dim, m.cfg.rope_theta)
         m.transformer.backbone(x_LD, cos, sin, DenseContext(dense_meta(row.attention_mask())))

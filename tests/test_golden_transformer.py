@@ -241,7 +241,8 @@ def test_cases_of_different_lengths_in_one_forward(model, g, step1):
     parts = [first_step_inputs(model, g, case) for case in ("A", "B")]
     x_TD, cos_TH, sin_TH = (torch.cat([p[i] for p in parts]) for i in range(3))
     with torch.no_grad():
-        h_TD = model.backbone(x_TD, cos_TH, sin_TH, DenseContext(dense_meta(torch.block_diag(parts[0][3], parts[1][3]))))
+        h_TD = model.backbone(x_TD, cos_TH, sin_TH,
+                              DenseContext(dense_meta(torch.block_diag(parts[0][3], parts[1][3]))))
     split = parts[0][0].shape[0]
     check("packed A+B: A.pred", image_velocity(model, g, "A", h_TD[:split]), g["A.pred"])
     check("packed A+B: B.pred", image_velocity(model, g, "B", h_TD[split:]), g["B.pred"])

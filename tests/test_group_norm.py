@@ -29,7 +29,8 @@ def test_float64_is_exact_to_its_roundings_and_a_large_mean_keeps_precision():
     torch.testing.assert_close(parallel_group_norm(x, 32, w, b, 1e-6), F.group_norm(x, 32, w, b, 1e-6), atol=1e-11,
                                rtol=0)
     xf = x.float()
-    err = (parallel_group_norm(xf, 32, w.float(), b.float(), 1e-6).double() - F.group_norm(x, 32, w, b, 1e-6)).abs().max()
+    err = (parallel_group_norm(xf, 32, w.float(), b.float(), 1e-6).double()
+           - F.group_norm(x, 32, w, b, 1e-6)).abs().max()
     assert float(err) < 2e-4  # fp32 holds 100 + x to ~1e-5; the normalised values keep that
 
 

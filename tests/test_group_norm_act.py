@@ -38,7 +38,8 @@ class Recording:
 
 def test_the_definition_is_the_image_heads_bf16_chain_bit_for_bit():
     norm = GroupNorm32(64, torch.bfloat16)
-    norm.weight.data, norm.bias.data = _randn(64, seed=1, dtype=torch.bfloat16), _randn(64, seed=2, dtype=torch.bfloat16)
+    norm.weight.data, norm.bias.data = (_randn(64, seed=1, dtype=torch.bfloat16),
+                                        _randn(64, seed=2, dtype=torch.bfloat16))
     x = (_randn(2, 64, 5, 7, seed=3) * 3 + 1).to(torch.bfloat16)
     scale, shift = _randn(2, 64, seed=4, dtype=torch.bfloat16), _randn(2, 64, seed=5, dtype=torch.bfloat16)
     chain = F.silu(norm(x) * (1 + scale[..., None, None]) + shift[..., None, None])  # ResBlock's ops before

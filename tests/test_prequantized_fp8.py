@@ -99,7 +99,8 @@ def test_modelopt_fp8_checkpoint_loads_as_is(cfg, tmp_path, per_channel, scheme)
 
     qkv = m.model.layers[0].self_attn.qkv_proj
     name = "model.layers.0.self_attn.qkv_proj."
-    assert qkv.weight.dtype == FP8 and torch.equal(qkv.weight.view(torch.uint8), tensors[name + "weight"].view(torch.uint8))
+    assert qkv.weight.dtype == FP8 and torch.equal(qkv.weight.view(torch.uint8),
+                                                   tensors[name + "weight"].view(torch.uint8))
     assert torch.equal(qkv.weight_scale.reshape(-1).expand(qkv.weight.shape[0]) if qkv.weight_scale.numel() == 1
                        else qkv.weight_scale.reshape(-1),
                        tensors[name + "weight_scale"].reshape(-1).expand(qkv.weight.shape[0]))
@@ -131,7 +132,8 @@ def test_a_layer_without_scales_is_quantized_online(cfg, tmp_path):
     modelopt_checkpoint(cfg, tmp_path, per_channel=False, drop_scale_of=stem)
     m = load(cfg, tmp_path, "fp8_row")
     o = m.model.layers[0].self_attn.o_proj
-    assert o.weight.dtype == FP8 and torch.isfinite(o.weight_scale).all() and o.weight_scale.shape == (o.weight.shape[0], 1)
+    assert (o.weight.dtype == FP8 and torch.isfinite(o.weight_scale).all()
+            and o.weight_scale.shape == (o.weight.shape[0], 1))
 
 
 def test_scale_shape_mismatch_is_named(cfg, tmp_path):

@@ -1,4 +1,5 @@
-"""End-to-end editing gate of the embedded Instruct model (flavour hunyuan_image3_instruct_tiny, recipe cpu_tiny_instruct).
+"""End-to-end editing gate of the embedded Instruct model (flavour hunyuan_image3_instruct_tiny, recipe
+cpu_tiny_instruct).
 
 Every case is a held-out (source scene, instruction) pair of
 ``train_tiny.edits.EDIT_HELD``: training shows each instruction with other

@@ -244,7 +244,8 @@ def test_tp2_bf16_holds_half_the_sharded_model_plus_the_replicated_parts():
     est = memory_estimate.estimate(load_recipe("h200x2_tp2"))
     sharded = (77.31 + 1.342 + 1.208) * B * 2 / 2
     assert est.weight_bytes == pytest.approx(sharded + _replicated_bytes(), rel=2e-4)
-    assert est.weight_bytes == pytest.approx(80.96 * B * 2 / 2 + 5.35 * B, rel=0.01)  # ~ half + VAE decoder, wte, lm_head, I/O
+    # ~ half + VAE decoder, wte, lm_head, I/O
+    assert est.weight_bytes == pytest.approx(80.96 * B * 2 / 2 + 5.35 * B, rel=0.01)
     assert est.verdict == "fits"
 
 
@@ -352,7 +353,8 @@ def test_validated_entries_are_rendered(tmp_path):
     path = tmp_path / "h200_fp8.yaml"
     path.write_text(text)
     page = recipe_docs.render_recipe(load_recipe(path))
-    assert "| date | hardware | commit | images_per_min |" in page and "| 2026-11-30 | 1x H200 | abc1234 | 3.1 |" in page
+    assert ("| date | hardware | commit | images_per_min |" in page
+            and "| 2026-11-30 | 1x H200 | abc1234 | 3.1 |" in page)
     assert recipe.validated == ()
 
 

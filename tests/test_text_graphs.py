@@ -82,7 +82,8 @@ def test_decode_steps_are_captured_only_where_the_attention_reads_device_lengths
     from omni.models.hunyuan_image3.build import KEY_BUCKET, text_graphs
 
     attn = SimpleNamespace(reads_host_lengths=host_lengths)
-    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=SimpleNamespace(attn={"none": attn}))]))
+    model = SimpleNamespace(model=SimpleNamespace(
+        layers=[SimpleNamespace(self_attn=SimpleNamespace(attn={"none": attn}))]))
     graphs = text_graphs(FakePlatform(), "cpu", model, SimpleNamespace(step_collectives=""))
     if host_lengths:
         assert graphs is None
@@ -95,8 +96,8 @@ def test_answers_joining_and_finishing_share_row_bucket_graphs(engine, instruct_
     row bucket (5 -> 8 rows, copies of row 0), keep the eager tokens, and capture once per bucket."""
     meta, g = instruct_g
     c = meta["cases"]["T2T"]
-    reqs = lambda: [TextRequest(prompt=f"{c['prompt']} {'red ' * i}", max_tokens=6 + 3 * i, temperature=0.0,  # noqa: E731
-                                seed=i, stop_ids=()) for i in range(5)]
+    reqs = lambda: [TextRequest(prompt=f"{c['prompt']} {'red ' * i}", max_tokens=6 + 3 * i,  # noqa: E731
+                                temperature=0.0, seed=i, stop_ids=()) for i in range(5)]
     eager = run(engine, reqs())
     engine.text_graphs = graphs = StepGraphs(FakePlatform(), "cpu", name="text_decode", key_bucket=16)
     try:

@@ -10,7 +10,9 @@ from safetensors.torch import save_file
 
 from omni.build_options import BuildOptions
 from omni.platform_manager import select
-from omni.weights import CheckpointError, LoadTarget, StreamingLoad, checkpoint_files, load_checkpoint, materialize_meta_
+from omni.weights import (
+    CheckpointError, LoadTarget, StreamingLoad, checkpoint_files, load_checkpoint, materialize_meta_,
+)
 from omni.models.hunyuan_image3.config import HunyuanImage3Config
 from omni.models.hunyuan_image3.tiny import write_tiny_checkpoint
 from omni.models.hunyuan_image3.transformer import HunyuanImage3Transformer

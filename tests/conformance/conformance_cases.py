@@ -46,7 +46,8 @@ GQA = {1: (4, 4), 4: (8, 2)}  # ratio -> (num_heads, num_kv_heads)
 
 # a ROCm torch answers torch.cuda too, but the rocm platform serves it: cuda-only cases skip there
 ROCM_BUILD = torch.version.hip is not None
-NOT_CUDA_ON_ROCM = f"cuda: this torch is a ROCm build (torch.version.hip={torch.version.hip}); the rocm platform serves it"
+NOT_CUDA_ON_ROCM = (f"cuda: this torch is a ROCm build (torch.version.hip={torch.version.hip}); "
+                    "the rocm platform serves it")
 
 # platform name -> zero-argument callable returning a ``Platform``, registered by other suites
 PROVIDERS: dict[str, Callable[[], platform_manager.Platform]] = {}

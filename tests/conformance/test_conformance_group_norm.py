@@ -62,7 +62,8 @@ def _inputs(case: str, dev: str, offset: float = 0.5):
     x = x.contiguous(memory_format=fmt) if layout == "cl" else x
     C, B = shape[1], shape[0]
     w, b = torch.randn(C, generator=g).to(xdt), torch.randn(C, generator=g).to(xdt)
-    scale = (torch.randn(B, 2 * C, generator=g) * 0.5).to(xdt)[:, :C] if film else None  # a strided view, as chunk gives
+    # a strided view, as chunk gives
+    scale = (torch.randn(B, 2 * C, generator=g) * 0.5).to(xdt)[:, :C] if film else None
     shift = torch.randn(B, C, generator=g).to(xdt) if film else None
     return [t.to(dev) if t is not None else None for t in (x, w, b, scale, shift)], G
 

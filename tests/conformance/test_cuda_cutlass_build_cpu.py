@@ -173,7 +173,8 @@ def test_exported_configurations_are_read_from_the_symbols(tmp_path):
 
 
 def test_configs_name_their_template_arguments():
-    assert cg.CONFIGS[True].export_line() == "OMNI_GG_EXPORT(pong_128x128_c1x2_fast, 128, 128, 128, 1, 2, true, true, 0)"
+    assert cg.CONFIGS[True].export_line() == \
+        "OMNI_GG_EXPORT(pong_128x128_c1x2_fast, 128, 128, 128, 1, 2, true, true, 0)"
     assert cg.CONFIGS[False].name == "coop_128x128_c1x2_exact"
     assert cg.SWIGLU_CONFIGS[True].export_line() == \
         "OMNI_GG_EXPORT(pong_128x192_c1x2_fast_swiglu, 128, 192, 128, 1, 2, true, true, 1)"

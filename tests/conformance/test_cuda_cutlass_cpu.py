@@ -77,7 +77,8 @@ def test_vendors_without_the_kernel_refuse_a_cutlass_demand(name):
     plugin = importlib.import_module(f"omni.platforms.{name}.plugin").plugin
     for spec in (GROUPED, MOE):
         reason = plugin.grouped_refusal(dataclasses.replace(spec, grouped_fp8="cutlass"))
-        assert reason == f"{name}: kernels.grouped_fp8=cutlass, but this platform has no such kernel (use auto or torch)"
+        assert reason == (f"{name}: kernels.grouped_fp8=cutlass, but this platform has no such kernel "
+                          "(use auto or torch)")
         assert plugin.grouped_refusal(dataclasses.replace(spec, grouped_fp8="torch")) is None
         assert plugin.grouped_refusal(dataclasses.replace(spec, grouped_fp8="cutlass", quant="none")) is None
     cuda = importlib.import_module("omni.platforms.cuda.plugin").plugin

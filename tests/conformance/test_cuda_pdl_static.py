@@ -80,5 +80,6 @@ def test_every_pdl_kernel_is_launched_somewhere():
 def test_every_launch_passes_the_pdl_keywords(file, name, call):
     starred = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
     explicit = {k.arg for k in call.keywords} & {"PDL", "TRIGGER", "launch_pdl"}
-    assert any("pdl" in s.lower() for s in starred) and not explicit, (f"{file}:{call.lineno} launches {name} without the policy's keywords "
-                                      f"(**pdl.kw(rows)); starred {starred}, explicit {sorted(explicit)}")
+    assert any("pdl" in s.lower() for s in starred) and not explicit, (
+        f"{file}:{call.lineno} launches {name} without the policy's keywords "
+        f"(**pdl.kw(rows)); starred {starred}, explicit {sorted(explicit)}")

@@ -125,8 +125,10 @@ BF16, FP16 = torch.bfloat16, torch.float16
 @pytest.mark.parametrize("factory,spec,caps,reason", [
     ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="fp8_row"), A100, ">= 8.9"),
     ("linear", GemmSpec(in_features=40, out_features=64, dtype=BF16, quant="fp8_tensor"), H100, "divisible by 16"),
-    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="nvfp4"), H100, "quant.scheme=nvfp4 needs compute capability 10.0"),
-    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="mxfp8"), H100, "quant.scheme=mxfp8 needs compute capability 10.0"),
+    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="nvfp4"), H100,
+     "quant.scheme=nvfp4 needs compute capability 10.0"),
+    ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="mxfp8"), H100,
+     "quant.scheme=mxfp8 needs compute capability 10.0"),
     ("linear", GemmSpec(in_features=64, out_features=64, dtype=torch.bfloat16, quant="w8a8"), H100, "land later"),
     ("grouped", GroupedGemmSpec(num_experts=4, in_features=64, out_features=64, dtype=FP16), H100, "bf16 only"),
     ("grouped", GroupedGemmSpec(num_experts=4, in_features=36, out_features=64, dtype=BF16), H100, "16-byte aligned"),
@@ -333,7 +335,8 @@ def test_cuda_flex_returns_the_log_sum_exp_for_ring_attention(gqa):
 
 @pytest.mark.parametrize("backend,caps,reason", [
     ("sdpa", H100, "cuda: attention with a log-sum-exp output: only flex returns it here; the reference serves it"),
-    ("auto", dataclasses.replace(H100, has_flex=False), "cuda: flex: torch.nn.attention.flex_attention is not in this torch"),
+    ("auto", dataclasses.replace(H100, has_flex=False),
+     "cuda: flex: torch.nn.attention.flex_attention is not in this torch"),
 ])
 def test_cuda_declines_lse_attention_it_cannot_serve(backend, caps, reason):
     spec = dataclasses.replace(attention_spec("bf16", 64, 4, "dense", 0, backend=backend), return_lse=True)

@@ -38,7 +38,8 @@ def test_importing_the_plugins_has_no_side_effects():
         "flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,\n"
         "                 torch.get_float32_matmul_precision(), torch.get_default_dtype())\n"
         "before = flags()\n"
-        "import omni.platforms.rocm.plugin, omni.platforms.npu.plugin, omni.platforms.xpu.plugin, omni.platforms.musa.plugin\n"
+        "import omni.platforms.rocm.plugin, omni.platforms.npu.plugin, "
+        "omni.platforms.xpu.plugin, omni.platforms.musa.plugin\n"
         "vendor = ('torch_npu', 'torch_musa', 'aiter', 'intel_extension_for_pytorch', 'flash_attn_interface',\n"
         "          'oneccl_bindings_for_pytorch')\n"
         "assert not [m for m in vendor if m in sys.modules], [m for m in vendor if m in sys.modules]\n"
@@ -56,7 +57,8 @@ def test_hookimpls_are_short_and_documented_hooks(name):
     for hook_name, fn in hooks:
         lines = len(inspect.getsourcelines(fn)[0])
         assert lines <= 30, f"{name}.{hook_name} is {lines} lines"
-    platform_manager.Platform(PlatformInfo(name=name, device_type="cpu", dist_backend="gloo"), PLUGINS[name]())  # check_pending: every hookimpl matches a hookspec
+    # check_pending: every hookimpl matches a hookspec
+    platform_manager.Platform(PlatformInfo(name=name, device_type="cpu", dist_backend="gloo"), PLUGINS[name]())
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -79,7 +81,8 @@ def test_detection_makes_no_device_context_call(variant, monkeypatch):
 
 @pytest.mark.parametrize("name,module,message,reason", [
     pytest.param("npu", "torch_npu", "libhccl.so: cannot open shared object file", "set_env.sh", marks=pytest.mark.npu),
-    pytest.param("musa", "torch_musa", "libmusart.so: cannot open shared object file", "MUSA SDK", marks=pytest.mark.musa),
+    pytest.param("musa", "torch_musa", "libmusart.so: cannot open shared object file", "MUSA SDK",
+                 marks=pytest.mark.musa),
 ])
 def test_detection_turns_an_import_error_into_a_reason(name, module, message, reason, monkeypatch):
     install_broken(monkeypatch, module, ImportError(message))

@@ -57,26 +57,41 @@ def _resolve(platform, caps, **kw):
 
 
 @pytest.mark.parametrize("platform,caps,kw,reason", [
-    pytest.param("rocm", MI250, {"backend": "aiter"}, "rocm: aiter: flash attention is enabled on gfx942/gfx950", marks=pytest.mark.rocm),
-    pytest.param("rocm", dataclasses.replace(MI300, aiter_installed=False), {"backend": "aiter"}, "aiter: not installed", marks=pytest.mark.rocm),
-    pytest.param("rocm", MI300, {"backend": "aiter", "dtype": "fp32"}, "aiter: needs fp16/bf16", marks=pytest.mark.rocm),
-    pytest.param("rocm", MI300, {"backend": "aiter", "page": 256}, "aiter: paged KV is not wired", marks=pytest.mark.rocm),
-    pytest.param("rocm", MI300, {"backend": "aiter", "mask": "dense"}, "no arbitrary (dense) masks", marks=pytest.mark.rocm),
+    pytest.param("rocm", MI250, {"backend": "aiter"},
+                 "rocm: aiter: flash attention is enabled on gfx942/gfx950", marks=pytest.mark.rocm),
+    pytest.param("rocm", dataclasses.replace(MI300, aiter_installed=False), {"backend": "aiter"},
+                 "aiter: not installed", marks=pytest.mark.rocm),
+    pytest.param("rocm", MI300, {"backend": "aiter", "dtype": "fp32"},
+                 "aiter: needs fp16/bf16", marks=pytest.mark.rocm),
+    pytest.param("rocm", MI300, {"backend": "aiter", "page": 256},
+                 "aiter: paged KV is not wired", marks=pytest.mark.rocm),
+    pytest.param("rocm", MI300, {"backend": "aiter", "mask": "dense"},
+                 "no arbitrary (dense) masks", marks=pytest.mark.rocm),
     pytest.param("rocm", MI300, {"backend": "fia"}, "rocm: unknown attention backend 'fia'", marks=pytest.mark.rocm),
     pytest.param("npu", ATLAS_300I, {"backend": "fia"}, "npu: fia: runs on Atlas A2/A3", marks=pytest.mark.npu),
-    pytest.param("npu", A2, {"backend": "fia", "head_dim": 96}, "head_dim a multiple of 16 among 128/192", marks=pytest.mark.npu),
-    pytest.param("npu", A2, {"backend": "fia", "head_dim": 64}, "(64 without GQA); got 64 with 8/2 heads", marks=pytest.mark.npu),
-    pytest.param("npu", A2, {"backend": "fia", "page": 16}, "npu: fia: paged KV needs page_size a multiple of 128 in 128..512, got 16", marks=pytest.mark.npu),
+    pytest.param("npu", A2, {"backend": "fia", "head_dim": 96},
+                 "head_dim a multiple of 16 among 128/192", marks=pytest.mark.npu),
+    pytest.param("npu", A2, {"backend": "fia", "head_dim": 64},
+                 "(64 without GQA); got 64 with 8/2 heads", marks=pytest.mark.npu),
+    pytest.param("npu", A2, {"backend": "fia", "page": 16},
+                 "npu: fia: paged KV needs page_size a multiple of 128 in 128..512, got 16", marks=pytest.mark.npu),
     pytest.param("npu", A2, {"backend": "fia", "dtype": "fp32"}, "fia: query must be fp16/bf16", marks=pytest.mark.npu),
     pytest.param("npu", A2, {"backend": "sdpa", "page": 16}, "rejects (error 161001)", marks=pytest.mark.npu),
-    pytest.param("xpu", dataclasses.replace(B70, ipex="intel_extension_for_pytorch is not installed"), {"backend": "varlen", "mask": "none"},
+    pytest.param("xpu", dataclasses.replace(B70, ipex="intel_extension_for_pytorch is not installed"),
+                 {"backend": "varlen", "mask": "none"},
                  "xpu: varlen: intel_extension_for_pytorch is not installed", marks=pytest.mark.xpu),
     pytest.param("xpu", B70, {"backend": "varlen"}, "full attention only", marks=pytest.mark.xpu),
-    pytest.param("xpu", B70, {"backend": "varlen", "mask": "none", "page": 16}, "takes no block table", marks=pytest.mark.xpu),
-    pytest.param("musa", S4000, {"backend": "fa3"}, "musa: fa3: the vendor flash kernels need compute capability >= 3.1, device is 2.2", marks=pytest.mark.musa),
-    pytest.param("musa", S5000, {"backend": "fa3", "page": 256}, "paged KV unsupported by the vendor flash attention", marks=pytest.mark.musa),
-    pytest.param("musa", S5000, {"backend": "fa3", "head_dim": 256}, "head_dim % 8 == 0, <= 128", marks=pytest.mark.musa),
-    pytest.param("musa", dataclasses.replace(S5000, flash_installed=False), {"backend": "fa3"}, "is not installed", marks=pytest.mark.musa),
+    pytest.param("xpu", B70, {"backend": "varlen", "mask": "none", "page": 16},
+                 "takes no block table", marks=pytest.mark.xpu),
+    pytest.param("musa", S4000, {"backend": "fa3"},
+                 "musa: fa3: the vendor flash kernels need compute capability >= 3.1, device is 2.2",
+                 marks=pytest.mark.musa),
+    pytest.param("musa", S5000, {"backend": "fa3", "page": 256},
+                 "paged KV unsupported by the vendor flash attention", marks=pytest.mark.musa),
+    pytest.param("musa", S5000, {"backend": "fa3", "head_dim": 256},
+                 "head_dim % 8 == 0, <= 128", marks=pytest.mark.musa),
+    pytest.param("musa", dataclasses.replace(S5000, flash_installed=False), {"backend": "fa3"},
+                 "is not installed", marks=pytest.mark.musa),
 ])
 def test_a_named_backend_refuses_with_its_reason_never_falls_back(platform, caps, kw, reason):
     impl, reasons = _resolve(platform, caps, **kw)
@@ -143,13 +158,19 @@ def test_rocm_fnuz_codes_dequantize_exactly_as_the_reference():
 
 
 @pytest.mark.parametrize("resolve,caps,kw,reason", [
-    pytest.param(rocm_gemm.resolve_linear, MI250, {"quant": "fp8_tensor"}, "needs FP8 matrix cores", marks=pytest.mark.rocm),
-    pytest.param(rocm_gemm.resolve_linear, MI300, {"quant": "fp8_row", "in_features": 40}, "divisible by 16", marks=pytest.mark.rocm),
-    pytest.param(rocm_gemm.resolve_linear, MI300, {"quant": "w8a8"}, "rocm: quant 'w8a8': w8a8 int8 kernels land later", marks=pytest.mark.rocm),
-    pytest.param(rocm_gemm.resolve_linear, MI300, {"quant": "none"}, "the reference serves them", marks=pytest.mark.rocm),
+    pytest.param(rocm_gemm.resolve_linear, MI250, {"quant": "fp8_tensor"},
+                 "needs FP8 matrix cores", marks=pytest.mark.rocm),
+    pytest.param(rocm_gemm.resolve_linear, MI300, {"quant": "fp8_row", "in_features": 40},
+                 "divisible by 16", marks=pytest.mark.rocm),
+    pytest.param(rocm_gemm.resolve_linear, MI300, {"quant": "w8a8"},
+                 "rocm: quant 'w8a8': w8a8 int8 kernels land later", marks=pytest.mark.rocm),
+    pytest.param(rocm_gemm.resolve_linear, MI300, {"quant": "none"},
+                 "the reference serves them", marks=pytest.mark.rocm),
     pytest.param(npu_gemm.resolve_linear, A2, {"quant": "fp8_row"}, "fp8 needs Ascend 950", marks=pytest.mark.npu),
-    pytest.param(npu_gemm.resolve_linear, A2, {"quant": "w8a8", "dtype": torch.float32}, "npu_dynamic_quant, which takes fp16/bf16", marks=pytest.mark.npu),
-    pytest.param(npu_gemm.resolve_linear, A2, {"quant": "w8a8", "in_features": 70000}, "K, N <= 65535", marks=pytest.mark.npu),
+    pytest.param(npu_gemm.resolve_linear, A2, {"quant": "w8a8", "dtype": torch.float32},
+                 "npu_dynamic_quant, which takes fp16/bf16", marks=pytest.mark.npu),
+    pytest.param(npu_gemm.resolve_linear, A2, {"quant": "w8a8", "in_features": 70000},
+                 "K, N <= 65535", marks=pytest.mark.npu),
     pytest.param(xpu_gemm.resolve_linear, dataclasses.replace(B70, scaled_mm=False), {"quant": "fp8_tensor"},
                  "no XPU kernel for aten::_scaled_mm", marks=pytest.mark.xpu),
     pytest.param(xpu_gemm.resolve_linear, B70, {"quant": "fp8_row"}, "unverified", marks=pytest.mark.xpu),
@@ -185,6 +206,7 @@ def test_aiter_import_failure_is_a_reason(monkeypatch):
 def test_ipex_built_for_another_torch_is_refused_without_importing_it(monkeypatch):
     monkeypatch.setattr(xpu_caps, "version", lambda name: "2.8.10+xpu")
     monkeypatch.setattr(xpu_caps.torch, "__version__", "2.13.0+xpu")
-    assert xpu_caps.ipex_problem() == "intel_extension_for_pytorch 2.8.10+xpu targets torch 2.8, this is torch 2.13.0+xpu"
+    assert xpu_caps.ipex_problem() == ("intel_extension_for_pytorch 2.8.10+xpu targets torch 2.8, "
+                                       "this is torch 2.13.0+xpu")
     monkeypatch.setattr(xpu_caps.torch, "__version__", "2.8.0+xpu")
     assert xpu_caps.ipex_problem() == ""

@@ -24,7 +24,8 @@ HALF = (torch.float16, torch.bfloat16)
 def _check_common(q, k, v, dropout_p, window_size, heads_dim: int) -> None:
     require(isinstance(window_size, tuple) and len(window_size) == 3 and all(type(x) is int for x in window_size),
             f"aiter: window_size is a 3-tuple (left, right, sink); got {window_size!r} (FA2's 2-tuple is not aiter's)")
-    require(window_size == (-1, -1, 0), f"aiter double: only the unbounded window (-1, -1, 0) is emulated, got {window_size}")
+    require(window_size == (-1, -1, 0),
+            f"aiter double: only the unbounded window (-1, -1, 0) is emulated, got {window_size}")
     require(dropout_p == 0.0, "aiter: inference passes dropout_p=0.0")
     require(q.dtype in HALF and k.dtype == q.dtype and v.dtype == q.dtype, f"aiter: fp16/bf16 q/k/v, got {q.dtype}")
     n, kh, h = q.shape[heads_dim], k.shape[heads_dim], q.shape[-1]
@@ -58,7 +59,8 @@ class AiterDouble:
         require(len(cu_q) == len(cu_k), "aiter varlen: cu_seqlens_q and cu_seqlens_k describe different batch sizes")
         for name, cu, given in (("max_seqlen_q", cu_q, max_seqlen_q), ("max_seqlen_k", cu_k, max_seqlen_k)):
             longest = max(b - a for a, b in zip(cu, cu[1:]))
-            require(type(given) is int and given >= longest, f"aiter varlen: {name}={given!r} but the longest run is {longest}")
+            require(type(given) is int and given >= longest,
+                    f"aiter varlen: {name}={given!r} but the longest run is {longest}")
         call.notes.update(layout="TND", cu_seqlens="B+1 with leading 0", causal="bottom-right" if causal else "none")
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         return reference_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scale)
@@ -71,7 +73,8 @@ class AiterDouble:
         require(q.dim() == 4 and k.dim() == 4 and q.shape[0] == k.shape[0],
                 f"aiter flash_attn_func: BSND q/k/v with one batch size, got {tuple(q.shape)} / {tuple(k.shape)}")
         _check_common(q, k, v, dropout_p, window_size, heads_dim=2)
-        require(bias is None and alibi_slopes is None and cu_seqlens_q is None, "aiter double: bias/ALiBi/cu_seqlens not emulated")
+        require(bias is None and alibi_slopes is None and cu_seqlens_q is None,
+                "aiter double: bias/ALiBi/cu_seqlens not emulated")
         call.notes.update(layout="BSND", causal="bottom-right" if causal else "none")
         b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -91,7 +94,8 @@ ARCHS = {"gfx942": "AMD Instinct MI300X", "gfx950": "AMD Instinct MI355X", "gfx9
 def install_rocm(monkeypatch, *, arch: str = "gfx942", count: int = 8, aiter: bool = True) -> RocmDoubles:
     """A ROCm torch (``torch.version.hip``) with ``count`` devices of ``arch``, aiter importable or not."""
     monkeypatch.setattr(torch.version, "hip", "6.4.43484-9999")
-    device = FakeDevice(count=count, name=ARCHS.get(arch, arch), arch=f"{arch}:sramecc+:xnack-", graph_class="CUDAGraph")
+    device = FakeDevice(count=count, name=ARCHS.get(arch, arch), arch=f"{arch}:sramecc+:xnack-",
+                        graph_class="CUDAGraph")
     device.install(monkeypatch, torch.cuda)
     double = AiterDouble() if aiter else None
     if double:

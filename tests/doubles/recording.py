@@ -68,13 +68,15 @@ class Recorder:
 
 
 def _cumulative(name: str, values: list[int], total: int) -> None:
-    require(all(b >= a for a, b in zip(values, values[1:])), f"{name} must be non-decreasing cumulative offsets, got {values}")
+    require(all(b >= a for a, b in zip(values, values[1:])),
+            f"{name} must be non-decreasing cumulative offsets, got {values}")
     require(values[-1] == total, f"{name} ends at {values[-1]} but the packed tensor has {total} tokens")
 
 
 def cuda_offsets(name: str, t: object, total: int) -> list[int]:
     """CUDA/ROCm/XPU: an int32 device tensor of B+1 cumulative offsets starting at 0."""
-    require(isinstance(t, torch.Tensor), f"{name} must be an int32 tensor of cumulative offsets, got {type(t).__name__}")
+    require(isinstance(t, torch.Tensor),
+            f"{name} must be an int32 tensor of cumulative offsets, got {type(t).__name__}")
     require(t.dtype == torch.int32 and t.dim() == 1 and t.numel() >= 2,
             f"{name} must be a 1-D int32 tensor with B+1 entries, got {t.dtype} {tuple(t.shape)}")
     values = t.tolist()

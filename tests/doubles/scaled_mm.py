@@ -39,8 +39,10 @@ class ScaledMmDouble:
         call.notes["recipe"] = "rowwise" if rowwise else "tensorwise"
         if rowwise:
             require(tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n),
-                    f"_scaled_mm row-wise: scale_a (M,1) and scale_b (1,N), got {tuple(scale_a.shape)} {tuple(scale_b.shape)}")
-            require(out_dtype in self.rowwise_out, f"_scaled_mm row-wise writes {self.rowwise_out} here, asked {out_dtype}")
+                    f"_scaled_mm row-wise: scale_a (M,1) and scale_b (1,N), got "
+                    f"{tuple(scale_a.shape)} {tuple(scale_b.shape)}")
+            require(out_dtype in self.rowwise_out,
+                    f"_scaled_mm row-wise writes {self.rowwise_out} here, asked {out_dtype}")
         require(bias is None or bias.dtype in (torch.bfloat16, torch.float16), "_scaled_mm: bias must be bf16/fp16")
         if mat1.dtype == torch.float8_e4m3fnuz:
             return _fp32_scaled_mm(mat1, mat2, scale_a, scale_b, bias, out_dtype)

@@ -35,7 +35,8 @@ class MusaFlashDouble:
         call = self.recorder.record("flash_attn_varlen_func", q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q,
                                     cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                     softmax_scale=softmax_scale, causal=causal)
-        require(q.dim() == 3 and k.dim() == 3, f"flash_attn_varlen_func: TND q/k/v, got {tuple(q.shape)} / {tuple(k.shape)}")
+        require(q.dim() == 3 and k.dim() == 3,
+                f"flash_attn_varlen_func: TND q/k/v, got {tuple(q.shape)} / {tuple(k.shape)}")
         require(q.dtype in HALF and k.dtype == q.dtype, f"flash_attn_varlen_func (MUSA): fp16/bf16, got {q.dtype}")
         require(q.shape[1] % k.shape[1] == 0, "flash_attn_varlen_func: query heads a multiple of kv heads")
         require(seqused_k is None and seqused_q is None and window_size == (-1, -1) and softcap == 0.0,
@@ -43,7 +44,8 @@ class MusaFlashDouble:
         cu_q = cuda_offsets("cu_seqlens_q", cu_seqlens_q, q.shape[0])
         cu_k = cuda_offsets("cu_seqlens_k", cu_seqlens_k, k.shape[0])
         for name, cu, given in (("max_seqlen_q", cu_q, max_seqlen_q), ("max_seqlen_k", cu_k, max_seqlen_k)):
-            require(type(given) is int and given >= max(b - a for a, b in zip(cu, cu[1:])), f"{name}={given!r} too small")
+            require(type(given) is int and given >= max(b - a for a, b in zip(cu, cu[1:])),
+                    f"{name}={given!r} too small")
         call.notes.update(layout="TND", cu_seqlens="B+1 with leading 0")
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
         out = reference_attention(q, k, v, cu_q, cu_k, causal=causal, scale=scale)

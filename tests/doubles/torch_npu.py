@@ -91,14 +91,17 @@ class TorchNpuDouble:
         require(query.dim() == 3, f"FIA TND: query is [T, N, D], got {tuple(query.shape)}")
         t, n, d = query.shape
         require(query.dtype in HALF, f"FIA: query must be fp16/bf16, got {query.dtype}")
-        require(num_heads == n, f"FIA: num_heads={num_heads} but query has {n} heads (num_heads defaults to 1: pass it)")
+        require(num_heads == n,
+                f"FIA: num_heads={num_heads} but query has {n} heads (num_heads defaults to 1: pass it)")
         kh = num_kv_heads or n
         require(n % kh == 0 and n // kh <= 64 and n <= 256, f"FIA: heads {n}/{kh}: N <= 256, N % K == 0, N/K <= 64")
-        require(d in (128, 192) or (d == 64 and kh == n), f"FIA TND: head dim 128/192 (64 without GQA), got {d} ({n}/{kh})")
+        require(d in (128, 192) or (d == 64 and kh == n),
+                f"FIA TND: head dim 128/192 (64 without GQA), got {d} ({n}/{kh})")
         require(key.dtype == query.dtype, f"FIA: key dtype {key.dtype} != query dtype {query.dtype}")
         width = key.shape[-1] if paged else key.shape[-1] * key.shape[-2]
         require(key.dim() == 3 and width == kh * d,
-                f"FIA: key is [S, K, D] (or paged [blocks, block_size, K*D]) with K={kh}, D={d}; got {tuple(key.shape)}")
+                f"FIA: key is [S, K, D] (or paged [blocks, block_size, K*D]) with K={kh}, D={d}; "
+                f"got {tuple(key.shape)}")
         return n, d, kh
 
     def _check_mask(self, atten_mask, sparse_mode, pre_tokens, next_tokens) -> str:
@@ -108,12 +111,15 @@ class TorchNpuDouble:
         require(sparse_mode == 3, f"FIA double: sparse_mode {sparse_mode} is not emulated (0 full, 3 rightDownCausal)")
         require(atten_mask is not None, "FIA: sparse_mode=3 needs the compressed 2048x2048 causal mask")
         require(tuple(atten_mask.shape) in MASK_SHAPES and atten_mask.dtype in (torch.bool, torch.int8, torch.uint8),
-                f"FIA: sparse_mode=3 mask is (2048,2048)-like bool/int8/uint8, got {tuple(atten_mask.shape)} {atten_mask.dtype}")
+                f"FIA: sparse_mode=3 mask is (2048,2048)-like bool/int8/uint8, "
+                f"got {tuple(atten_mask.shape)} {atten_mask.dtype}")
         polarity = _polarity(atten_mask)
         require(polarity != "True=attend (SDPA)", "FIA: atten_mask has SDPA polarity (True = attend); Ascend masks are "
                                                   "True = masked out: pass triu(ones(2048, 2048), diagonal=1)")
-        require(polarity == "True=masked (Ascend)", "FIA: the sparse_mode=3 mask must be triu(ones(2048, 2048), diagonal=1)")
-        require(pre_tokens == INT_MAX and next_tokens == INT_MAX, "FIA double: sparse_mode=3 ignores windows; leave defaults")
+        require(polarity == "True=masked (Ascend)",
+                "FIA: the sparse_mode=3 mask must be triu(ones(2048, 2048), diagonal=1)")
+        require(pre_tokens == INT_MAX and next_tokens == INT_MAX,
+                "FIA double: sparse_mode=3 ignores windows; leave defaults")
         return "causal, True=masked (triu 2048)"
 
     def _keys(self, key, value, kv_lengths, block_table, block_size, batch, kh, d):
@@ -147,14 +153,16 @@ class TorchNpuDouble:
                          y_scale=None):
         self.recorder.record("npu_quant_matmul", x1=x1, x2=x2, scale=scale, pertoken_scale=pertoken_scale,
                              bias=bias, output_dtype=output_dtype)
-        require(x1.dtype == torch.int8 and x2.dtype == torch.int8, f"npu_quant_matmul W8A8: int8 x int8, got {x1.dtype} x {x2.dtype}")
+        require(x1.dtype == torch.int8 and x2.dtype == torch.int8,
+                f"npu_quant_matmul W8A8: int8 x int8, got {x1.dtype} x {x2.dtype}")
         require(x1.dim() == 2 and x2.dim() == 2 and x1.shape[1] == x2.shape[0],
                 f"npu_quant_matmul: x1 (M, K) and x2 (K, N), got {tuple(x1.shape)} x {tuple(x2.shape)}")
         (m, k), n = x1.shape, x2.shape[1]
         require(k <= 65535 and n <= 65535, "npu_quant_matmul: K, N <= 65535")
         require(scale.dim() == 1 and scale.numel() in (1, n) and scale.dtype in (torch.float32, torch.bfloat16),
                 f"npu_quant_matmul: scale is 1-D (1 or N={n}) fp32/bf16, got {tuple(scale.shape)} {scale.dtype}")
-        require(pertoken_scale is not None and tuple(pertoken_scale.shape) == (m,) and pertoken_scale.dtype == torch.float32,
+        require(pertoken_scale is not None and tuple(pertoken_scale.shape) == (m,)
+                and pertoken_scale.dtype == torch.float32,
                 f"npu_quant_matmul: pertoken_scale is fp32 (M,)=({m},)")
         require(output_dtype in HALF, f"npu_quant_matmul double: output_dtype fp16/bf16, got {output_dtype}")
         y = (x1.float() * pertoken_scale[:, None]) @ (x2.float() * scale.float()[None, :])
@@ -172,7 +180,8 @@ class TorchNpuDouble:
         xs, w = x[0], weight[0]
         require(xs.dim() == 2 and w.dim() == 3 and w.shape[1] == xs.shape[1],
                 f"npu_grouped_matmul: x (M, K), weight (E, K, N); got {tuple(xs.shape)}, {tuple(w.shape)}")
-        require(group_type == 0 and split_item in (2, 3), "npu_grouped_matmul: group_type=0 (m-axis), split_item 2/3 (one output)")
+        require(group_type == 0 and split_item in (2, 3),
+                "npu_grouped_matmul: group_type=0 (m-axis), split_item 2/3 (one output)")
         ends = self._group_ends(group_list, group_list_type, w.shape[0], xs.shape[0])
         dequant = self._dequant(xs, w, scale, per_token_scale, output_dtype)
         y = torch.zeros(xs.shape[0], w.shape[2])
@@ -184,7 +193,8 @@ class TorchNpuDouble:
 
     def _group_ends(self, group_list, group_list_type, experts, rows) -> list[int]:
         require(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1
-                and group_list.numel() == experts, f"npu_grouped_matmul: group_list is an int64 tensor with E={experts} entries")
+                and group_list.numel() == experts,
+                f"npu_grouped_matmul: group_list is an int64 tensor with E={experts} entries")
         values = group_list.tolist()
         require(group_list_type in (0, 1), "npu_grouped_matmul double: group_list_type 0 (cumsum) or 1 (counts)")
         ends = values if group_list_type == 0 else cumulative(values)[1:]
@@ -198,7 +208,8 @@ class TorchNpuDouble:
                     f"npu_grouped_matmul: float x and weight of one dtype, got {xs.dtype} / {w.dtype}")
             return lambda a, b, e: xs[a:b].float() @ w[e].float()
         e_, n = w.shape[0], w.shape[2]
-        require(w.dtype == torch.int8 and output_dtype in HALF, "npu_grouped_matmul W8A8: int8 weight, output_dtype fp16/bf16")
+        require(w.dtype == torch.int8 and output_dtype in HALF,
+                "npu_grouped_matmul W8A8: int8 weight, output_dtype fp16/bf16")
         require(isinstance(scale, list) and tuple(scale[0].shape) == (e_, n) and scale[0].dtype == torch.float32,
                 f"npu_grouped_matmul W8A8: scale=[fp32 (E, N)=({e_}, {n})]")
         require(isinstance(per_token_scale, list) and tuple(per_token_scale[0].shape) == (xs.shape[0],),

@@ -155,7 +155,8 @@ def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
     w2 = torch.randn(E, K, N // 2, device="cuda", generator=g).bfloat16()
     x = torch.randn(333, K, device="cuda", generator=g).bfloat16()
     weights, ids = torch.rand(333, E, device="cuda", generator=g).softmax(-1).topk(2, -1)
-    y, y_torch = ours(x, weights, ids, ours.prepare_weights(w13, w2)), stock(x, weights, ids, stock.prepare_weights(w13, w2))
+    y, y_torch = (ours(x, weights, ids, ours.prepare_weights(w13, w2)),
+                  stock(x, weights, ids, stock.prepare_weights(w13, w2)))
     few = isinstance(ours.paired.small, GroupedSkinnyFp8)  # Triton's few-row kernel in front (moe.with_few_rows)
     builds = ours.paired.large if few else ours.paired  # the 128- and 64-row CUTLASS builds
     assert builds.large.config == cg.SWIGLU_CONFIGS[True].name and builds.small_rows > 0

@@ -139,7 +139,8 @@ def test_captured_step_equals_eager(platform, quant, side, capsys):
 
     def args(pages):
         runs = [r for p in pages for r in (Run(p, P, P + 1, P + 1), Run(p, P + 1, P + n, P + n))]
-        return cos[P:P + n].repeat(rows, 1), sin[P:P + n].repeat(rows, 1), PoolContext(pool, runs, "none", False, "cuda")
+        return (cos[P:P + n].repeat(rows, 1), sin[P:P + n].repeat(rows, 1),
+                PoolContext(pool, runs, "none", False, "cuda"))
 
     graphs = StepGraphs(platform, "cuda")
     sig = ((P, th, tw),) * rows
@@ -152,8 +153,8 @@ def test_captured_step_equals_eager(platform, quant, side, capsys):
                 want = model.backbone(x, *args(pages))
                 errs.append(_rel(got, want))
     with capsys.disabled():
-        print(f"\n[step graph {quant}, side stream {side}] captures {graphs.captures}, rebinds {graphs.rebinds}, replays "
-              f"{graphs.replays}; replay vs eager rel err {max(errs):.2e}")
+        print(f"\n[step graph {quant}, side stream {side}] captures {graphs.captures}, rebinds {graphs.rebinds}, "
+              f"replays {graphs.replays}; replay vs eager rel err {max(errs):.2e}")
     assert graphs.captures == 1 and graphs.rebinds == 1 and graphs.replays == 4
     assert max(errs) < 1e-3
 

@@ -1,10 +1,10 @@
 """The CUDA MoE's counting sort (``route_rows``) and its combine with addends, Triton against torch, on a device.
 
 - ``route_rows``: the same three tensors as the torch path (a stable sort) at the released shapes (8194 tokens,
-  top-8 of 64; and a prefill of 600), with an expert left empty, one busy expert, a width that is not a power of two, fewer rows
-  than one block, decode steps of 1, 32, 40 and 64 tokens (small and large chunks), the one-launch sort's limit
-  (32 assignments) and the per-chunk plan's (8192), one past each, each through every launch plan, and beyond the kernel's block limit (where it hands over to the torch sort); replayed from
-  a CUDA graph on new ids.
+  top-8 of 64; and a prefill of 600), with an expert left empty, one busy expert, a width that is not a power of two,
+  fewer rows than one block, decode steps of 1, 32, 40 and 64 tokens (small and large chunks), the one-launch sort's
+  limit (32 assignments) and the per-chunk plan's (8192), one past each, each through every launch plan, and beyond
+  the kernel's block limit (where it hands over to the torch sort); replayed from a CUDA graph on new ids.
 - ``combine`` with zero, one and two addends: within a bf16 rounding of the torch kernels' fp32 sum, and a
   zero addend changes no bit.
 """
@@ -39,7 +39,8 @@ def routed_ids(T: int, k: int, E: int, how: str, seed: int = 0) -> torch.Tensor:
     raise ValueError(how)
 
 
-CASES = {"released": (8194, 8, 64, "topk"), "prefill-of-two-prompts": (600, 8, 64, "topk"), "busy": (3000, 4, 16, "busy"), "width37": (1500, 6, 37, "topk"),
+CASES = {"released": (8194, 8, 64, "topk"), "prefill-of-two-prompts": (600, 8, 64, "topk"),
+         "busy": (3000, 4, 16, "busy"), "width37": (1500, 6, 37, "topk"),
          "under-a-block": (7, 3, 8, "topk"), "beyond-the-block-limit": (33000, 8, 64, "topk"),
          "decode-one-token": (1, 8, 64, "topk"), "decode-32-tokens": (32, 8, 64, "topk"),
          "decode-40-tokens": (40, 8, 64, "topk"), "decode-64-tokens": (64, 8, 64, "topk"),

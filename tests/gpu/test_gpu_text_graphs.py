@@ -82,8 +82,8 @@ def test_answers_replayed_from_decode_graphs_equal_eager():
 def test_answers_finishing_one_by_one_replay_row_bucket_graphs():
     """Five answers of different lengths: 5 rows run as a bucket of 8 (copies of row 0), then 4, 3, 2, 1."""
     engine = engine_on_cuda()
-    reqs = lambda: [TextRequest(prompt=f"make a {'big ' * i}red square", max_tokens=8 + 6 * i, temperature=0.0,  # noqa: E731
-                                seed=i, stop_ids=()) for i in range(5)]
+    reqs = lambda: [TextRequest(prompt=f"make a {'big ' * i}red square", max_tokens=8 + 6 * i,  # noqa: E731
+                                temperature=0.0, seed=i, stop_ids=()) for i in range(5)]
     captured, eager, err = captured_then_eager(engine, reqs)
     assert engine.text_graphs.captures == 5 and engine.text_rows_to(5) == 8
     print(f"5 answers, row buckets: {engine.text_graphs.captures} graphs; logits rel diff to eager {err:.2e}")

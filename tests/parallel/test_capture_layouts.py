@@ -61,7 +61,8 @@ def test_cuda_records_nccl_collectives_and_refuses_gloo():
     from omni.platforms.cuda.plugin import plugin as cuda
     from omni.platforms.rocm.plugin import plugin as rocm
 
-    spec = lambda backend: CaptureSpec(device_type="cuda", name="denoise_step[probe]", collectives=backend)  # noqa: E731
+    spec = lambda backend: CaptureSpec(device_type="cuda", name="denoise_step[probe]",  # noqa: E731
+                                       collectives=backend)
     assert cuda.capture_refusal(spec("nccl")) is None and cuda.capture_refusal(spec("")) is None
     refusal = cuda.capture_refusal(spec("gloo"))
     assert "'gloo' collectives cannot be recorded" in refusal and "nccl" in refusal and "graph.mode=eager" in refusal

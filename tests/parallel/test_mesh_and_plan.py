@@ -121,7 +121,8 @@ def test_tp2_local_shapes_keep_whole_kv_groups():
     assert attn.shape_NKH == (2, 1, 16) and attn.qkv_proj.weight.shape == (64, 64)  # (2 q + k + v) x 16
     assert attn.o_proj.weight.shape == (64, 32)
     mlp = model.model.layers[0].mlp
-    assert mlp.shared_mlp.gate_and_up_proj.weight.shape == (32, 64) and mlp.experts.down_proj.weight.shape == (4, 64, 16)
+    assert (mlp.shared_mlp.gate_and_up_proj.weight.shape == (32, 64)
+            and mlp.experts.down_proj.weight.shape == (4, 64, 16))
     qkv = plan.shards["model.layers.0.self_attn.qkv_proj.weight"]
     assert qkv.ranges(128) == [(64, 128)]  # KV group 1 = packed rows 64..127
     gate_up = plan.shards["model.layers.0.mlp.experts.gate_and_up_proj.weight"]

@@ -73,7 +73,8 @@ def assert_same(ref: dict, got: dict, where: str) -> None:
             want, have = ref[rid][what], got[rid][what]
             assert len(have) == len(want) == 2, f"{where} {rid}: {len(have)} {what} steps recorded"
             for step, (w, h) in enumerate(zip(want, have), 1):
-                assert h.shape == w.shape, f"{where} {rid} step {step} {what}: shape {tuple(h.shape)} vs {tuple(w.shape)}"
+                assert h.shape == w.shape, (
+                    f"{where} {rid} step {step} {what}: shape {tuple(h.shape)} vs {tuple(w.shape)}")
                 err = (h.float() - w.float()).abs().max().item()
                 assert err <= ATOL, f"{where} {rid} step {step} {what}: max abs err {err:.3g} > {ATOL}"
     assert got["_pool_all_free"], f"{where}: KV pages still held after every request was released"

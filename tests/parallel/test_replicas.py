@@ -34,7 +34,8 @@ def checkpoint(tmp_path_factory):
     meta = json.loads((parity.GOLDEN_DIR / "hunyuan_image3_tiny.json").read_text())
     (root / "config.json").write_text(json.dumps(meta["tiny_config"]))
     with safe_open(str(parity.GOLDEN_TENSORS), framework="pt") as f:
-        save_file({k: f.get_tensor(k) for k in f.keys() if not k.startswith("golden.")}, str(root / "model.safetensors"))
+        save_file({k: f.get_tensor(k) for k in f.keys() if not k.startswith("golden.")},
+                  str(root / "model.safetensors"))
     tok = resources.files("omni.models.hunyuan_image3.assets").joinpath("tiny_tokenizer.json")
     (root / "tokenizer.json").write_text(tok.read_text())
     return str(root)
@@ -88,8 +89,8 @@ def test_sharded_replica_built_layer_by_layer_serves_the_single_process_images(c
 def test_a_request_failing_on_every_rank_fails_alone_and_the_replica_serves_on(checkpoint, single):
     """The scheduler's isolation holds across ranks: the poisoned request fails, packed neighbours finish."""
     prompts = [PROMPTS[0], "poison", PROMPTS[1]]
-    images, follower = launch(workers.poisoned_driver_job, Degrees(cfg=2), args=(checkpoint, prompts, (0, 1), "denoise_step"),
-                              timeout_s=120)
+    images, follower = launch(workers.poisoned_driver_job, Degrees(cfg=2),
+                              args=(checkpoint, prompts, (0, 1), "denoise_step"), timeout_s=120)
     assert follower["followed"] > 0
     assert images["r1"] == "poisoned request"
     same_image(images["r0"], single["r0"], "r0")

@@ -284,7 +284,8 @@ def test_think_recaption_produces_an_image_end_to_end_on_the_embedded_default(in
 def test_bot_task_fields_and_auto_size(instruct):
     url, options, _ = instruct
     common = {"cot_max_tokens": 8, "seed": 3, "num_inference_steps": 2}
-    plain = sdk(url).images.generate(prompt="a red cat", size="256x256", extra_body={"seed": 3, "num_inference_steps": 2})
+    plain = sdk(url).images.generate(prompt="a red cat", size="256x256",
+                                     extra_body={"seed": 3, "num_inference_steps": 2})
     assert plain.data[0].revised_prompt is None
     recap = sdk(url).images.generate(prompt="a red cat", size="256x256",
                                      extra_body={"bot_task": "recaption", **common})

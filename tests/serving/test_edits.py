@@ -152,7 +152,8 @@ def instruct():
     decode; served under the embedded model's name). The text tests read its greedy answers, which the
     trained checkpoint (tests/test_quality_tiny_edit.py) does not share."""
     recipe = load_recipe(INSTRUCT_RECIPE).replace_paths({
-        "model.flavor": "hunyuan_image3_instruct_tiny_random", "kv_cache.budget_bytes": 160 << 20, "serving.max_batch_tokens": 1 << 17, "serving.max_running": 8,
+        "model.flavor": "hunyuan_image3_instruct_tiny_random", "kv_cache.budget_bytes": 160 << 20,
+        "serving.max_batch_tokens": 1 << 17, "serving.max_running": 8,
         "serving.max_queue": 32, "defaults.steps": 2, "defaults.guidance": 1.0})
     flavor = model_registry.get(recipe.model.flavor)
     pipeline = TestPipeline(flavor.build_pipeline(recipe, select("cpu"), progress=False))
@@ -190,7 +191,8 @@ def test_one_image_as_a_bare_image_field_and_auto_size_follows_it(recorded):
     assert out.size == "320x256"  # the plain helpers snap nothing: image 0's own size
     assert np.array_equal(pipe.requests[-1].images[0], pixels)
     with httpx.Client(base_url=url) as c:  # curl's -F image=@a.png -F image=@b.png; no size at all
-        r = c.post("/v1/images/edits", files=[("image", ("a.png", image_file(288, 256)[1])), ("image", ("b.png", blob))],
+        r = c.post("/v1/images/edits",
+                   files=[("image", ("a.png", image_file(288, 256)[1])), ("image", ("b.png", blob))],
                    data={"prompt": "x", "num_inference_steps": "2", "return_timings": "true", "negative_prompt": ""})
     assert r.status_code == 200, r.text
     assert r.json()["size"] == "288x256" and "timings" in r.json()["data"][0]
@@ -218,7 +220,8 @@ def test_alpha_is_composited_onto_white(recorded):
     buf = io.BytesIO()
     Image.fromarray(rgba, "RGBA").save(buf, format="PNG")
     with httpx.Client(base_url=url) as c:
-        r = c.post("/v1/images/edits", files=[("image", ("a.png", buf.getvalue()))], data={"prompt": "x", "size": "256x256"})
+        r = c.post("/v1/images/edits", files=[("image", ("a.png", buf.getvalue()))],
+                   data={"prompt": "x", "size": "256x256"})
     assert r.status_code == 200, r.text
     got = pipe.requests[-1].images[0]
     assert (got[:, :16] == 255).all() and (got[:, 16:] == [255, 0, 0]).all()
@@ -363,7 +366,8 @@ def test_instruct_edit_one_image_round_trip(instruct):
 def test_instruct_edit_three_images_and_auto_size(instruct):
     url, options, _ = instruct
     files = [(f"{i}.png", image_file(320, 256, seed=i)[1], "image/png") for i in range(3)]
-    out = sdk(url).images.edit(image=files, prompt="combine them", n=2, extra_body={"seed": 4, "num_inference_steps": 2})
+    out = sdk(url).images.edit(image=files, prompt="combine them", n=2,
+                               extra_body={"seed": 4, "num_inference_steps": 2})
     h, w = options.helpers.snap(256, 320)  # no size: generated at the first image's snap, returned at its size
     assert out.size == "320x256" and out.native_size == f"{w}x{h}" and [d.seed for d in out.data] == [4, 5]
     assert png_array(base64.b64decode(out.data[0].b64_json)).shape == (256, 320, 3)
