@@ -24,16 +24,19 @@ has more than one rank launches them with ``start_replicas`` (dp 1) as here.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 from omni.request import ImageRequest
 from omni.scheduler_errors import EngineUnavailable, QueueFull
+from omni.scheduler_figures import scheduler_figures
 
 from .replica_link import RemoteReplica, report_dead, serve_replica
 from .replica_listener import ConnectAbandoned, ReplicaListener
 
+log = logging.getLogger("omni.parallel")
 _STOP_WORKERS_S = 15.0  # a cancelled launch's SIGTERM grace (supervise.TERMINATE_GRACE_S), with room to spare
 
 
@@ -93,6 +96,20 @@ class ReplicaRouter:
     def observe_steps(self, listener) -> None:
         for r in self.replicas:
             r.observe_steps(listener)
+
+    def replica_figures(self) -> list[tuple[int, dict]]:
+        """(index, ``scheduler_figures``) of each ready replica, for /metrics; one that does not answer is left
+        out of this scrape (a scrape never fails for it)."""
+        out = []
+        for i, r in enumerate(self.replicas):
+            if not r.ready:
+                continue
+            figures = getattr(r, "figures", None) or (lambda r=r: scheduler_figures(r.scheduler))
+            try:
+                out.append((i, figures()))
+            except Exception as e:  # noqa: BLE001 - a replica stopping or slow to answer: its figures are missing
+                log.debug("replica %d gave no figures: %r", i, e)
+        return out
 
     def load(self) -> int:
         return sum(r.load() for r in self.replicas)

@@ -1,8 +1,9 @@
 """A replica in other processes, seen from the server: ``RemoteReplica`` and its far end ``serve_replica``.
 
 One ``multiprocessing.connection`` per replica carries tuples ``(kind, key,
-payload)``: the client sends submit / cancel / stop, the replica's first
-rank answers ready, ack, done, stopped or dead. Errors cross as
+payload)``: the client sends submit / cancel / stats / stop, the replica's
+first rank answers ready, ack, done, stopped or dead (``stats`` is acked with
+the replica's ``scheduler_figures``, for the server's /metrics). Errors cross as
 ``(type name, message, retry_after)`` and are rebuilt as the scheduler's own
 exception types, so the HTTP layer maps them exactly as for a local engine.
 """
@@ -14,7 +15,9 @@ import threading
 
 from omni.request import ImageRequest
 from omni.scheduler_errors import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
+from omni.scheduler_figures import scheduler_figures
 
+FIGURES_TIMEOUT_S = 5.0  # a /metrics scrape waits this long for a replica's figures, then leaves them out
 _ERRORS = {c.__name__: c for c in (EngineUnavailable, RequestCancelled, RequestTooLarge)}
 
 
@@ -79,6 +82,10 @@ class RemoteReplica:
 
     def observe_steps(self, listener) -> None:
         """Steps run in the replica's process: nothing to observe here."""
+
+    def figures(self) -> dict:
+        """The replica's ``scheduler_figures``, asked over the link (for /metrics)."""
+        return self._call("stats", None, timeout=FIGURES_TIMEOUT_S)
 
     def submit_many(self, reqs: list[ImageRequest]) -> list[RemoteTicket]:
         if not self.ready:
@@ -199,6 +206,8 @@ class _ReplicaServer:
                 break
             if op == "cancel":
                 self.cancel(payload)
+            elif op == "stats":
+                self.stats(call)
             else:
                 self.submit(call, payload)
         self.send(("stopped", None, None))
@@ -214,6 +223,12 @@ class _ReplicaServer:
         ticket = self.tickets.get(request_id)
         if ticket is not None:
             self.engine.cancel(ticket)
+
+    def stats(self, call) -> None:
+        try:
+            self.send(("ack", call, (True, scheduler_figures(self.engine.scheduler))))
+        except Exception as e:  # noqa: BLE001 - the router's scrape leaves this replica out
+            self.send(("ack", call, (False, _to_wire(e))))
 
     def submit(self, call, requests) -> None:
         try:

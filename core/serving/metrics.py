@@ -1,13 +1,15 @@
 """Prometheus metrics of one app, on a registry of its own (two apps in one process never clash).
 
-Scheduler state (queue depth, running, KV pages, step counters) is read at
-scrape time by a collector; latencies and per-stage seconds are observed as
-requests finish.
+Scheduler state (queue depth, running, KV pages, step counters, the device's
+memory) is read at scrape time by a collector, per replica under a multi-rank
+router; latencies and per-stage seconds are observed as requests finish.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from omni.scheduler_figures import COUNTERS, GAUGES, MEMORY, scheduler_figures
 
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -15,54 +17,55 @@ STAGES = ("queue", "prefill", "denoise", "vae", "encode")
 
 
 class _EngineCollector:
-    """Gauges and counters read from the engine loop at scrape time."""
+    """Gauges and counters read from the engine at scrape time: its scheduler's, or under a multi-rank router
+    each ready replica's, labelled ``replica`` (their schedulers live in the replicas' processes)."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
-        sched = self.engine.scheduler
         up = GaugeMetricFamily("omni_engine_up", "1 when the engine loop is ready, 0 while loading or dead")
         up.add_metric([], 1.0 if self.engine.ready else 0.0)
         yield up
-        if sched is None:
-            return
-        pool = sched.pool
-        for name, doc, value in (
-                ("omni_queue_depth", "requests waiting for admission", sched.queue_depth),
-                ("omni_running_requests", "requests in the running batch", sched.num_running),
-                ("omni_kv_pages_used", "KV pool pages held by requests", pool.used_pages),
-                ("omni_kv_pages_total", "KV pool pages in the fixed budget", pool.num_pages),
-                ("omni_kv_pool_usage_ratio", "used / total KV pages", pool.used_pages / pool.num_pages),
-                ("omni_batch_tokens", "packed tokens per step of the running batch",
-                 sum(t.cost.step_tokens for t in list(sched.running)))):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], float(value))
-            yield g
-        yield from _memory_gauges(getattr(sched.pipeline, "memory_stats", dict)())
-        for key, doc in (("steps", "packed denoising steps run"), ("step_tokens", "tokens through those steps"),
-                         ("admitted", "requests admitted"), ("finished", "requests completed"),
-                         ("failed", "requests failed inside the pipeline"), ("cancelled", "requests cancelled"),
-                         ("rejected", "requests refused with 429")):
-            c = CounterMetricFamily(f"omni_scheduler_{key}", doc)
-            c.add_metric([], float(sched.stats[key]))
-            yield c
+        labels, sources = _sources(self.engine)
+        if sources:
+            yield from gauge_families(sources, labels)
+            yield from memory_families(sources, labels)
+            yield from counter_families(sources, labels)
 
 
-MEMORY_DOCS = {"allocated_bytes": "device memory held by live tensors",
-               "reserved_bytes": "device memory the caching allocator holds (live tensors and its cache): what "
-                                 "other processes on the device cannot have",
-               "peak_bytes": "most device memory live tensors held since start (the host's peak RSS on a cpu "
-                             "platform)"}
+def _sources(engine) -> tuple[list[str], list[tuple[list[str], dict]]]:
+    """(label names, [(label values, ``scheduler_figures``)]): one unlabelled source for a local scheduler."""
+    if engine.scheduler is not None:
+        return [], [([], scheduler_figures(engine.scheduler))]
+    per_replica = getattr(engine, "replica_figures", None)
+    return ["replica"], [([str(i)], f) for i, f in (per_replica() if per_replica else [])]
 
 
-def _memory_gauges(stats: dict):
-    """``omni_device_memory_<name>`` for each byte count the pipeline's device reports (none from a pipeline
-    that does not say: a multi-rank replica's devices are in its ranks' processes)."""
-    for name, value in stats.items():
-        g = GaugeMetricFamily(f"omni_device_memory_{name}", MEMORY_DOCS.get(name, name.replace("_", " ")))
-        g.add_metric([], float(value))
+def gauge_families(sources: list, labels: list[str]):
+    for name, doc in GAUGES.items():
+        g = GaugeMetricFamily(name, doc, labels=labels)
+        for values, figures in sources:
+            g.add_metric(values, figures["gauges"][name])
         yield g
+
+
+def memory_families(sources: list, labels: list[str]):
+    """``omni_device_memory_<name>`` for each byte count a source's device reports."""
+    for name in sorted({n for _, figures in sources for n in figures["memory"]}):
+        g = GaugeMetricFamily(f"omni_device_memory_{name}", MEMORY.get(name, name.replace("_", " ")), labels=labels)
+        for values, figures in sources:
+            if name in figures["memory"]:
+                g.add_metric(values, figures["memory"][name])
+        yield g
+
+
+def counter_families(sources: list, labels: list[str]):
+    for key, doc in COUNTERS.items():
+        c = CounterMetricFamily(f"omni_scheduler_{key}", doc, labels=labels)
+        for values, figures in sources:
+            c.add_metric(values, figures["counters"][key])
+        yield c
 
 
 class Metrics:

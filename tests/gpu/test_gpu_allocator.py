@@ -63,12 +63,13 @@ def test_without_the_call_the_segments_are_not_expandable():
 
 def test_metrics_report_the_devices_memory():
     """/metrics' device gauges on a CUDA device: allocated, reserved and peak bytes, each at least the tensor
-    held (``omni.serving.metrics._memory_gauges`` over ``DeviceServices.memory_stats``)."""
+    held (``omni.serving.metrics.memory_families`` over ``DeviceServices.memory_stats``, as a scrape reads them)."""
     from omni.device import DeviceServices
-    from omni.serving.metrics import _memory_gauges
+    from omni.serving.metrics import memory_families
 
     held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    gauges = {g.name: g.samples[0].value for g in _memory_gauges(DeviceServices("cuda", 0).memory_stats())}
+    sources = [([], {"memory": DeviceServices("cuda", 0).memory_stats()})]
+    gauges = {g.name: g.samples[0].value for g in memory_families(sources, [])}
     assert set(gauges) == {"omni_device_memory_allocated_bytes", "omni_device_memory_reserved_bytes",
                            "omni_device_memory_peak_bytes"}
     assert all(v >= held.numel() for v in gauges.values()), gauges

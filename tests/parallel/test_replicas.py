@@ -127,6 +127,19 @@ def cancel_over_the_link(router):
         long.result(timeout=120)
 
 
+def replica_metrics(router) -> dict[str, dict[str, float]]:
+    """The server's /metrics text for ``router`` as {metric: {replica label: value}} (labelled samples only)."""
+    import re
+
+    from omni.serving.metrics import Metrics
+
+    out: dict[str, dict[str, float]] = {}
+    for name, replica, value in re.findall(r'^(\w+)\{replica="(\d+)"\} (\S+)$', Metrics(router).render().decode(),
+                                           flags=re.M):
+        out.setdefault(name, {})[replica] = float(value)
+    return out
+
+
 def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, tmp_path):
     """start_replicas launches a dp=2 recipe; the router gives each replica two of four requests, and a cancel
     reaches the replica that runs the request (it ends with RequestCancelled, not an image)."""
@@ -144,6 +157,10 @@ def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, t
         assert owners.count(router.replicas[0]) == owners.count(router.replicas[1]) == 2  # least-loaded
         for t in tickets:
             same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)
+        metrics = replica_metrics(router)
+        assert metrics["omni_scheduler_finished_total"] == {"0": 2.0, "1": 2.0}, "each replica's own count"
+        assert all(v > 0 for v in metrics["omni_kv_pages_total"].values())
+        assert set(metrics["omni_device_memory_peak_bytes"]) == {"0", "1"}  # the cpu ranks' peak RSS
         cancel_over_the_link(router)
     finally:
         router.stop(60)

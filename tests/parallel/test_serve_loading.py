@@ -40,6 +40,11 @@ def test_a_multi_rank_server_answers_503_starting_until_its_replicas_are_ready(t
         assert first.json()["status"] == "starting" and "retry-after" in first.headers, first.text
         wait_until(lambda: (r := health(port)) is not None and r.status_code == 200, proc, err, "200 from /health",
                    timeout=150)  # fails the test when it does not come
+        # once ready, /metrics carries the replica's scheduler figures, asked of its first rank over the link
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+        assert 'omni_kv_pages_total{replica="0"}' in metrics and 'omni_queue_depth{replica="0"} 0.0' in metrics
+        assert 'omni_scheduler_steps_total{replica="0"} 0.0' in metrics, "the warm-up's steps are not counted"
+        assert 'omni_device_memory_peak_bytes{replica="0"}' in metrics  # its driver rank's (on the cpu: peak RSS)
         code, stderr = ctrl_c(proc, err)
     finally:
         if proc.poll() is None:

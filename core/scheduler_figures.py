@@ -1,0 +1,35 @@
+"""What a scheduler's /metrics say, as plain numbers: read at scrape time, here or in a replica's process.
+
+One function, so that the server's collector (``omni.serving.metrics``) and a multi-rank replica answering
+its router over the replica link (``omni.parallel.replica_link``) report the same figures. Read from a thread
+other than the engine's, as the single-process server always has: each figure is one read of a length or a
+counter, and the device's memory comes from the allocator's host-side counters (no device call).
+"""
+from __future__ import annotations
+
+# name: help text; the value is read from the scheduler (see ``scheduler_figures``)
+GAUGES = {"omni_queue_depth": "requests waiting for admission",
+          "omni_running_requests": "requests in the running batch",
+          "omni_kv_pages_used": "KV pool pages held by requests",
+          "omni_kv_pages_total": "KV pool pages in the fixed budget",
+          "omni_kv_pool_usage_ratio": "used / total KV pages",
+          "omni_batch_tokens": "packed tokens per step of the running batch"}
+COUNTERS = {"steps": "packed denoising steps run", "step_tokens": "tokens through those steps",
+            "admitted": "requests admitted", "finished": "requests completed",
+            "failed": "requests failed inside the pipeline", "cancelled": "requests cancelled",
+            "rejected": "requests refused with 429"}
+MEMORY = {"allocated_bytes": "device memory held by live tensors",
+          "reserved_bytes": "device memory the caching allocator holds (live tensors and its cache): what other "
+                            "processes on the device cannot have",
+          "peak_bytes": "most device memory live tensors held since start (the host's peak RSS on a cpu platform)"}
+
+
+def scheduler_figures(sched) -> dict[str, dict[str, float]]:
+    """``{"gauges": {metric: value}, "counters": {stats key: value}, "memory": {name: bytes}}`` of ``sched``
+    (a ``Scheduler``); memory as its pipeline's device reports it (a multi-rank replica: its driver rank's)."""
+    pool = sched.pool
+    gauges = (sched.queue_depth, sched.num_running, pool.used_pages, pool.num_pages,
+              pool.used_pages / pool.num_pages, sum(t.cost.step_tokens for t in list(sched.running)))
+    return {"gauges": {name: float(v) for name, v in zip(GAUGES, gauges)},
+            "counters": {key: float(sched.stats[key]) for key in COUNTERS},
+            "memory": {k: float(v) for k, v in getattr(sched.pipeline, "memory_stats", dict)().items()}}
