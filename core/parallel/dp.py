@@ -63,7 +63,7 @@ class ReplicaRouter:
     (``start_replicas``); ``stop()`` ends them with the replicas.
     """
 
-    scheduler = None  # per-replica scheduler metrics live with each replica
+    scheduler = None  # each replica has its own: /metrics asks them (replica_figures)
 
     def __init__(self, replicas: list, job: LaunchJob | None = None):
         if not replicas:
