@@ -95,7 +95,8 @@ class HttpTarget:
         from .cli_jobs import UsageError
 
         try:
-            r = self._client().get("/health")
+            with self._client() as client:
+                r = client.get("/health")
         except httpx.TransportError as e:  # nothing there: the flag is wrong (or the server is not up yet)
             raise UsageError(f"--url {self.name}: cannot reach {self.url}/health ({type(e).__name__}: {e})") from None
         if r.status_code != 200:
@@ -115,10 +116,12 @@ class HttpTarget:
         return Sample(True, dt, stages=r.json()["data"][0].get("timings", {}))
 
     def reserved_memory(self) -> int | None:
-        """The server's ``omni_device_memory_reserved_bytes`` from its /metrics now; None where it reports none
-        (a multi-rank server: its devices are in its ranks' processes) or /metrics cannot be read."""
+        """The server's ``omni_device_memory_reserved_bytes`` from its /metrics now; None where /metrics cannot
+        be read or has no unlabelled figure (a cpu server; a multi-rank server labels it per replica, and each
+        replica's is its first rank's device alone, not the deployment's)."""
         try:
-            r = self._client().get("/metrics")
+            with self._client() as client:
+                r = client.get("/metrics")
         except Exception:  # noqa: BLE001 - a figure missing from the report, not a failed benchmark
             return None
         found = re.search(r"^omni_device_memory_reserved_bytes ([0-9.e+]+)$", r.text, flags=re.M)

@@ -157,7 +157,7 @@ def cmd_models(args) -> int:
 def _deployment(args, serving: bool):
     from .deployment import prepare
 
-    overrides = parse_overrides(getattr(args, "set", []) + getattr(args, "set_", []))  # before, then after COMMAND
+    overrides = parse_overrides(args.set + getattr(args, "set_", []))  # before COMMAND, then the command's own
     overrides |= {"model.path": args.model} if args.model else {}
     if serving:
         overrides |= {k: v for k, v in (("serving.host", args.host), ("serving.port", args.port)) if v is not None}

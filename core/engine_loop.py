@@ -16,6 +16,7 @@ from .request import ImageRequest
 from .engine_handle import StepListener
 from .scheduler import Scheduler
 from .scheduler_errors import EngineUnavailable
+from .scheduler_figures import scheduler_figures
 from .ticket import Ticket
 
 log = logging.getLogger("omni.engine_loop")
@@ -65,6 +66,13 @@ class EngineLoop:
 
     def observe_steps(self, listener: StepListener) -> None:
         self._listeners.append(listener)
+
+    def figures(self) -> dict:
+        """The scheduler's ``scheduler_figures`` (for /metrics; a replica of a router answers the same over its
+        link: ``RemoteReplica.figures``)."""
+        if self.scheduler is None:
+            raise EngineUnavailable(self.unavailable_reason())
+        return scheduler_figures(self.scheduler)
 
     def load(self) -> int:
         sched = self.scheduler

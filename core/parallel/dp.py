@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from omni.request import ImageRequest
 from omni.scheduler_errors import EngineUnavailable, QueueFull
-from omni.scheduler_figures import scheduler_figures
 
 from .replica_link import RemoteReplica, report_dead, serve_replica
 from .replica_listener import ConnectAbandoned, ReplicaListener
@@ -104,9 +103,8 @@ class ReplicaRouter:
         for i, r in enumerate(self.replicas):
             if not r.ready:
                 continue
-            figures = getattr(r, "figures", None) or (lambda r=r: scheduler_figures(r.scheduler))
             try:
-                out.append((i, figures()))
+                out.append((i, r.figures()))
             except Exception as e:  # noqa: BLE001 - a replica stopping or slow to answer: its figures are missing
                 log.debug("replica %d gave no figures: %r", i, e)
         return out

@@ -15,7 +15,6 @@ import threading
 
 from omni.request import ImageRequest
 from omni.scheduler_errors import EngineUnavailable, QueueFull, RequestCancelled, RequestTooLarge
-from omni.scheduler_figures import scheduler_figures
 
 FIGURES_TIMEOUT_S = 5.0  # a /metrics scrape waits this long for a replica's figures, then leaves them out
 _ERRORS = {c.__name__: c for c in (EngineUnavailable, RequestCancelled, RequestTooLarge)}
@@ -226,7 +225,7 @@ class _ReplicaServer:
 
     def stats(self, call) -> None:
         try:
-            self.send(("ack", call, (True, scheduler_figures(self.engine.scheduler))))
+            self.send(("ack", call, (True, self.engine.figures())))
         except Exception as e:  # noqa: BLE001 - the router's scrape leaves this replica out
             self.send(("ack", call, (False, _to_wire(e))))
 

@@ -19,6 +19,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+from omni.scheduler_figures import scheduler_figures
+
 _DISCONNECT_GRACE_S = 5.0  # the app notices http.disconnect within its poll (0.2 s) and cancels its requests
 
 
@@ -61,14 +63,16 @@ class Head:
 
 
 def scheduler_stats(engine) -> dict[str, float]:
-    """The figures of one replica's scheduler the ingress exports under that replica's label."""
-    sched = engine.scheduler
-    if sched is None:  # a multi-rank replica: its scheduler runs in its first rank's process
+    """The figures of one replica's scheduler the ingress exports under that replica's label (a subset of the
+    replica's own /metrics: ``scheduler_figures``)."""
+    if engine.scheduler is None:  # a multi-rank replica: its scheduler runs in its first rank's process
         return {"up": float(engine.ready)}
-    pool = sched.pool
-    return {"up": float(engine.ready), "queue_depth": float(sched.queue_depth),
-            "running_requests": float(sched.num_running), "kv_pool_usage_ratio": pool.used_pages / pool.num_pages,
-            "finished": float(sched.stats["finished"]), "steps": float(sched.stats["steps"])}
+    figures = scheduler_figures(engine.scheduler, memory=False)  # read at every answer: only what is exported
+    gauges, counters = figures["gauges"], figures["counters"]
+    return {"up": float(engine.ready), "queue_depth": gauges["omni_queue_depth"],
+            "running_requests": gauges["omni_running_requests"],
+            "kv_pool_usage_ratio": gauges["omni_kv_pool_usage_ratio"],
+            "finished": counters["finished"], "steps": counters["steps"]}
 
 
 async def play(app, request: Forwarded, replica: str, stats):
