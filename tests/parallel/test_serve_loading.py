@@ -16,7 +16,8 @@ import signal
 import httpx
 import pytest
 
-from test_serve_interrupt import assert_quiet, ctrl_c, start_server, wait_until
+from procs import wait_gone
+from test_serve_interrupt import assert_quiet, ctrl_c, rank_processes, start_server, wait_until
 from two_ranks import two_rank_recipe
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,9 +46,14 @@ def test_a_multi_rank_server_answers_503_starting_until_its_replicas_are_ready(t
         assert 'omni_kv_pages_total{replica="0"}' in metrics and 'omni_queue_depth{replica="0"} 0.0' in metrics
         assert 'omni_scheduler_steps_total{replica="0"} 0.0' in metrics, "the warm-up's steps are not counted"
         assert 'omni_device_memory_peak_bytes{replica="0"}' in metrics  # its driver rank's (on the cpu: peak RSS)
+        ranks = rank_processes(proc.pid)
+        assert len(ranks) == 2, f"expected 2 rank processes, found {ranks}"
+        # Ctrl-C on the ready cfg replica (test_serve_interrupt.py does the same for dp 2)
         code, stderr = ctrl_c(proc, err)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert code == 0, stderr
+    assert code == 0, f"exit status {code} (single-process serve exits 0 on Ctrl-C):\n{stderr}"
     assert_quiet(stderr)
+    assert "Shutting down" in stderr  # uvicorn's orderly stop, not a crash
+    assert wait_gone(ranks) == [], "rank processes outlived the server"
