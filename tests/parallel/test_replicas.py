@@ -253,6 +253,9 @@ class FakeReplica:
     def load(self):
         return self._load
 
+    def figures(self):
+        return {"load": self._load}
+
     def unavailable_reason(self):
         return "loading"
 
@@ -276,3 +279,24 @@ def test_router_prefers_least_loaded_and_skips_full_or_unready():
         ReplicaRouter([FakeReplica(full=True)]).submit_many(requests(1))
     with pytest.raises(EngineUnavailable, match="replica 0: loading"):
         ReplicaRouter([FakeReplica(ready=False)]).submit_many(requests(1))
+
+
+def test_router_asks_the_replicas_for_their_figures_at_once():
+    """/metrics asks every ready replica together: two replicas whose answers each wait for the other's question
+    (a barrier of two) both answer; asked one after the other, the first would wait out the barrier's limit and
+    fail. An unready replica is not asked, a failing one is left out of the scrape."""
+    import threading
+
+    meet = threading.Barrier(2, timeout=10)
+
+    class Meeting(FakeReplica):
+        def figures(self):
+            meet.wait()
+            return super().figures()
+
+    class Broken(FakeReplica):
+        def figures(self):
+            raise ConnectionError("link closed")
+
+    router = ReplicaRouter([Meeting(load=1), FakeReplica(ready=False), Broken(), Meeting(load=3)])
+    assert router.replica_figures() == [(0, {"load": 1}), (3, {"load": 3})]
