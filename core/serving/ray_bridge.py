@@ -64,10 +64,12 @@ class Head:
 
 def scheduler_stats(engine) -> dict[str, float]:
     """The figures of one replica's scheduler the ingress exports under that replica's label (a subset of the
-    replica's own /metrics: ``scheduler_figures``)."""
-    if engine.scheduler is None:  # a multi-rank replica: its scheduler runs in its first rank's process
+    replica's own /metrics: ``scheduler_figures``). A multi-rank replica's scheduler runs in its first rank's
+    process: its router asks it over the replica link (a round trip, so ``play`` reads this off the event loop);
+    a rank that does not answer leaves only ``up``."""
+    figures = _figures(engine)
+    if figures is None:
         return {"up": float(engine.ready)}
-    figures = scheduler_figures(engine.scheduler, memory=False)  # read at every answer: only what is exported
     gauges, counters = figures["gauges"], figures["counters"]
     return {"up": float(engine.ready), "queue_depth": gauges["omni_queue_depth"],
             "running_requests": gauges["omni_running_requests"],
@@ -75,10 +77,17 @@ def scheduler_stats(engine) -> dict[str, float]:
             "finished": counters["finished"], "steps": counters["steps"]}
 
 
+def _figures(engine) -> dict | None:
+    if engine.scheduler is not None:
+        return scheduler_figures(engine.scheduler, memory=False)  # read at every answer: only what is exported
+    answered = engine.replica_figures()  # a Ray replica's ranks form one replica (dp 1)
+    return answered[0][1] if answered else None
+
+
 async def play(app, request: Forwarded, replica: str, stats):
     """Run ``request`` through the ASGI ``app``; yield ``Accepted``, a ``Head``, then the remaining body chunks.
 
-    ``stats()`` is read when the head is ready. If the caller stops
+    ``stats()`` is read when the head is ready, in a thread (it may ask a rank over a link). If the caller stops
     listening (the ingress cancelled: its client left), the app sees
     ``http.disconnect`` and cancels the request's engine work itself.
     """
@@ -91,7 +100,8 @@ async def play(app, request: Forwarded, replica: str, stats):
         start = await _next(messages, "http.response.start")
         first = await _next(messages, "http.response.body")
         more = first.get("more_body", False)
-        yield Head(start["status"], tuple(start.get("headers", ())), first.get("body", b""), more, replica, stats())
+        figures = await asyncio.to_thread(stats)
+        yield Head(start["status"], tuple(start.get("headers", ())), first.get("body", b""), more, replica, figures)
         while more:
             message = await _next(messages, "http.response.body")
             more = message.get("more_body", False)

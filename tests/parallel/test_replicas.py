@@ -300,3 +300,28 @@ def test_router_asks_the_replicas_for_their_figures_at_once():
 
     router = ReplicaRouter([Meeting(load=1), FakeReplica(ready=False), Broken(), Meeting(load=3)])
     assert router.replica_figures() == [(0, {"load": 1}), (3, {"load": 3})]
+
+
+def test_the_ray_ingress_reads_a_multi_rank_replicas_figures_through_its_router():
+    """A Ray replica of several ranks holds a router over one remote replica: the figures each answer carries
+    are that replica's, asked over the link; a replica that does not answer leaves only ``up``."""
+    from omni.scheduler_figures import COUNTERS, GAUGES
+    from omni.serving.ray_bridge import scheduler_stats
+
+    figures = {"gauges": {name: float(i) for i, name in enumerate(GAUGES)},
+               "counters": {key: 10.0 + i for i, key in enumerate(COUNTERS)}, "memory": {}}
+
+    class Remote(FakeReplica):
+        def figures(self):
+            return figures
+
+    class Silent(FakeReplica):
+        def figures(self):
+            raise TimeoutError("no answer in 5 s")
+
+    got = scheduler_stats(ReplicaRouter([Remote()]))
+    assert got == {"up": 1.0, "queue_depth": figures["gauges"]["omni_queue_depth"],
+                   "running_requests": figures["gauges"]["omni_running_requests"],
+                   "kv_pool_usage_ratio": figures["gauges"]["omni_kv_pool_usage_ratio"],
+                   "finished": figures["counters"]["finished"], "steps": figures["counters"]["steps"]}
+    assert scheduler_stats(ReplicaRouter([Silent()])) == {"up": 1.0}

@@ -200,8 +200,11 @@ def test_a_multi_rank_replica_launches_its_ranks(cluster):
         assert_png(png)
         text = httpx.get(cluster + "/tp2/metrics", timeout=30).text
         assert f'omni_replica_up{{replica="{replica}"}} 1.0' in text
-        # its scheduler runs in its first rank's process, not in the replica's: no queue figures from here
-        assert f'omni_replica_queue_depth{{replica="{replica}"}}' not in text
+        # its scheduler runs in its first rank's process: the replica asked it over the link at the answer
+        # (counted before the answer went out: the image's steps are in, its completion may not be yet)
+        assert f'omni_replica_queue_depth{{replica="{replica}"}} 0.0' in text
+        steps = re.search(rf'^omni_replica_steps\{{replica="{re.escape(replica)}"\}} (\S+)$', text, re.M)
+        assert steps and float(steps.group(1)) >= 1, text
     finally:
         serve.delete("omni_tp2")
 
