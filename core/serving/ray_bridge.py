@@ -80,8 +80,9 @@ def scheduler_stats(engine) -> dict[str, float]:
 def _figures(engine) -> dict | None:
     if engine.scheduler is not None:
         return scheduler_figures(engine.scheduler, memory=False)  # read at every answer: only what is exported
-    answered = engine.replica_figures()  # a Ray replica's ranks form one replica (dp 1)
-    return answered[0][1] if answered else None
+    replicas = getattr(engine, "replica_figures", None)  # a router; an engine loop not built yet has neither
+    answered = replicas() if replicas is not None else []
+    return answered[0][1] if answered else None  # a Ray replica's ranks form one replica (dp 1)
 
 
 async def play(app, request: Forwarded, replica: str, stats):

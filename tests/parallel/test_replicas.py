@@ -306,6 +306,7 @@ def test_the_ray_ingress_reads_a_multi_rank_replicas_figures_through_its_router(
     """A Ray replica of several ranks holds a router over one remote replica: the figures each answer carries
     are that replica's, asked over the link; a replica that does not answer leaves only ``up``."""
     from omni.scheduler_figures import COUNTERS, GAUGES
+    from omni.engine_loop import EngineLoop
     from omni.serving.ray_bridge import scheduler_stats
 
     figures = {"gauges": {name: float(i) for i, name in enumerate(GAUGES)},
@@ -325,3 +326,4 @@ def test_the_ray_ingress_reads_a_multi_rank_replicas_figures_through_its_router(
                    "kv_pool_usage_ratio": figures["gauges"]["omni_kv_pool_usage_ratio"],
                    "finished": figures["counters"]["finished"], "steps": figures["counters"]["steps"]}
     assert scheduler_stats(ReplicaRouter([Silent()])) == {"up": 1.0}
+    assert scheduler_stats(EngineLoop(lambda: None)) == {"up": 0.0}  # one process, not built yet: no scheduler
