@@ -35,3 +35,13 @@ def scheduler_figures(sched, *, memory: bool = True) -> dict[str, dict[str, floa
     return {"gauges": {name: float(v) for name, v in zip(GAUGES, gauges)},
             "counters": {key: float(sched.stats[key]) for key in COUNTERS},
             "memory": {k: float(v) for k, v in stats().items()}}
+
+
+def engine_figures(engine, *, memory: bool = True) -> list[tuple[str | None, dict]]:
+    """``[(replica label, scheduler_figures)]`` of an engine handle: ``[(None, ...)]`` for one whose scheduler is
+    in this process; each ready replica's ``(str(index), ...)`` under a multi-rank router (asked over the replica
+    links: ``ReplicaRouter.replica_figures``, which always carries memory); ``[]`` for an engine loop not built."""
+    if engine.scheduler is not None:
+        return [(None, scheduler_figures(engine.scheduler, memory=memory))]
+    per_replica = getattr(engine, "replica_figures", None)  # a router; an engine loop not built yet has neither
+    return [(str(i), figures) for i, figures in per_replica()] if per_replica is not None else []

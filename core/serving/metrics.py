@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from omni.scheduler_figures import COUNTERS, GAUGES, MEMORY, scheduler_figures
+from omni.scheduler_figures import COUNTERS, GAUGES, MEMORY, engine_figures
 
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -36,10 +36,10 @@ class _EngineCollector:
 
 def _sources(engine) -> tuple[list[str], list[tuple[list[str], dict]]]:
     """(label names, [(label values, ``scheduler_figures``)]): one unlabelled source for a local scheduler."""
-    if engine.scheduler is not None:
-        return [], [([], scheduler_figures(engine.scheduler))]
-    per_replica = getattr(engine, "replica_figures", None)
-    return ["replica"], [([str(i)], f) for i, f in (per_replica() if per_replica else [])]
+    found = engine_figures(engine)
+    if found and found[0][0] is None:
+        return [], [([], found[0][1])]
+    return ["replica"], [([replica], figures) for replica, figures in found]
 
 
 def gauge_families(sources: list, labels: list[str]):

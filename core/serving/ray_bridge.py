@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from omni.scheduler_figures import scheduler_figures
+from omni.scheduler_figures import engine_figures
 
 _DISCONNECT_GRACE_S = 5.0  # the app notices http.disconnect within its poll (0.2 s) and cancels its requests
 
@@ -67,22 +67,14 @@ def scheduler_stats(engine) -> dict[str, float]:
     replica's own /metrics: ``scheduler_figures``). A multi-rank replica's scheduler runs in its first rank's
     process: its router asks it over the replica link (a round trip, so ``play`` reads this off the event loop);
     a rank that does not answer leaves only ``up``."""
-    figures = _figures(engine)
-    if figures is None:
+    found = engine_figures(engine, memory=False)  # read at every answer: only what is exported
+    if not found:
         return {"up": float(engine.ready)}
-    gauges, counters = figures["gauges"], figures["counters"]
+    gauges, counters = found[0][1]["gauges"], found[0][1]["counters"]  # a Ray replica's ranks form one (dp 1)
     return {"up": float(engine.ready), "queue_depth": gauges["omni_queue_depth"],
             "running_requests": gauges["omni_running_requests"],
             "kv_pool_usage_ratio": gauges["omni_kv_pool_usage_ratio"],
             "finished": counters["finished"], "steps": counters["steps"]}
-
-
-def _figures(engine) -> dict | None:
-    if engine.scheduler is not None:
-        return scheduler_figures(engine.scheduler, memory=False)  # read at every answer: only what is exported
-    replicas = getattr(engine, "replica_figures", None)  # a router; an engine loop not built yet has neither
-    answered = replicas() if replicas is not None else []
-    return answered[0][1] if answered else None  # a Ray replica's ranks form one replica (dp 1)
 
 
 async def play(app, request: Forwarded, replica: str, stats):
