@@ -15,6 +15,17 @@ from dataclasses import dataclass
 import torch
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: Linux's ``VmHWM``, which starts afresh with the process image. Not
+    ``ru_maxrss``: that survives fork and exec, so a spawned rank would report its launcher's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):  # no procfs (macOS reports ru_maxrss in bytes, Linux in KiB)
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return maxrss if os.uname().sysname == "Darwin" else maxrss * 1024
+
+
 def upload(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``data`` (a list or a host tensor) on ``device``, queued without waiting: staged in page-locked memory and
     copied asynchronously. A plain copy from pageable memory (``torch.tensor(data, device=...)``) makes the host
@@ -62,8 +73,8 @@ class DeviceServices:
         return self._mod.Event(enable_timing=enable_timing) if self.device_type != "cpu" else None
 
     def max_memory_allocated(self) -> int:
-        if self.device_type == "cpu":  # peak RSS of this process (KiB on Linux)
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if self.device_type == "cpu":
+            return peak_rss_bytes()
         return self._mod.max_memory_allocated(self.device)
 
     def reset_peak_memory(self) -> None:

@@ -24,17 +24,24 @@ MEMORY = {"allocated_bytes": "device memory held by live tensors",
           "peak_bytes": "most device memory live tensors held since start (the host's peak RSS on a cpu platform)"}
 
 
-def scheduler_figures(sched, *, memory: bool = True) -> dict[str, dict[str, float]]:
-    """``{"gauges": {metric: value}, "counters": {stats key: value}, "memory": {name: bytes}}`` of ``sched``
-    (a ``Scheduler``); memory as its pipeline's device reports it (a multi-rank replica: its driver rank's),
-    empty with ``memory=False`` (the Ray ingress's per-answer figures, which do not export it)."""
+def scheduler_figures(sched, *, memory: bool = True) -> dict:
+    """``{"gauges": {metric: value}, "counters": {stats key: value}, "memory": [{name: bytes}, ...]}`` of
+    ``sched`` (a ``Scheduler``). Memory is one dict per rank of its pipeline, as each rank's device reports it:
+    one for a single process; a multi-rank replica's driver gives every rank's (``DriverPipeline.memory_by_rank``:
+    the followers' as of the last admit or release). Empty with ``memory=False`` (the Ray ingress's per-answer
+    figures, which do not export it)."""
     pool = sched.pool
     gauges = (sched.queue_depth, sched.num_running, pool.used_pages, pool.num_pages,
               pool.used_pages / pool.num_pages, sum(t.cost.step_tokens for t in list(sched.running)))
-    stats = getattr(sched.pipeline, "memory_stats", dict) if memory else dict
     return {"gauges": {name: float(v) for name, v in zip(GAUGES, gauges)},
             "counters": {key: float(sched.stats[key]) for key in COUNTERS},
-            "memory": {k: float(v) for k, v in stats().items()}}
+            "memory": [{k: float(v) for k, v in rank.items()} for rank in _memory_by_rank(sched.pipeline)]
+            if memory else []}
+
+
+def _memory_by_rank(pipeline) -> list[dict]:
+    by_rank = getattr(pipeline, "memory_by_rank", None)  # a multi-rank replica's driver
+    return by_rank() if by_rank is not None else [getattr(pipeline, "memory_stats", dict)()]
 
 
 def engine_figures(engine, *, memory: bool = True) -> list[tuple[str | None, dict]]:

@@ -25,6 +25,11 @@ does not catch, so the replica goes down with the failing ranks named. (A
 forward that fails on some ranks only, before one of its collectives, leaves
 the others waiting in that collective: the distributed timeout of the
 launcher ends the job then.)
+
+Memory: the outcome gather of ``admit`` and ``release`` also carries each
+rank's device memory (``memory_stats``), so the driver can report every
+rank's figures (``DriverPipeline.memory_by_rank``, for /metrics) without a
+collective of its own; steps never pay for the reads.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ import random
 from omni.ticket import restore_state, snapshot_state
 
 STOP = "stop"
+MEMORY_OPS = ("admit", "release")  # once per request each: the gathers that carry every rank's memory
 
 
 class LockStepLost(BaseException):
@@ -44,13 +50,25 @@ class LockStepLost(BaseException):
     """
 
 
-def agree(control, op: str, error: BaseException | None) -> None:
-    """All ranks learn every rank's outcome of ``op``; raises ``LockStepLost`` when they differ."""
-    outcomes = control.all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+def agree(control, op: str, error: BaseException | None, memory: dict | None = None) -> list:
+    """All ranks learn every rank's outcome of ``op``; raises ``LockStepLost`` when they differ. Returns every
+    rank's ``memory`` (what each passed: ``rank_memory`` for ``MEMORY_OPS``, else None), in rank order."""
+    gathered = control.all_gather_object((None if error is None else f"{type(error).__name__}: {error}", memory))
+    outcomes = [outcome for outcome, _ in gathered]
     failed = [r for r, o in enumerate(outcomes) if o is not None]
     if failed and len(failed) < len(outcomes):
         raise LockStepLost(f"{op} failed on replica rank(s) {failed} only ({outcomes[failed[0]]}); "
                            "the ranks no longer hold the same state") from error
+    return [m for _, m in gathered]
+
+
+def rank_memory(pipeline, op: str) -> dict | None:
+    """This rank's device memory in bytes by name when ``op`` carries it (``MEMORY_OPS``), else None."""
+    return _memory(pipeline) if op in MEMORY_OPS else None
+
+
+def _memory(pipeline) -> dict:
+    return dict(getattr(pipeline, "memory_stats", dict)())
 
 
 def _outcome(fn):
@@ -67,6 +85,7 @@ class DriverPipeline:
     def __init__(self, pipeline, control):
         self.pipeline, self.control = pipeline, control
         self.pool = pipeline.pool
+        self.followers_memory: list[dict] = []  # ranks 1.. as of the last admit or release
 
     def __getattr__(self, name):  # step_tokens, concurrent_decode, ...: local and side-effect free
         return getattr(self.pipeline, name)
@@ -78,10 +97,17 @@ class DriverPipeline:
         """Broadcast ``op``, run it here, agree on the outcome with the followers; raise a shared failure."""
         self._send(op, payload)
         result, error = _outcome(fn)
-        agree(self.control, op, error)
+        memory = agree(self.control, op, error, rank_memory(self.pipeline, op))
+        if op in MEMORY_OPS:
+            self.followers_memory = memory[1:]
         if error is not None:
             raise error
         return result
+
+    def memory_by_rank(self) -> list[dict]:
+        """Each rank's device memory in bytes by name, in rank order: this rank's read now, the others' as of the
+        replica's last admit or release (only this rank's before the first request)."""
+        return [_memory(self.pipeline)] + self.followers_memory
 
     def pages_needed(self, req) -> int:
         return self.pipeline.pages_needed(req)
@@ -124,7 +150,7 @@ def follow(pipeline, control) -> int:
             return calls
         calls += 1
         _, error = _outcome(lambda: _replay(pipeline, states, op, payload))
-        agree(control, op, error)  # a failure on every rank: the driver isolates it; we go on
+        agree(control, op, error, rank_memory(pipeline, op))  # a failure on every rank: the driver isolates it
 
 
 def _replay(pipeline, states: dict, op: str, payload) -> None:

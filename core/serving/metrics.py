@@ -51,12 +51,17 @@ def gauge_families(sources: list, labels: list[str]):
 
 
 def memory_families(sources: list, labels: list[str]):
-    """``omni_device_memory_<name>`` for each byte count a source's device reports."""
-    for name in sorted({n for _, figures in sources for n in figures["memory"]}):
-        g = GaugeMetricFamily(f"omni_device_memory_{name}", MEMORY.get(name, name.replace("_", " ")), labels=labels)
-        for values, figures in sources:
-            if name in figures["memory"]:
-                g.add_metric(values, figures["memory"][name])
+    """``omni_device_memory_<name>`` for each byte count a source's devices report; labelled ``rank`` too when a
+    source reports more than one rank (a multi-rank replica: each rank's device)."""
+    per_rank = any(len(figures["memory"]) > 1 for _, figures in sources)
+    rows = [(values + [str(rank)] if per_rank else values, stats)
+            for values, figures in sources for rank, stats in enumerate(figures["memory"])]
+    for name in sorted({n for _, stats in rows for n in stats}):
+        g = GaugeMetricFamily(f"omni_device_memory_{name}", MEMORY.get(name, name.replace("_", " ")),
+                              labels=labels + ["rank"] if per_rank else labels)
+        for values, stats in rows:
+            if name in stats:
+                g.add_metric(values, stats[name])
         yield g
 
 

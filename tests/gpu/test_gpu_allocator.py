@@ -68,7 +68,7 @@ def test_metrics_report_the_devices_memory():
     from omni.serving.metrics import memory_families
 
     held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
-    sources = [([], {"memory": DeviceServices("cuda", 0).memory_stats()})]
+    sources = [([], {"memory": [DeviceServices("cuda", 0).memory_stats()]})]
     gauges = {g.name: g.samples[0].value for g in memory_families(sources, [])}
     assert set(gauges) == {"omni_device_memory_allocated_bytes", "omni_device_memory_reserved_bytes",
                            "omni_device_memory_peak_bytes"}

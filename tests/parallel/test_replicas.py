@@ -64,10 +64,13 @@ def single(checkpoint):
 
 
 def test_cfg2_replica_serves_in_lock_step(checkpoint, single):
-    """Rank 0 runs the Engine over a DriverPipeline; rank 1 replays every call; images match one process."""
-    out = launch(workers.driver_job, Degrees(cfg=2), args=(checkpoint, PROMPTS[:2]), timeout_s=120)
+    """Rank 0 runs the Engine over a DriverPipeline; rank 1 replays every call; images match one process. The
+    driver knows each rank's own memory: rank 1 touched 512 MiB more before following (CPU: peak RSS)."""
+    out = launch(workers.driver_job, Degrees(cfg=2), args=(checkpoint, PROMPTS[:2], 512), timeout_s=120)
     images, follower = out
     assert follower["followed"] > 0
+    driver_peak, follower_peak = (m["peak_bytes"] for m in images.pop("_memory_by_rank"))
+    assert follower_peak - driver_peak > 256 << 20, (driver_peak, follower_peak)
     assert set(images) == {"r0", "r1", "unseeded"}
     for rid in ("r0", "r1"):
         same_image(images[rid][0], single[rid], rid)
@@ -140,6 +143,19 @@ def replica_metrics(router) -> dict[str, dict[str, float]]:
     return out
 
 
+def rank_memory_metrics(router, name: str) -> dict[tuple[str, str], float]:
+    """One /metrics memory gauge of a router over multi-rank replicas: {(replica, rank): value}."""
+    import re
+
+    from omni.serving.metrics import Metrics
+
+    out = {}
+    for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", Metrics(router).render().decode(), flags=re.M):
+        named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        out[named["replica"], named["rank"]] = float(value)
+    return out
+
+
 def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, tmp_path):
     """start_replicas launches a dp=2 recipe; the router gives each replica two of four requests, and a cancel
     reaches the replica that runs the request (it ends with RequestCancelled, not an image)."""
@@ -182,6 +198,8 @@ def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tm
         tickets = [router.submit_many([r])[0] for r in requests(2)]
         for t in tickets:
             same_image(t.result(timeout=120).image_HW3, single[t.request_id], t.request_id)
+        peaks = rank_memory_metrics(router, "omni_device_memory_peak_bytes")
+        assert set(peaks) == {("0", "0"), ("0", "1")} and all(v > 0 for v in peaks.values()), peaks
         cancel_over_the_link(router)
     finally:
         router.stop(60)
@@ -310,7 +328,7 @@ def test_the_ray_ingress_reads_a_multi_rank_replicas_figures_through_its_router(
     from omni.serving.ray_bridge import scheduler_stats
 
     figures = {"gauges": {name: float(i) for i, name in enumerate(GAUGES)},
-               "counters": {key: 10.0 + i for i, key in enumerate(COUNTERS)}, "memory": {}}
+               "counters": {key: 10.0 + i for i, key in enumerate(COUNTERS)}, "memory": []}
 
     class Remote(FakeReplica):
         def figures(self):

@@ -45,7 +45,8 @@ def test_a_multi_rank_server_answers_503_starting_until_its_replicas_are_ready(t
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         assert 'omni_kv_pages_total{replica="0"}' in metrics and 'omni_queue_depth{replica="0"} 0.0' in metrics
         assert 'omni_scheduler_steps_total{replica="0"} 0.0' in metrics, "the warm-up's steps are not counted"
-        assert 'omni_device_memory_peak_bytes{replica="0"}' in metrics  # its driver rank's (on the cpu: peak RSS)
+        for rank in "01":  # each rank's own device (on the cpu: peak RSS), the follower's gathered at the warm-up
+            assert f'omni_device_memory_peak_bytes{{rank="{rank}",replica="0"}}' in metrics, rank
         ranks = rank_processes(proc.pid)
         assert len(ranks) == 2, f"expected 2 rank processes, found {ranks}"
         # Ctrl-C on the ready cfg replica (test_serve_interrupt.py does the same for dp 2)

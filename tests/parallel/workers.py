@@ -41,8 +41,10 @@ def hosts_check(ctx):
     return f"rank={ctx.rank} node={ctx.info.node_rank} world={ctx.info.world_size} sum={t.item():g}"
 
 
-def driver_job(ctx, checkpoint: str, prompts: list[str]):
-    """One multi-rank replica serving through the Engine on its first rank; the other ranks follow."""
+def driver_job(ctx, checkpoint: str, prompts: list[str], follower_ballast_mib: int = 0):
+    """One multi-rank replica serving through the Engine on its first rank; the other ranks follow. The other
+    ranks first touch ``follower_ballast_mib`` MiB (their peak memory rises by that much); the driver's results
+    carry ``DriverPipeline.memory_by_rank()`` under ``"_memory_by_rank"``."""
     from omni.engine import Engine
     from omni.parallel.driver import DriverPipeline, follow
     from omni.parallel.runtime import ParallelRuntime
@@ -55,6 +57,7 @@ def driver_job(ctx, checkpoint: str, prompts: list[str]):
                           parallel=ParallelRuntime(ctx.mesh, ctx.platform))
     control = ctx.mesh.control("replica")
     if control.rank != 0:
+        torch.ones(follower_ballast_mib << 18).sum()  # 4-byte elements: the pages count in this rank's peak
         return {"followed": follow(pipe, control)}
     driver = DriverPipeline(pipe, control)
     try:
@@ -63,7 +66,7 @@ def driver_job(ctx, checkpoint: str, prompts: list[str]):
         results = Engine(driver).run(reqs)
     finally:
         driver.close()
-    return {r.request_id: (r.image_HW3, r.seed) for r in results}
+    return {r.request_id: (r.image_HW3, r.seed) for r in results} | {"_memory_by_rank": driver.memory_by_rank()}
 
 
 class Poisoned:
