@@ -48,22 +48,20 @@ def generate_main(deployment: Deployment, job: GenerateJob) -> int:
 
 
 def _run_one(engine, req: ImageRequest, steps_here: bool):
-    """Submit ``req`` and wait; a step bar when the steps run in this process (the ranks' run elsewhere)."""
-    bar = tqdm(total=req.steps, desc="denoising", unit="step", disable=not steps_here or req.bot_task != "image")
-    engine.observe_steps(lambda finished, dt: bar.update(1) if bar.n < bar.total else None)
+    """Submit ``req`` and wait; a step bar when the steps run in this process (the ranks' run elsewhere), made
+    once the pipeline is built, so that the loading bar stands alone and the step rate is the steps' own."""
     if not steps_here:
         log.info("the replica's ranks are running the request")
     if req.bot_task != "image":
         log.info("bot_task %s: writing the CoT first (up to %d tokens), then %d denoising steps", req.bot_task,
                  req.cot_max_tokens, req.steps)
-    try:
-        engine.start()
-        if not engine.wait_ready():  # the build's own error (a refusal stays a configuration error: exit 2)
-            raise engine.error or RuntimeError(engine.unavailable_reason())
+    engine.start()
+    if not engine.wait_ready():  # the build's own error (a refusal stays a configuration error: exit 2)
+        raise engine.error or RuntimeError(engine.unavailable_reason())
+    with tqdm(total=req.steps, desc="denoising", unit="step", disable=not steps_here or req.bot_task != "image") as bar:
+        engine.observe_steps(lambda finished, dt: bar.update(1) if bar.n < bar.total else None)
         [ticket] = engine.submit_many([req])
         return ticket.result()
-    finally:
-        bar.close()
 
 
 def _write(job: GenerateJob, result) -> tuple[int, int]:

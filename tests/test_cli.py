@@ -457,7 +457,8 @@ def test_output_piped_into_a_reader_that_leaves_early_is_not_an_error():
 
 def test_generate_runs_without_the_web_stack(tmp_path):
     """``omni-run generate`` checks its flags by the API's rules (omni.serving.limits) without importing
-    FastAPI, Starlette, uvicorn or pydantic: they are the server's, and cost the CLI a part of its start."""
+    FastAPI, Starlette, uvicorn or pydantic: they are the server's, and cost the CLI a part of its start. Its
+    step bar starts once the pipeline is ready, so the loading bar stands alone and the step rate is the steps'."""
     out = tmp_path / "fox.png"
     code = ("import sys\nfrom omni.cli import main\n"
             f"rc = main(['generate', '--recipe', 'cpu_tiny', '--prompt', 'a red fox', '--steps', '1', "
@@ -468,3 +469,4 @@ def test_generate_runs_without_the_web_stack(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "WEB []" in done.stdout, done.stdout[-500:]
     assert out.stat().st_size > 0
+    assert 0 <= done.stderr.index("pipeline ready") < done.stderr.index("denoising:"), done.stderr[-2000:]
