@@ -62,3 +62,27 @@ def nccl_step_graph(ctx) -> dict:
         errs.append((got - forward(x, w)).abs().max().item())
     return {"backend": dist.get_backend(), "world": dist.get_world_size(), "errs": errs,
             "graphs": (graphs.captures, graphs.replays)}
+
+
+def driver_memory_run(ctx, ballast_mib: int) -> dict:
+    """A cfg2 replica serving one request through ``DriverPipeline`` (tests/gpu/test_gpu_replica_memory.py): the
+    driver returns ``memory_by_rank()``; the follower holds ``ballast_mib`` MiB more device memory while it
+    follows and returns its own ``memory_stats()``."""
+    from omni.engine import Engine
+    from omni.parallel.driver import DriverPipeline, follow
+    from omni.parallel.runtime import ParallelRuntime
+    from omni.request import ImageRequest
+
+    pipe = tiny_engine(ctx.platform, "eager", ParallelRuntime(ctx.mesh, ctx.platform),
+                       device_index=ctx.info.local_device)
+    control = ctx.mesh.control("replica")
+    if control.rank != 0:
+        ballast = torch.empty(ballast_mib << 20, dtype=torch.uint8, device=ctx.device)
+        follow(pipe, control)
+        return {"own": pipe.memory_stats(), "ballast_bytes": ballast.numel()}
+    driver = DriverPipeline(pipe, control)
+    try:
+        Engine(driver).run([ImageRequest(prompt="a red cat", height=128, width=128, steps=2, guidance=5.0, seed=5)])
+    finally:
+        driver.close()
+    return {"by_rank": driver.memory_by_rank()}

@@ -11,7 +11,8 @@ has (``--checks all``: server errors, status codes, content types, response
 headers and schemas, positive data accepted, negative data rejected, ...) in
 all its phases (examples, coverage, fuzzing, stateful; positive and negative
 modes). ``OMNI_FUZZ_SECONDS`` (default 600) bounds the run,
-``OMNI_FUZZ_MIN_CASES`` (default 30000) is the number of cases it must reach.
+``OMNI_FUZZ_MIN_CASES`` (default 30000) is the number of cases it must reach,
+``OMNI_FUZZ_SEED`` (default 4, the recorded run's) picks the data: another seed explores other inputs.
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def test_schemathesis_finds_no_server_error_and_no_conformance_failure(fuzz_url,
     cli = shutil.which("schemathesis") or pytest.skip("schemathesis is not installed: pip install 'omni-run[fuzz]'")
     seconds = os.environ.get("OMNI_FUZZ_SECONDS", "600")
     least = int(os.environ.get("OMNI_FUZZ_MIN_CASES", "30000"))
+    seed = os.environ.get("OMNI_FUZZ_SEED", "4")
     cmd = [cli, "run", fuzz_url + "/openapi.json", "--checks", "all", "--phases", "examples,coverage,fuzzing,stateful",
-           "--mode", "all", "-n", "3000", "--max-time", seconds, "--seed", "4", "--request-timeout", "60",
+           "--mode", "all", "-n", "3000", "--max-time", seconds, "--seed", seed, "--request-timeout", "60",
            "--no-shrink"]
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
     out = run.stdout + run.stderr
