@@ -151,7 +151,7 @@ class Api:
         if text:
             return await self.text.answer(request, rid, body, chat, images, t0)
         plan = self._chat_size(body, images)
-        n = body.num_outputs_per_prompt or body.n
+        n = self.builder.chat_count(body)
         system = body.system_prompt if body.system_prompt is not None else chat.system
         reqs = self.builder.requests(rid, body, chat.prompt, n, plan, system, images,
                                      auto_size=_auto_size(body))

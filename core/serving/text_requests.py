@@ -49,8 +49,7 @@ def text_requests(rid: str, body: ChatCompletionRequest, chat: ChatInput, images
     _check_roles(body)
     _check_fields(body)
     builder.check_text(chat.prompt, "prompt", required=True)
-    n = body.num_outputs_per_prompt or body.n
-    builder.check_n(n)
+    n = builder.chat_count(body)
     system = builder.system_prompt(body.system_prompt if body.system_prompt is not None else chat.system, "text")
     sampling = _sampling(body)
     return [TextRequest(prompt=chat.prompt, images=tuple(images), system_prompt=system,

@@ -198,7 +198,7 @@ class RequestBuilder:
 
     def _bot_task(self, p: GenerationParams) -> str:
         """The bot task; a CoT task (and the CoT fields) only on a model that writes text."""
-        bot_task = p.bot_task or "image"
+        bot_task = "image" if p.bot_task is None else p.bot_task  # "" is not a task (nor the default)
         if bot_task not in BOT_TASKS:
             raise APIError(400, f"bot_task {bot_task!r} is unknown; allowed: {', '.join(BOT_TASKS)}",
                            param="bot_task")
@@ -214,10 +214,19 @@ class RequestBuilder:
                                 "think_recaption), not 'image'", param="cot_max_tokens")
         return bot_task
 
-    def check_n(self, n: int) -> None:
+    def check_n(self, n: int, field: str = "n") -> None:
         if self.opt.max_queue is not None and n > self.opt.max_queue:
-            raise APIError(400, f"n={n} can never be queued here: at most {self.opt.max_queue} requests are "
-                                "accepted at once", param="n")
+            raise APIError(400, f"{field}={n} can never be queued here: at most {self.opt.max_queue} requests are "
+                                "accepted at once", param=field)
+
+    def chat_count(self, body) -> int:
+        """How many outputs a chat asks for: ``num_outputs_per_prompt`` where given, else ``n``; each field given
+        is held to the queue on its own (the OpenAPI document caps both), so an ignored ``n`` is refused too."""
+        self.check_n(body.n)
+        if body.num_outputs_per_prompt is None:
+            return body.n
+        self.check_n(body.num_outputs_per_prompt, "num_outputs_per_prompt")
+        return body.num_outputs_per_prompt
 
     def check_text(self, text: str | None, field: str, required: bool = False) -> None:
         if text is None and not required:

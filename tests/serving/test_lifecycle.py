@@ -115,6 +115,20 @@ def test_chat_bad_input_names_the_field(fake_server, body, field):
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
+@pytest.mark.parametrize("counts,field", [({"n": 3, "num_outputs_per_prompt": 1}, "n"),
+                                          ({"n": 1, "num_outputs_per_prompt": 3}, "num_outputs_per_prompt")])
+def test_chat_holds_each_count_field_to_the_queue(fake_server, counts, field):
+    """The OpenAPI document caps both n and num_outputs_per_prompt by the queue; the second wins where both are
+    given, yet an n past the cap is refused too (a fuzzer found it accepted)."""
+    srv, _ = fake_server(max_queue=2)
+    with httpx.Client(base_url=srv.url) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], **counts})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2,
+                                                  "num_outputs_per_prompt": 1, "num_inference_steps": 1})
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["message"]["content"]) == 1, ok.text
+
+
 def test_binds_localhost_by_default():
     from omni.recipe import load_recipe
 

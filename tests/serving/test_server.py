@@ -206,6 +206,7 @@ BAD = [
     ({"prompt": "x", "output_format": "gif"}, 400, "output_format", "output_format"),
     ({"prompt": "x", "bot_task": "think"}, 400, "bot_task", "needs a model that writes text"),
     ({"prompt": "x", "bot_task": "dance"}, 400, "bot_task", "unknown"),
+    ({"prompt": "x", "bot_task": ""}, 400, "bot_task", "unknown"),  # not the default (a fuzzer found it taken)
     ({"prompt": "x", "negative_prompt": ""}, 400, "negative_prompt", "negative_prompt"),
     ({"prompt": "x", "frobnicate": 1}, 400, "frobnicate", "unknown field"),
     ({"prompt": "x", "model": "dall-e-3"}, 404, "model", "not served"),
