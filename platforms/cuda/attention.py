@@ -34,7 +34,7 @@ from omni.platforms.common.attention import first_fit, lengths, softmax_scale
 from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
-from .capabilities import Caps, Fa3, load_fa3
+from .capabilities import Caps, Fa3, load_fa3, log_once
 
 HALF = (torch.float16, torch.bfloat16)
 BACKENDS = ("fa3", "varlen", "sdpa", "flex")
@@ -246,4 +246,8 @@ def resolve(spec: AttentionSpec, caps: Caps, reject, builders=BUILDERS):
         auto = LSE_BACKENDS
     else:
         auto = ("sdpa",) if spec.mask == "dense" else ("fa3", "varlen", "sdpa")
-    return first_fit("cuda", spec, caps, reject, builders, auto, lse=LSE_BACKENDS, fp8=FP8_BACKENDS)
+    impl = first_fit("cuda", spec, caps, reject, builders, auto, lse=LSE_BACKENDS, fp8=FP8_BACKENDS)
+    if impl is not None and "fa3" in auto and caps.sm[0] == 9 and caps.fa3_module is None:
+        log_once(f"cuda: attention runs {impl.name}, not FA3: neither fa3_fwd_interface nor flash_attn_interface "
+                 "is installed (pip install 'omni-run[cuda]' brings fa3-fwd)")
+    return impl

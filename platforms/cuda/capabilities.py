@@ -9,9 +9,11 @@ made-up machine (an sm89 card, a torch without ``varlen_attn``) on a CPU box.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -182,3 +184,9 @@ def recipe_problems(recipe) -> list[str]:
         return []
     reason = block_scaled_refusal(scheme, torch.cuda.get_device_capability(0))
     return [reason] if reason else []
+
+
+@functools.lru_cache(maxsize=None)
+def log_once(message: str) -> None:
+    """An INFO line once per process: a fast path this machine lacks, and how to get it (the trace logs the rest)."""
+    logging.getLogger("omni.platforms").info(message)

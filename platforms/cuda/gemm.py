@@ -15,7 +15,6 @@ Every ``__call__`` is capturable: no host reads of ``offsets_E``.
 from __future__ import annotations
 
 import functools
-import logging
 import subprocess
 
 import torch
@@ -24,10 +23,9 @@ import torch.nn.functional as F
 from omni import quant
 from omni.specs import GemmSpec, GroupedGemmSpec, PreparedWeight, RowQuantized
 
-from .capabilities import Caps
+from .capabilities import Caps, log_once
 from .cutlass_grouped import BySize, config_of, load, prebuild
 
-log = logging.getLogger("omni.platforms")
 
 FP8_SCHEMES = ("fp8_tensor", "fp8_row")
 LATER = {
@@ -336,7 +334,7 @@ def grouped_fp8_kernel(spec, caps: Caps):
             return with_small_tile(kernel, spec, caps)
         reason = kernel
     if spec.grouped_fp8 == "auto":
-        _log_once(f"cuda: fp8 grouped GEMMs run torch._scaled_grouped_mm: {reason}")
+        log_once(f"cuda: fp8 grouped GEMMs run torch._scaled_grouped_mm: {reason}")
     return reason
 
 
@@ -346,7 +344,7 @@ def grouped_swiglu_kernel(spec, caps: Caps):
     _prebuild(spec.fast_accum, caps.nvcc, caps.cutlass_include, bool(spec.small_rows))
     kernel = _load_cutlass(spec.fast_accum, caps.nvcc, caps.cutlass_include, True)
     if isinstance(kernel, str):
-        _log_once(f"cuda-moe: the SwiGLU epilogue is off, the MoE runs a separate SwiGLU pass: {kernel}")
+        log_once(f"cuda-moe: the SwiGLU epilogue is off, the MoE runs a separate SwiGLU pass: {kernel}")
         return None
     return with_small_tile(kernel, spec, caps, swiglu=True)
 
@@ -358,7 +356,7 @@ def with_small_tile(kernel, spec, caps: Caps, swiglu: bool = False):
         return kernel
     small = _load_cutlass(spec.fast_accum, caps.nvcc, caps.cutlass_include, swiglu, small=True)
     if isinstance(small, str):
-        _log_once(f"cuda: every grouped fp8 call runs {kernel.config}; the small-tile build is off: {small}")
+        log_once(f"cuda: every grouped fp8 call runs {kernel.config}; the small-tile build is off: {small}")
         return kernel
     return BySize(kernel, small, spec.small_rows)
 
@@ -386,8 +384,3 @@ def prebuild_configs(fast_accum: bool, small_tiles: bool) -> list:
     smalls = (False, True) if small_tiles else (False,)
     configs = [config_of(fast_accum, swiglu, small) for swiglu in (False, True) for small in smalls]
     return [c for c in configs if c is not None]
-
-
-@functools.lru_cache(maxsize=None)
-def _log_once(message: str) -> None:
-    log.info(message)
