@@ -6,15 +6,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from omni.platform_manager import select
 from omni.recipe import load_recipe
-from omni.engine_loop import EngineLoop
-from omni.scheduler import Scheduler
-from omni.serving.app import ServingOptions, create_app
 
-from serving_harness import ServerThread, TestPipeline, wait_until
-
-MODEL_ID = "hunyuan_image3_tiny"
+from serving_harness import make_pipeline, serve, wait_until
 
 
 @pytest.fixture(scope="session")
@@ -25,20 +19,6 @@ def tiny_recipe():
         "model.flavor": "hunyuan_image3_tiny_random",
         "kv_cache.budget_bytes": 160 << 20, "serving.max_batch_tokens": 1 << 17, "serving.max_running": 8,
         "serving.max_queue": 32, "defaults.steps": 2, "defaults.guidance": 1.0})
-
-
-def make_pipeline(recipe) -> TestPipeline:
-    from omni.models.hunyuan_image3.build import build_pipeline
-
-    return TestPipeline(build_pipeline(recipe, select("cpu"), progress=False))
-
-
-def serve(recipe, pipeline, **options):
-    """(server thread, engine) for ``pipeline``; the caller enters and stops them."""
-    engine = EngineLoop.around(Scheduler.from_recipe(pipeline, recipe)).start()
-    assert engine.wait_ready(30)
-    app = create_app(engine, ServingOptions.from_recipe(recipe, model_id=MODEL_ID, **options))
-    return ServerThread(app), engine
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import MODEL_ID, make_pipeline  # noqa: E402
+from serving_harness import MODEL_ID, make_pipeline  # noqa: E402
 
 FUZZ_OVERRIDES = {"defaults.steps": 1, "defaults.size": "256x256", "defaults.guidance": 1.0,
                   "serving.max_running": 2, "serving.max_queue": 1, "serving.max_batch_tokens": 1 << 17}

@@ -238,3 +238,26 @@ class FakePipeline:
         for pages in state.rows:
             self.pool.release(pages)
         state.rows = []
+
+
+MODEL_ID = "hunyuan_image3_tiny"  # the id the serving tests' apps answer to
+
+
+def make_pipeline(recipe) -> TestPipeline:
+    """``TestPipeline`` over the real tiny pipeline that ``recipe`` builds on the cpu platform."""
+    from omni.models.hunyuan_image3.build import build_pipeline
+    from omni.platform_manager import select
+
+    return TestPipeline(build_pipeline(recipe, select("cpu"), progress=False))
+
+
+def serve(recipe, pipeline, **options):
+    """(server thread, engine) for ``pipeline``; the caller enters and stops them."""
+    from omni.engine_loop import EngineLoop
+    from omni.scheduler import Scheduler
+    from omni.serving.app import ServingOptions, create_app
+
+    engine = EngineLoop.around(Scheduler.from_recipe(pipeline, recipe)).start()
+    assert engine.wait_ready(30)
+    app = create_app(engine, ServingOptions.from_recipe(recipe, model_id=MODEL_ID, **options))
+    return ServerThread(app), engine

@@ -35,9 +35,8 @@ from omni.recipe import load_recipe
 from omni.scheduler import Scheduler
 from omni.serving.app import ModelHelpers, ServingOptions, create_app
 
-from serving_harness import FakePipeline, ServerThread, TestPipeline, png_array
+from serving_harness import MODEL_ID, FakePipeline, ServerThread, TestPipeline, make_pipeline, png_array
 
-from conftest import MODEL_ID, make_pipeline
 
 openai = pytest.importorskip("openai")
 

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from serving_harness import FAULT_IN_DECODE, FAULT_IN_STEP, png_array, raw_post, wait_until
-
-from conftest import MODEL_ID
+from serving_harness import FAULT_IN_DECODE, FAULT_IN_STEP, MODEL_ID, png_array, raw_post, wait_until
 
 
 def generate(client: httpx.Client, **body) -> httpx.Response:
@@ -82,7 +80,7 @@ def zlib_level_class(png: bytes) -> int:
 
 def test_png_level_comes_from_the_recipe(served, tiny_recipe, drained):
     """serving.png_compress_level reaches the encoder: the same pixels, written at zlib level 1 instead of 4."""
-    from conftest import make_pipeline, serve
+    from serving_harness import make_pipeline, serve
 
     fast = tiny_recipe.replace_paths({"serving.png_compress_level": 1})
     srv, engine = serve(fast, make_pipeline(fast))

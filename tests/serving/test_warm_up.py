@@ -14,7 +14,7 @@ import pytest
 from omni.engine_handle import serving_scheduler, warm_up_request
 from omni.scheduler import Scheduler, default_request
 
-from conftest import make_pipeline
+from serving_harness import make_pipeline
 from serving_harness import FAULT_IN_STEP, InjectedFault
 
 
