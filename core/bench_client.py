@@ -116,16 +116,17 @@ class HttpTarget:
         return Sample(True, dt, stages=r.json()["data"][0].get("timings", {}))
 
     def reserved_memory(self) -> int | None:
-        """The server's ``omni_device_memory_reserved_bytes`` from its /metrics now; None where /metrics cannot
-        be read or has no unlabelled figure (a cpu server; a multi-rank server labels it per replica, and each
-        replica's is its first rank's device alone, not the deployment's)."""
+        """The server's ``omni_device_memory_reserved_bytes`` from its /metrics now, summed over its samples: one
+        for a single process, one per replica and rank for a multi-rank server (each rank's own device, the
+        followers' as of their replica's last admit or release), so the deployment's whole. None where /metrics
+        cannot be read or has no such figure (a cpu server)."""
         try:
             with self._client() as client:
                 r = client.get("/metrics")
         except Exception:  # noqa: BLE001 - a figure missing from the report, not a failed benchmark
             return None
-        found = re.search(r"^omni_device_memory_reserved_bytes ([0-9.e+]+)$", r.text, flags=re.M)
-        return int(float(found.group(1))) if r.status_code == 200 and found else None
+        found = re.findall(r"^omni_device_memory_reserved_bytes(?:\{[^}]*\})? ([0-9.e+]+)$", r.text, flags=re.M)
+        return int(sum(float(v) for v in found)) if r.status_code == 200 and found else None
 
     def peak_memory(self) -> None:  # the server's peak counts from its start, not from this level's: not reported
         return None

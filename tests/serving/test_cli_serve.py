@@ -44,8 +44,9 @@ def test_serve_binds_localhost_and_bench_measures_it(server_process, tmp_path):
 
 def test_bench_reads_a_servers_reserved_memory_from_its_metrics():
     """Against a URL the level's reserved memory is the server's ``omni_device_memory_reserved_bytes`` (what a
-    GPU server's /metrics reports; here a stand-in serving that text, as the cpu platform has no allocator);
-    an answer without it, or a refused scrape, leaves the figure out."""
+    GPU server's /metrics reports; here a stand-in serving that text, as the cpu platform has no allocator),
+    summed over a multi-rank server's replicas and ranks; an answer without it, or a refused scrape, leaves the
+    figure out."""
     import http.server
 
     from omni.bench_client import HttpTarget
@@ -67,6 +68,9 @@ def test_bench_reads_a_servers_reserved_memory_from_its_metrics():
         threading.Thread(target=server.serve_forever, daemon=True).start()
         target = HttpTarget(f"http://127.0.0.1:{server.server_address[1]}", None, 10)
         assert target.reserved_memory() == 118_530_000_000
+        pages["/metrics"] = (200, "".join(f'omni_device_memory_reserved_bytes{{rank="{k}",replica="{i}"}} '
+                                          f"{1e9 * (1 + k + 2 * i):.1e}\n" for i in range(2) for k in range(2)))
+        assert target.reserved_memory() == int(1e9 * (1 + 2 + 3 + 4))  # two tp2 replicas: four devices
         pages["/metrics"] = (200, "omni_device_memory_peak_bytes 1.0e+10\n")
         assert target.reserved_memory() is None
         pages["/metrics"] = (401, "omni_device_memory_reserved_bytes 5\n")
