@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from .options import ServingOptions
-from .schemas import (MAX_N, BOT_TASKS, ChatCompletionRequest, ErrorResponse, ImageEditRequest,
+from .schemas import (MAX_N, BOT_TASKS, COT_TASKS, ChatCompletionRequest, ErrorResponse, ImageEditRequest,
                       ImageGenerationRequest, ImagesResponse)
 from .validation import MAX_ASPECT, MIN_SIDE
 
@@ -73,7 +73,10 @@ def _document(op: dict, path: str, method: str, opt: ServingOptions, components:
 def _document_post(op: dict, path: str, opt: ServingOptions, components: dict) -> list[int]:
     """The request body and the 200 of a generating endpoint; returns its error statuses."""
     model, media, answer = POSTS[path]
-    op["requestBody"] = {"required": True, "content": {media: {"schema": _request_schema(model, opt, components)}}}
+    schema = _request_schema(model, opt, components)
+    if media == "multipart/form-data":
+        _form_fields(schema["properties"])
+    op["requestBody"] = {"required": True, "content": {media: {"schema": schema}}}
     ok = {"$ref": f"#/components/schemas/{answer.__name__}"} if answer else {"type": "object"}
     op["responses"] = {"200": _json("the answer", ok)}
     return [400, 404, 413, 415, 429, 499, 500, 503, 504]
@@ -108,6 +111,7 @@ def _request_schema(model, opt: ServingOptions, components: dict) -> dict:
     _count_rules(props, opt)
     _model_rules(props, opt)
     _refused(props, model, opt)
+    _cot_rules(schema, opt)
     return schema
 
 
@@ -147,6 +151,29 @@ def _model_rules(props: dict, opt: ServingOptions) -> None:
     if not opt.helpers.writes_text:
         props["drop_think"] = _nullable({"type": "boolean", "enum": [False]}, "only with a think bot_task")
         props["cot_max_tokens"] = {"type": "null", "description": "only with a bot_task that writes a CoT"}
+
+
+def _cot_rules(schema: dict, opt: ServingOptions) -> None:
+    """The CoT fields' pairings, which the server holds by name (a 400): ``cot_max_tokens`` only with a task that
+    writes a CoT, ``drop_think: true`` only with a think task (JSON Schema's if / then)."""
+    if "cot_max_tokens" not in schema["properties"] or not opt.helpers.writes_text:
+        return
+    needs = [("cot_max_tokens", {"type": "integer"}, COT_TASKS),
+             ("drop_think", {"const": True}, tuple(t for t in COT_TASKS if "think" in t))]
+    schema["allOf"] = [{"if": {"required": [field], "properties": {field: given}},
+                        "then": {"required": ["bot_task"], "properties": {"bot_task": {"enum": list(tasks)}}}}
+                       for field, given, tasks in needs]
+
+
+def _form_fields(props: dict) -> None:
+    """A multipart form has no null: an optional field is left out, so each field's null alternative goes (the
+    form would carry the text "null", which no number or boolean field parses)."""
+    for name, schema in list(props.items()):
+        kept = [s for s in schema.get("anyOf", ()) if s.get("type") != "null"]
+        if schema.get("type") == "null":
+            del props[name]
+        elif len(kept) == 1 and len(schema["anyOf"]) == 2:
+            props[name] = {**kept[0], **{k: v for k, v in schema.items() if k not in ("anyOf", "default")}}
 
 
 def _refused(props: dict, model, opt: ServingOptions) -> None:

@@ -376,3 +376,34 @@ def test_instruct_edit_three_images_and_auto_size(instruct):
     assert out.data[0].b64_json != out.data[1].b64_json
     with pytest.raises(openai.BadRequestError, match=r"image\[3\].*at most 3"):
         sdk(url).images.edit(image=files + [files[0]], prompt="four")
+
+
+def test_the_openapi_document_states_what_an_instruct_server_refuses():
+    """What schemathesis found on the tiny Instruct server (OMNI_FUZZ_RECIPE=cpu_tiny_instruct): the document
+    offered ``cot_max_tokens`` without a CoT task, and nulls in the edit form (sent as the text "null"), both
+    refused with a 400. The document now pairs the CoT fields (if / then) and the form has no null."""
+    import jsonschema
+
+    pipe = RecordingPipeline(num_pages=8192)
+    engine = EngineLoop.around(Scheduler(pipe, max_running=4)).start()
+    assert engine.wait_ready(10)
+    helpers = dataclasses.replace(ModelHelpers.plain(), max_images=3, writes_text=True)
+    with ServerThread(create_app(engine, ServingOptions(model_id="fake-edit", helpers=helpers))) as srv, \
+            httpx.Client(base_url=srv.url) as c:
+        doc = c.get("/openapi.json").json()
+        body = doc["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]
+        valid = jsonschema.Draft202012Validator(body["schema"]).is_valid
+        for fields in ({"cot_max_tokens": 8}, {"cot_max_tokens": 8, "bot_task": "image"}, {"drop_think": True},
+                       {"drop_think": True, "bot_task": "recaption"}):
+            assert not valid({"prompt": "x", **fields}), fields
+            r = c.post("/v1/images/generations", json={"prompt": "x", **fields})
+            assert r.status_code == 400 and r.json()["error"]["param"] in fields, (fields, r.text)
+        for fields in ({"cot_max_tokens": 8, "bot_task": "think"}, {"drop_think": True, "bot_task": "think_recaption"},
+                       {"drop_think": False, "cot_max_tokens": None}):
+            assert valid({"prompt": "x", **fields}), fields
+        assert c.post("/v1/images/generations", json={"prompt": "x", "drop_think": False, "cot_max_tokens": None,
+                                                        "num_inference_steps": 1}).status_code == 200
+        form = doc["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+        nulls = {k for k, v in form["properties"].items() if "null" in str(v.get("anyOf", v.get("type")))}
+        assert not nulls and "default" not in form["properties"]["seed"], nulls
+    engine.stop()

@@ -12,7 +12,8 @@ headers and schemas, positive data accepted, negative data rejected, ...) in
 all its phases (examples, coverage, fuzzing, stateful; positive and negative
 modes). ``OMNI_FUZZ_SECONDS`` (default 600) bounds the run,
 ``OMNI_FUZZ_MIN_CASES`` (default 30000) is the number of cases it must reach,
-``OMNI_FUZZ_SEED`` (default 4, the recorded run's) picks the data: another seed explores other inputs.
+``OMNI_FUZZ_SEED`` (default 4, the recorded run's) picks the data: another seed explores other inputs;
+``OMNI_FUZZ_RECIPE`` (default cpu_tiny) picks the model: cpu_tiny_instruct adds editing, text answers and CoT.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ HERE = Path(__file__).parent
 @pytest.fixture(scope="module")
 def fuzz_url():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(HERE / "fuzz_server.py"), str(port)], stdout=subprocess.PIPE,
+    recipe = os.environ.get("OMNI_FUZZ_RECIPE", "cpu_tiny")
+    proc = subprocess.Popen([sys.executable, str(HERE / "fuzz_server.py"), str(port), recipe], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 180, "the fuzz server did not become healthy", poll_s=0.5)
