@@ -24,6 +24,6 @@ def test_a_spawned_process_reports_its_own_peak_not_its_launchers():
     assert DeviceServices("cpu", 0).memory_stats() == {"peak_bytes": pytest.approx(parent, rel=0.05)}
     child = int(subprocess.run([sys.executable, "-c", "from omni.device import peak_rss_bytes; "
                                 "print(peak_rss_bytes())"], capture_output=True, text=True, check=True).stdout)
-    assert parent >= BALLAST > 0 and ballast.numel() == BALLAST // 4
+    assert parent >= ballast.numel() * 4, parent
     assert child < parent - BALLAST // 2, f"the child reports {child} bytes, its launcher {parent}"
 

@@ -247,7 +247,7 @@ def resolve(spec: AttentionSpec, caps: Caps, reject, builders=BUILDERS):
     else:
         auto = ("sdpa",) if spec.mask == "dense" else ("fa3", "varlen", "sdpa")
     impl = first_fit("cuda", spec, caps, reject, builders, auto, lse=LSE_BACKENDS, fp8=FP8_BACKENDS)
-    if impl is not None and "fa3" in auto and caps.sm[0] == 9 and caps.fa3_module is None:
+    if impl is not None and spec.backend == "auto" and "fa3" in auto and caps.sm[0] == 9 and caps.fa3_module is None:
         log_once(f"cuda: attention runs {impl.name}, not FA3: neither fa3_fwd_interface nor flash_attn_interface "
                  "is installed (pip install 'omni-run[cuda]' brings fa3-fwd)")
     return impl

@@ -130,30 +130,27 @@ def cancel_over_the_link(router):
         long.result(timeout=120)
 
 
-def replica_metrics(router) -> dict[str, dict[str, float]]:
-    """The server's /metrics text for ``router`` as {metric: {replica label: value}} (labelled samples only)."""
+def metric_samples(router) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """The server's /metrics text for ``router``, labelled samples only: {metric: {sorted label pairs: value}}."""
     import re
 
     from omni.serving.metrics import Metrics
 
-    out: dict[str, dict[str, float]] = {}
-    for name, replica, value in re.findall(r'^(\w+)\{replica="(\d+)"\} (\S+)$', Metrics(router).render().decode(),
-                                           flags=re.M):
-        out.setdefault(name, {})[replica] = float(value)
+    out: dict = {}
+    for name, labels, value in re.findall(r"^(\w+)\{([^}]*)\} (\S+)$", Metrics(router).render().decode(), flags=re.M):
+        out.setdefault(name, {})[tuple(sorted(re.findall(r'(\w+)="([^"]*)"', labels)))] = float(value)
     return out
+
+
+def replica_metrics(router) -> dict[str, dict[str, float]]:
+    """Samples labelled by replica alone: {metric: {replica label: value}}."""
+    return {name: {dict(k)["replica"]: v for k, v in samples.items() if [n for n, _ in k] == ["replica"]}
+            for name, samples in metric_samples(router).items()}
 
 
 def rank_memory_metrics(router, name: str) -> dict[tuple[str, str], float]:
     """One /metrics memory gauge of a router over multi-rank replicas: {(replica, rank): value}."""
-    import re
-
-    from omni.serving.metrics import Metrics
-
-    out = {}
-    for labels, value in re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", Metrics(router).render().decode(), flags=re.M):
-        named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        out[named["replica"], named["rank"]] = float(value)
-    return out
+    return {(dict(k)["replica"], dict(k)["rank"]): v for k, v in metric_samples(router)[name].items()}
 
 
 def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, tmp_path):

@@ -1,7 +1,8 @@
 """The server the fuzz test points schemathesis at: the embedded default, made cheap to say yes to.
 
 ``python tests/serving/fuzz_server.py PORT [RECIPE]`` serves the tiny base model (cpu_tiny; or
-``cpu_tiny_instruct``: editing, text answers and CoT tasks too) with the real transformer, KV pool, scheduler and HTTP layer; what is cut down is only the cost of an
+``cpu_tiny_instruct``: editing, text answers and CoT tasks too) with the real transformer, KV
+pool, scheduler and HTTP layer; what is cut down is only the cost of an
 accepted request, so that tens of thousands of cases finish on a small CPU box: one denoising
 step, no CFG, sides up to 256 px, at most 3 images per call, and the harness' lossless
 latents-as-image decode instead of the tiny VAE (10-30 s per image on 2 cores). The OpenAPI
