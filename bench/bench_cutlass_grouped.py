@@ -37,8 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import emit, git_commit, round_robin_seconds  # noqa: E402
 
-from omni.platforms.cuda.cutlass_grouped import (CutlassGroupedFp8, HeadTail, exported_configs,  # noqa: E402
-                                                 swiglu_pairs)
+from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_configs, swiglu_pairs  # noqa: E402
 
 E, TOKENS, TOP_K = 64, 8194, 8
 SHAPES = {"gate_up": (4096, 6144), "down": (3072, 4096)}
@@ -109,14 +108,6 @@ def kernel_names(fn) -> list[str]:
     return sorted({e.name for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")})
 
 
-def head_tails(kernels: list) -> list:
-    """Every (larger tiles, smaller tiles) pair of builds with the same epilogue and accumulation, as a HeadTail."""
-    def kind(k):
-        return k.swiglu, "_fast" in k.config
-    return [HeadTail(big, small) for big in kernels for small in kernels
-            if kind(big) == kind(small) and small.tile_m < big.tile_m]
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lib", type=Path, action="append", required=True)
@@ -133,14 +124,10 @@ def main():
                                                   "(M: along M, CUTLASS's default for groups; N: along N)")
     p.add_argument("--tokens", default=str(TOKENS), help="routed tokens (top-8 each), comma-separated: 8194 is "
                    "an image step's; 1-64 a text decode step's")
-    p.add_argument("--head-tail", action="store_true", help="also time each build of 128-row tiles with a build of "
-                   "64-row tiles (the same epilogue and accumulation) taking each group's last rows (HeadTail)")
     a = p.parse_args()
     a.sched = [("MN".index(s[0]), int(s[1:])) for s in a.sched.split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
     kernels = [CutlassGroupedFp8(lib, name) for lib in a.lib for name in exported_configs(lib)]
-    if a.head_tail:
-        kernels += head_tails(kernels)
     rows = []
     cases = [(t, split, counts) for t in map(int, a.tokens.split(",")) for split, counts in splits(g, t).items()]
     for tokens, split, counts in cases:

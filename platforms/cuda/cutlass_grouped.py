@@ -172,20 +172,6 @@ def _compile(cfg: TileConfig, nvcc: str, include: str, out: Path) -> None:
     log.info("cuda: built %s in %.0f s", out.name, time.monotonic() - t0)
 
 
-@dataclass(frozen=True)
-class RowPart:
-    """Which of each group's rows one launch computes (``RowPart`` in ``csrc/grouped_fp8.cu``). ``part`` 0: all of
-    them. Otherwise a group's rows split into a head of whole ``tile``-row tiles and its last ``rows % tile`` rows;
-    where those are at most ``tail_max``, part 1 is the head and part 2 the tail, else part 1 is the whole group."""
-
-    part: int = 0
-    tile: int = 0
-    tail_max: int = 0
-
-
-ALL_ROWS = RowPart()
-
-
 class CutlassGroupedFp8:
     """``D[R, N] = (A[R, K] @ B[e]^T) * sa[r] * sb[e, n]`` per expert group, bf16 out (see the module docstring).
 
@@ -198,25 +184,23 @@ class CutlassGroupedFp8:
         lib = ctypes.CDLL(str(library))
         self.config, self.name = config, f"cutlass-grouped-fp8[{config}]"
         self.swiglu = config.endswith(SWIGLU_SUFFIX)
-        self.tile_m = int(re.search(r"_(\d+)x\d+_", config)[1])
         self._run = getattr(lib, f"omni_gg_{config}_run")
         self._run.restype = ctypes.c_int
-        self._run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 9 + [ctypes.c_void_p] * 2
+        self._run.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p] * 2
         self._scratch = getattr(lib, f"omni_gg_{config}_scratch")
         self._scratch.restype, self._scratch.argtypes = ctypes.c_size_t, [ctypes.c_int, ctypes.c_int]
         self._sms: dict[int, int] = {}
         self._scratch_bytes: dict[tuple[int, int], int] = {}
 
     def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, raster: int = 0,
-                 swizzle: int = 1, group_rows: int | None = None, rows: RowPart = ALL_ROWS) -> torch.Tensor:
+                 swizzle: int = 1, group_rows: int | None = None) -> torch.Tensor:
         """e4m3 rows ``[R, K]`` (+ fp32 ``[R]`` scales) x e4m3 experts ``[E, N, K]`` (+ ``[E, N]``) -> bf16 ``[R, N]``
         (``[R, N / 2]`` with the SwiGLU epilogue).
 
         ``raster`` (0 along M, 1 along N) and ``swizzle`` (1-8) order the tiles; the defaults, CUTLASS's own for
         groups, measured fastest (bench/bench_cutlass_grouped.py --sched). ``out``: written in place when given.
         ``group_rows`` (a bound on any group's rows, which few-row kernels size their tiles by) does not change
-        these tiles. ``rows``: the part of each group's rows to compute (``HeadTail``); the rest of ``out`` is
-        left as it was.
+        these tiles.
         """
         E, N, K = wq_ENK.shape
         if out is None:
@@ -228,8 +212,7 @@ class CutlassGroupedFp8:
             self._scratch_bytes[E, sms] = self._scratch(E, sms)
         scratch = torch.empty(self._scratch_bytes[E, sms], dtype=torch.uint8, device=xq_RK.device)
         status = self._run(xq_RK.data_ptr(), wq_ENK.data_ptr(), out.data_ptr(), xs_R.data_ptr(), ws_EN.data_ptr(),
-                           offs_E.data_ptr(), E, N, K, sms, raster, swizzle, rows.part, rows.tile, rows.tail_max,
-                           scratch.data_ptr(),
+                           offs_E.data_ptr(), E, N, K, sms, raster, swizzle, scratch.data_ptr(),
                            torch.cuda.current_stream(xq_RK.device).cuda_stream)
         if status:
             raise RuntimeError(f"{self.name}: CUTLASS refused the call (status {status}: 1 cannot implement, "
@@ -272,26 +255,6 @@ class BySize:
         if kernel is self.small and self._fits is not None and not self._fits(xq_RK, wq_ENK, **kw):
             kernel = self.large
         return kernel(xq_RK, xs_R, wq_ENK, ws_EN, offs_E, **kw)
-
-
-class HeadTail:
-    """Two builds of one GEMM over each group's rows: ``large`` computes the whole tiles of its row count and
-    ``small`` (tiles of fewer rows) a group's last rows where they fit one of its tiles; ``large`` takes a group's
-    last rows where they do not, as its padding there is no larger. The same bits as ``large`` alone (the tiles
-    differ in rows only), with the padding of ``small``'s tiles in each group's last rows."""
-
-    def __init__(self, large, small):
-        if large.swiglu != small.swiglu or small.tile_m >= large.tile_m:
-            raise ValueError(f"{small.config} cannot take the last rows of {large.config}")
-        self.large, self.small, self.swiglu = large, small, large.swiglu
-        self.head = RowPart(1, large.tile_m, small.tile_m)
-        self.tail = RowPart(2, large.tile_m, small.tile_m)
-        self.config = f"{large.config}+{small.config}"
-        self.name = f"cutlass-grouped-fp8[{self.config}]"
-
-    def __call__(self, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, *, out=None, **kw) -> torch.Tensor:
-        out = self.large(xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out=out, rows=self.head, **kw)
-        return self.small(xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out=out, rows=self.tail, **kw)
 
 
 def config_of(fast_accum: bool, swiglu: bool = False, small: bool = False) -> TileConfig | None:

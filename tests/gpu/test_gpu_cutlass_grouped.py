@@ -141,28 +141,6 @@ def test_the_small_tile_build_gives_the_large_build_s_bits(platform, swiglu):
     assert both.pick(32, E) is small and both.pick(33, E) is large
 
 
-@pytest.mark.parametrize("swiglu", [False, True], ids=["plain", "swiglu"])
-def test_head_and_tail_launches_give_the_large_build_s_bits_in_every_row(platform, swiglu):
-    """``HeadTail``: the 128-row build on each group's whole tiles (and on last rows past 64), the 64-row build on
-    last rows of at most 64, into one output that starts as NaN: every row written once, the large build's bits.
-    Group sizes at every edge: 0, 1, 63, 64, 65, 127, 128, 129, 192, 193."""
-    from omni.platforms.cuda import cutlass_grouped as cg
-    from omni.platforms.cuda.capabilities import detect_caps
-
-    caps = detect_caps(0)
-    large = cg.load(True, caps.nvcc, caps.cutlass_include, swiglu=swiglu)
-    both = cg.HeadTail(large, cg.load(True, caps.nvcc, caps.cutlass_include, swiglu=swiglu, small=True))
-    for seed, counts in enumerate(([0, 1, 63, 64, 65, 127, 128, 129], [192, 193, 0, 320, 257, 64, 1, 2], COUNTS)):
-        x, w, offs = _operands(20 + seed, counts=counts)
-        pw = quant.prepare_weight(w, "fp8_row")
-        xq, xs = quant.quantize_fp8(x, per_row=True)
-        args = (xq, xs.reshape(-1).float(), pw.data, pw.scale.view(E, N), offs)
-        out = torch.full((sum(counts), N // 2 if swiglu else N), float("nan"), dtype=torch.bfloat16, device="cuda")
-        y = both(*args, out=out)
-        assert y is out and torch.isfinite(y).all()
-        torch.testing.assert_close(y, large(*args), atol=0, rtol=0)
-
-
 def test_fused_moe_on_our_kernel_against_torch_kernel_and_fp64(platform):
     """Ours (the SwiGLU epilogue, paired w13) against torch's kernel with the separate pass: the same function to
     within the e4m3 requantization, and no further from the fp64 layer."""

@@ -160,37 +160,15 @@ struct GroupArgs {
   }
 };
 
-// Which of a group's rows a launch computes. part 0: all. A group's rows split into a head of whole `tile`-row
-// tiles and a tail of its last `rows % tile` rows: where that tail is at most `tail_max` rows, part 1 is the head
-// and part 2 the tail (for a kernel of smaller tiles, which pads the tail less); past `tail_max` the whole group
-// is part 1's and part 2 has no rows. Two launches with parts 1 and 2 write every row once.
-struct RowPart {
-  int part, tile, tail_max;
-
-  __device__ void apply(int& start, int& rows) const {
-    if (part == 0) return;
-    int tail = rows % tile;
-    int head = tail <= tail_max ? rows - tail : rows;
-    if (part == 1) {
-      rows = head;
-    } else {
-      start += head;
-      rows -= head;
-    }
-  }
-};
-
-// One thread per group: the group's row range from the cumulative ends (the part of it this launch computes),
-// then its pointers.
+// One thread per group: the group's row range from the cumulative ends, then its pointers.
 template <class K>
 __global__ void fill_group_args(GroupArgs<K> g, const ElemA* A, const ElemB* B, typename K::ElemD* D, float* sa,
                                 float* sb,
-                                const int32_t* offs, int groups, int N, int Kdim, RowPart part) {
+                                const int32_t* offs, int groups, int N, int Kdim) {
   int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= groups) return;
   int start = e == 0 ? 0 : offs[e - 1];
   int rows = offs[e] - start;
-  part.apply(start, rows);
   g.a[e] = A + int64_t(start) * Kdim;
   g.b[e] = B + int64_t(e) * N * Kdim;
   g.d[e] = D + int64_t(start) * N;
@@ -236,11 +214,11 @@ size_t scratch_bytes(int groups, int sms) {
 
 template <class K>
 int run(const void* A, const void* B, void* D, const float* sa, const float* sb, const int32_t* offs, int groups,
-        int N, int Kdim, int sms, int raster, int swizzle, RowPart part, void* scratch, cudaStream_t stream) {
+        int N, int Kdim, int sms, int raster, int swizzle, void* scratch, cudaStream_t stream) {
   GroupArgs<K> g(scratch, groups);
   fill_group_args<K><<<(groups + 127) / 128, 128, 0, stream>>>(
       g, static_cast<const ElemA*>(A), static_cast<const ElemB*>(B), static_cast<typename K::ElemD*>(D),
-      const_cast<float*>(sa), const_cast<float*>(sb), offs, groups, N, Kdim, part);
+      const_cast<float*>(sa), const_cast<float*>(sb), offs, groups, N, Kdim);
   auto args = make_args<K>(g, groups, sms, raster, swizzle);
   typename K::Gemm gemm;
   void* workspace = static_cast<char*>(scratch) + GroupArgs<K>::bytes(groups);
@@ -257,10 +235,8 @@ int run(const void* A, const void* B, void* D, const float* sa, const float* sb,
   extern "C" size_t omni_gg_##NAME##_scratch(int groups, int sms) { return omni::scratch_bytes<NAME##_t>(groups, sms); } \
   extern "C" int omni_gg_##NAME##_run(const void* A, const void* B, void* D, const float* sa, const float* sb,  \
                                       const int32_t* offs, int groups, int N, int K, int sms, int raster,        \
-                                      int swizzle, int part, int tile, int tail_max, void* scratch,              \
-                                      cudaStream_t stream) {                                                     \
-    return omni::run<NAME##_t>(A, B, D, sa, sb, offs, groups, N, K, sms, raster, swizzle,                        \
-                               omni::RowPart{part, tile, tail_max}, scratch, stream);                            \
+                                      int swizzle, void* scratch, cudaStream_t stream) {                         \
+    return omni::run<NAME##_t>(A, B, D, sa, sb, offs, groups, N, K, sms, raster, swizzle, scratch, stream);       \
   }
 
 #ifndef OMNI_GG_CONFIGS
