@@ -9,11 +9,14 @@ For each step of the glue (``omni_glue_impl``) it times, in the same run:
               the MoE's routing and combine: what the cuda MoE ran before (torch's sort; combine, then two adds)
     liger     liger-kernel's Triton kernel for the same step where it has one (rms_norm,
               fused_add_rms_norm, rope, swiglu), plus our quant_rows where the step also quantizes
+    quack     quack-kernels' CuTe-DSL RMSNorm (with the residual add) where it is installed, plus our quant_rows
     ours      ``omni.platforms.cuda.glue.TritonGlue`` (one pass, quantization fused); the router:
               ``omni.platforms.cuda.gemm.SplitFp32Linear`` (bf16 tensor cores, exact split weight)
 
 and the bytes floor (read + write once at the measured copy bandwidth). Times
-are CUDA-event medians over ``--iters`` after warm-up.
+are medians over ``--rounds`` rounds in which each candidate of a step is
+timed in turn (CUDA-event median of ``--iters`` calls), so that no candidate
+owns the cool start or the hot end of the power cap's clock drift.
 
     python bench/bench_glue.py --json out.json
 """
@@ -33,7 +36,7 @@ from omni.platforms.cuda.gemm import SplitFp32Linear
 from omni.specs import GemmSpec, GlueSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import cuda_event_median  # noqa: E402
+from bench_common import cuda_event_median, round_robin  # noqa: E402
 
 T, D, N, K, H, I, E, TOPK = 8194, 4096, 32, 8, 128, 3072, 64, 8
 ROUTER = "router logits, fp32 product (x.float() @ wg.T vs the 3 x bf16 split)"
@@ -53,7 +56,16 @@ def liger():
                 rope=rope.rope_forward, swiglu=swiglu.swiglu_forward), None
 
 
-def cases(ours, ref, lig, quant_rows):
+def quack():
+    try:
+        import quack as q
+        from quack.rmsnorm import rmsnorm_fwd
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        return None, f"{type(e).__name__}: {e}"
+    return rmsnorm_fwd, q.__version__
+
+
+def cases(ours, ref, lig, quant_rows, qk=None):
     """(step -> (bytes moved, {candidate: fn}), step -> () -> {candidate: relative error against fp64})."""
     g = torch.Generator(device="cuda").manual_seed(0)
     r = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
@@ -105,7 +117,20 @@ def cases(ours, ref, lig, quant_rows):
 
         for name, fn in zip(list(c)[:4], (lig_rms, lig_add_rms, lig_rope, lig_swiglu)):
             c[name][1]["liger (+ our quant_rows)" if "fp8" in name else "liger (+ torch qk-norm)"] = fn
-    return c, {ROUTER: route_err}
+    accuracy = {ROUTER: route_err}
+    if qk is not None:  # quack's norms return (out, residual_out, rstd)
+        c[list(c)[0]][1]["quack (+ our quant_rows)"] = lambda: quant_rows(qk(x, w, eps=1e-5)[0])
+
+        def qk_err():  # its bf16 output (before our quantization) against the fp64 norm
+            exact = F.rms_norm(x.double(), (D,), w.double(), 1e-5)
+            return {"quack norm": float((qk(x, w, eps=1e-5)[0].double() - exact).norm() / exact.norm())}
+        accuracy[list(c)[0]] = qk_err
+
+        def qk_add_rms():
+            y, h, _ = qk(x, w, residual=d, eps=1e-5)
+            return h, quant_rows(y)
+        c[list(c)[1]][1]["quack (+ our quant_rows)"] = qk_add_rms
+    return c, accuracy
 
 
 def moe_steps(r, g):
@@ -138,6 +163,7 @@ def ref_split(qkv):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     plat = select("cuda")
@@ -151,19 +177,22 @@ def main():
     dst = torch.empty_like(src)
     bw = 2 * src.numel() / (micros(lambda: dst.copy_(src), 20) * 1e-6)  # bytes/s, read + write
     rows = []
-    steps, accuracy = cases(ours, ref, lig, TritonKernels().quant_rows)
+    qk, qk_version = quack()
+    steps, accuracy = cases(ours, ref, lig, TritonKernels().quant_rows, qk)
     for name, (nbytes, fns) in steps.items():
-        row = {"step": name, "floor_us": nbytes / bw * 1e6}
+        row, runs = {"step": name, "floor_us": nbytes / bw * 1e6}, {}
         for k, f in fns.items():
             try:
-                row[k] = micros(f, a.iters)
+                f()
+                runs[k] = f
             except Exception as e:  # noqa: BLE001 - a candidate that fails is reported, the others still run
                 row[k + " error"] = f"{type(e).__name__}: {e}"[:200]
+        row.update({k: 1e6 * t for k, t in round_robin(runs, a.rounds, burn=20, iters=a.iters).items()})
         if name in accuracy:
             row.update({f"{k} rel err vs fp64": v for k, v in accuracy[name]().items()})
         rows.append(row)
         print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    out = {"T": T, "copy_bandwidth_TBps": bw / 1e12, "liger": "0.8.5" if lig else why, "ours": ours.name,
+    out = {"T": T, "copy_bandwidth_TBps": bw / 1e12, "liger": "0.8.5" if lig else why, "quack": qk_version, "ours": ours.name,
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
            "total_us": {k: sum(r.get(k, 0.0) for r in rows) for k in ("torch", "ours", "floor_us")}}
     print(json.dumps(out["total_us"]))
