@@ -5,6 +5,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+COT_BUDGET = 2048  # the official max_new_tokens of the CoT pass (ImageRequest.cot_max_tokens by default)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ImageRequest:
@@ -35,7 +37,7 @@ class ImageRequest:
     bot_task: str = "image"  # image | recaption | think | think_recaption: write a CoT before drawing
     drop_think: bool = False  # leave the <think> section out of the image pass
     auto_size: bool = False  # with a CoT pass: the model picks the aspect ratio (height/width ignored)
-    cot_max_tokens: int = 2048  # the official max_new_tokens of the CoT pass
+    cot_max_tokens: int = COT_BUDGET
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     @property

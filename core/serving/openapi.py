@@ -6,14 +6,23 @@ added here from the pydantic models, then tightened with what this
 deployment enforces (prompt length, the side range, n against the queue,
 the bot tasks the model has, fields it refuses). A client generator or a
 fuzzer reading it can reach generation, and what the schema allows is what
-the server accepts. One rule JSON Schema cannot say is in the ``size``
-description instead: the aspect ratio at most 4:1.
+the server accepts. Rules JSON Schema cannot say are in descriptions instead:
+the aspect ratio at most 4:1 (``size``), and what a reference image must be
+(the edit form's ``image`` file parts, a chat's ``image_url``: the formats,
+sides, pixels and aspect image_input.py holds them to, and how several are
+sent). The form's ``encoding`` names the image media types and the URL's
+``format`` is IMAGE_URI_FORMAT, so that a fuzzer can draw real images for both
+(tests/serving/fuzz_hooks.py does). How many image_url parts a chat may carry
+over all its messages is stated exactly (``_at_most_images``).
 """
 from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from omni.request import COT_BUDGET
+
+from .image_input import FORMATS, MAX_ASPECT as IMAGE_MAX_ASPECT, MIN_SIDE as IMAGE_MIN_SIDE
 from .options import ServingOptions
 from .schemas import (MAX_N, BOT_TASKS, COT_TASKS, ChatCompletionRequest, ErrorResponse, ImageEditRequest,
                       ImageGenerationRequest, ImagesResponse)
@@ -27,6 +36,12 @@ ERRORS = {400: "bad input, naming the field (``param``)", 401: "missing or wrong
 POSTS = {"/v1/images/generations": (ImageGenerationRequest, "application/json", ImagesResponse),
          "/v1/images/edits": (ImageEditRequest, "multipart/form-data", ImagesResponse),
          "/v1/chat/completions": (ChatCompletionRequest, "application/json", None)}
+# at least one non-space character. Anchored, though r"\S" says the same: schemathesis 4.32.5 folds minLength /
+# maxLength into an unanchored pattern as ^\S{1,8000}$ (every character non-space), and then judged a form's
+# "system_prompt: a b" invalid; an anchored pattern keeps its meaning through that rewrite
+NON_BLANK = r"^[\s\S]*\S[\s\S]*$"
+IMAGE_URI_FORMAT = "image-uri"  # a custom string format: the URL of one image by image_input's rules
+IMAGE_MEDIA_TYPES = tuple(f"image/{f.lower()}" for f in FORMATS)  # image_input's formats: image/png, ...
 GETS = {"/health": (200, 503), "/metrics": (200, 401), "/v1/models": (200, 401),
         "/v1/models/{model_id}": (200, 401, 404)}
 
@@ -74,9 +89,11 @@ def _document_post(op: dict, path: str, opt: ServingOptions, components: dict) -
     """The request body and the 200 of a generating endpoint; returns its error statuses."""
     model, media, answer = POSTS[path]
     schema = _request_schema(model, opt, components)
+    body = {"schema": schema}
     if media == "multipart/form-data":
-        _form_fields(schema["properties"])
-    op["requestBody"] = {"required": True, "content": {media: {"schema": schema}}}
+        _form_fields(schema)
+        body["encoding"] = _image_part(schema, opt)
+    op["requestBody"] = {"required": True, "content": {media: body}}
     ok = {"$ref": f"#/components/schemas/{answer.__name__}"} if answer else {"type": "object"}
     op["responses"] = {"200": _json("the answer", ok)}
     return [400, 404, 413, 415, 429, 499, 500, 503, 504]
@@ -117,7 +134,7 @@ def _request_schema(model, opt: ServingOptions, components: dict) -> dict:
 
 def _text_rules(props: dict, opt: ServingOptions) -> None:
     """Texts with at least one non-space character, up to serving's max_prompt_chars."""
-    text = {"type": "string", "minLength": 1, "maxLength": opt.max_prompt_chars, "pattern": r"\S"}
+    text = {"type": "string", "minLength": 1, "maxLength": opt.max_prompt_chars, "pattern": NON_BLANK}
     if "prompt" in props:
         props["prompt"] = {**text, "description": "what to draw (at least one non-space character)"}
     for name in ("negative_prompt", "system_prompt"):
@@ -151,6 +168,11 @@ def _model_rules(props: dict, opt: ServingOptions) -> None:
     if not opt.helpers.writes_text:
         props["drop_think"] = _nullable({"type": "boolean", "enum": [False]}, "only with a think bot_task")
         props["cot_max_tokens"] = {"type": "null", "description": "only with a bot_task that writes a CoT"}
+        return
+    cap = opt.max_cot_tokens
+    budget = f"default {COT_BUDGET}, the official budget" if cap >= COT_BUDGET else f"default {cap}, the cap"
+    props["cot_max_tokens"] = _nullable({"type": "integer", "minimum": 1, "maximum": cap},
+                                        f"tokens the CoT may take ({budget})")
 
 
 def _cot_rules(schema: dict, opt: ServingOptions) -> None:
@@ -165,15 +187,55 @@ def _cot_rules(schema: dict, opt: ServingOptions) -> None:
                        for field, given, tasks in needs]
 
 
-def _form_fields(props: dict) -> None:
+def _form_fields(schema: dict) -> None:
     """A multipart form has no null: an optional field is left out, so each field's null alternative goes (the
-    form would carry the text "null", which no number or boolean field parses)."""
-    for name, schema in list(props.items()):
-        kept = [s for s in schema.get("anyOf", ()) if s.get("type") != "null"]
-        if schema.get("type") == "null":
+    form would carry the text "null", which no number or boolean field parses). An empty optional field is read
+    as left out (edit_form.py: ``-F size=``), so each takes "" too."""
+    props = schema["properties"]
+    for name, field in list(props.items()):
+        kept = [s for s in field.get("anyOf", ()) if s.get("type") != "null"]
+        if field.get("type") == "null":
             del props[name]
-        elif len(kept) == 1 and len(schema["anyOf"]) == 2:
-            props[name] = {**kept[0], **{k: v for k, v in schema.items() if k not in ("anyOf", "default")}}
+            continue
+        if len(kept) == 1 and len(field["anyOf"]) == 2:
+            field = {**kept[0], **{k: v for k, v in field.items() if k not in ("anyOf", "default")}}
+        if name not in schema.get("required", ()) and not _admits_empty(field):
+            notes = {k: v for k, v in field.items() if k in ("description", "title", "default")}
+            rule = {k: v for k, v in field.items() if k not in notes}
+            said = notes.get("description")
+            field = {"anyOf": [rule, {"const": ""}], **notes,
+                     "description": f"{said}; empty: as if absent" if said else "empty: as if absent"}
+        props[name] = field
+
+
+def _admits_empty(field: dict) -> bool:
+    """Whether ``field`` takes the empty string as it is (a string with no rule but its type)."""
+    return field.get("type") == "string" and not {"enum", "const", "pattern", "minLength", "format"} & set(field)
+
+
+def _image_part(schema: dict, opt: ServingOptions) -> dict:
+    """The edit form's reference image, a file part that the pydantic model leaves out (edit_form.py reads the
+    files apart): required, since the server refuses a form without one. JSON Schema cannot say what the bytes
+    must be, nor that several files come as repeated parts: that goes in the description. Returns the form's
+    ``encoding``, which names the part's media types."""
+    n = opt.helpers.max_images
+    count = ("one file, as ``image``" if n == 1 else
+             f"1 to {n} files: one as ``image``, several as repeated ``image[]`` parts (the OpenAI SDK's "
+             "spelling; ``image[0]``, ``image[1]``, ... work too), in upload order")
+    schema["properties"]["image"] = {
+        "type": "string", "contentMediaType": "application/octet-stream",  # OpenAPI 3.1's spelling of a file
+        "description": f"the reference image(s), {count}. Each {_image_rules(opt)} (the bytes decide the format, "
+                       "not the part's content type)"}
+    schema["required"] = ["image", *schema.get("required", ())]
+    return {"image": {"contentType": ", ".join(IMAGE_MEDIA_TYPES)}}
+
+
+def _image_rules(opt: ServingOptions) -> str:
+    """What image_input.py holds a reference image to, in words (JSON Schema cannot say it of bytes)."""
+    return (f"must decode whole as {', '.join(FORMATS)}, in an 8-bit mode (16-bit, 32-bit and float images are "
+            f"refused), each side at least {IMAGE_MIN_SIDE} px, at most {opt.max_image_pixels} pixels, aspect ratio "
+            f"at most {IMAGE_MAX_ASPECT:g}:1, at most {opt.max_image_bytes} bytes (413 past it); alpha is "
+            "composited onto white")
 
 
 def _refused(props: dict, model, opt: ServingOptions) -> None:
@@ -189,23 +251,71 @@ def _refused(props: dict, model, opt: ServingOptions) -> None:
 
 
 def _messages(opt: ServingOptions) -> dict:
-    """Chat messages: text parts (a model that edits also takes user image_url parts), and at least one user
-    message with text, which is the prompt."""
+    """Chat messages: text parts (on a model that edits, user messages also take image_url parts, at most
+    ``max_images`` of them in all), and at least one user message with text, which is the prompt."""
     text = {"type": "string", "maxLength": opt.max_prompt_chars}
-    said = {**text, "pattern": r"\S"}
-    parts = [{"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}, "text": text}}]
-    if opt.helpers.max_images:
-        parts.append({"type": "object", "required": ["type", "image_url"],
-                      "properties": {"type": {"const": "image_url"}, "image_url": {"type": "object"}}})
-    content = {"anyOf": [text, {"type": "array", "items": {"anyOf": parts}}, {"type": "null"}]}
+    said = {**text, "pattern": NON_BLANK}
+    text_part = {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}, "text": text}}
     user_text = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"const": "user"},
         "content": {"anyOf": [said, {"type": "array", "contains": {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": said}}}]}}}
-    message = {"type": "object", "required": ["role"], "properties": {"role": {"type": "string"}, "content": content}}
-    return {"type": "array", "minItems": 1, "items": message, "contains": user_text,
-            "description": "the user messages' text (joined) is the prompt; system / developer text the system prompt"}
+    messages = {"type": "array", "minItems": 1, "items": _message({"type": "string"}, [text_part], text),
+                "contains": user_text,
+                "description": "the user messages' text (joined) is the prompt; system / developer text the system "
+                               "prompt"}
+    n = opt.helpers.max_images
+    if n:
+        messages["items"] = {"anyOf": [_message({"const": "user"}, [text_part, _image_url_part(opt)], text),
+                                       _message({"type": "string", "not": {"const": "user"}}, [text_part], text)]}
+        messages["allOf"] = [_at_most_images(n)]
+        messages["description"] += (f"; the image_url parts of user messages (only theirs), at most {n} in all, "
+                                     "are the reference images, in order")
+    return messages
+
+
+def _message(role: dict, parts: list[dict], text: dict) -> dict:
+    content = {"anyOf": [text, {"type": "array", "items": {"anyOf": parts}}, {"type": "null"}]}
+    return {"type": "object", "required": ["role"], "properties": {"role": role, "content": content}}
+
+
+def _image_url_part(opt: ServingOptions) -> dict:
+    """A user message's reference image: ``image_url`` is its URL, or an object with it as ``url``. A data URI
+    (an http(s) URL where this server fetches them) whose bytes must be one image by the edit form's rules, which
+    the description states; its format, IMAGE_URI_FORMAT, names that for a fuzzer (tests/serving/fuzz_hooks.py
+    draws real images for it)."""
+    schemes = "[dD][aA][tT][aA]:[^,]*," + ("|[hH][tT][tT][pP][sS]?:" if opt.fetch_remote_images else "")
+    where = ("a data URI (data:<media type>;base64,<data>) or an http(s) URL, which the server fetches"
+             if opt.fetch_remote_images else "a data URI (data:<media type>;base64,<data>; remote URLs are not "
+                                             "fetched by this server)")
+    url = {"type": "string", "format": IMAGE_URI_FORMAT, "pattern": f"^({schemes})",
+           "description": f"{where} of one image: {_image_rules(opt)}"}
+    return {"type": "object", "required": ["type", "image_url"], "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {"anyOf": [url, {"type": "object", "required": ["url"], "properties": {"url": url}}]}}}
+
+
+def _at_most_images(n: int) -> dict:
+    """At most ``n`` image_url parts over all the messages, in JSON Schema: with c_k the number of messages
+    holding at least k of them, the total is c_1 + c_2 + ..., so it is at most n exactly when (c_1, c_2, ...)
+    stays under some partition of n (its parts in decreasing order) - one anyOf branch per partition."""
+    def holding(k: int) -> dict:
+        return {"type": "object", "required": ["content"], "properties": {"content": {
+            "type": "array", "contains": {"type": "object", "required": ["type"],
+                                          "properties": {"type": {"const": "image_url"}}}, "minContains": k}}}
+
+    return {"anyOf": [{"allOf": [{"contains": holding(k), "minContains": 0, "maxContains": c}
+                                 for k, c in enumerate((*parts, 0), 1)]}  # and none holding len(parts) + 1
+                      for parts in _partitions(n)]}
+
+
+def _partitions(n: int, largest: int | None = None) -> list[tuple[int, ...]]:
+    """The partitions of ``n``, each in decreasing order (parts at most ``largest``)."""
+    if n == 0:
+        return [()]
+    largest = n if largest is None else largest
+    return [(first, *rest) for first in range(min(n, largest), 0, -1) for rest in _partitions(n - first, first)]
 
 
 def _nullable(schema: dict, description: str | None) -> dict:

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from .encode import PNG_LEVEL
+from .limits import MAX_TEXT_TOKENS
 
 FALLBACK_DEFAULTS = SimpleNamespace(steps=50, guidance=5.0, size="1024x1024", shift=3.0, template="pretrain",
                                     system_prompt=None)
@@ -42,6 +43,7 @@ class ServingOptions:
     max_queue: int | None = None  # n above this can never be queued: a 400, not a 429
     max_side: int = 4096  # of a requested image; a deployment (or a fuzz run) may cap it lower
     max_steps: int = 200  # num_inference_steps (schemas.MAX_STEPS); may be capped lower the same way
+    max_cot_tokens: int = MAX_TEXT_TOKENS  # cot_max_tokens, and the CoT budget of a request that gives none
     helpers: ModelHelpers = field(default_factory=ModelHelpers.plain)
     # reference images (editing): see omni.serving.image_input for the rules
     max_image_pixels: int = 4096 * 4096  # recipe serving.max_image_pixels

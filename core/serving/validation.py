@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from omni.request import ImageRequest
+from omni.request import COT_BUDGET, ImageRequest
 
 from .errors import APIError
 from .image_input import ImageInputError, reference_size
@@ -180,7 +180,7 @@ class RequestBuilder:
             raise APIError(400, f"num_inference_steps {steps} is above this server's limit of {self.opt.max_steps}",
                            param="num_inference_steps")
         guidance = d.guidance if p.guidance_scale is None else p.guidance_scale
-        cot = {"cot_max_tokens": p.cot_max_tokens} if p.cot_max_tokens is not None else {}
+        cot = self._cot_budget(p.cot_max_tokens)
         return [ImageRequest(prompt=prompt, negative_prompt=p.negative_prompt, height=h, width=w, steps=steps,
                              guidance=guidance, seed=None if p.seed is None else p.seed + i, shift=d.shift,
                              template=d.template, system_prompt=system, step_cache=p.step_cache,
@@ -213,6 +213,17 @@ class RequestBuilder:
             raise APIError(400, "cot_max_tokens applies to a bot_task that writes a CoT (recaption, think, "
                                 "think_recaption), not 'image'", param="cot_max_tokens")
         return bot_task
+
+    def _cot_budget(self, asked: int | None) -> dict:
+        """``cot_max_tokens`` held to this server's cap (a 400 above it); a request that gives none keeps the
+        official budget, or the cap where that is lower."""
+        cap = self.opt.max_cot_tokens
+        if asked is not None and asked > cap:
+            raise APIError(400, f"cot_max_tokens {asked} is above this server's limit of {cap}",
+                           param="cot_max_tokens")
+        if asked is None:
+            return {} if cap >= COT_BUDGET else {"cot_max_tokens": cap}
+        return {"cot_max_tokens": asked}
 
     def check_n(self, n: int, field: str = "n") -> None:
         if self.opt.max_queue is not None and n > self.opt.max_queue:

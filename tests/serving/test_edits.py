@@ -407,3 +407,101 @@ def test_the_openapi_document_states_what_an_instruct_server_refuses():
         nulls = {k for k, v in form["properties"].items() if "null" in str(v.get("anyOf", v.get("type")))}
         assert not nulls and "default" not in form["properties"]["seed"], nulls
     engine.stop()
+
+
+def test_the_openapi_document_describes_the_edit_forms_image_part(instruct):
+    """The edit form's image file part is in the document: required, its encoding naming the formats the server
+    decodes, and the rules JSON Schema cannot state (sides, pixels, aspect, count, the ``image[]`` spelling) in
+    its description. Without it schemathesis sent forms with no image, schema-valid requests that the server
+    refused. A form built from the documented parts, with a real PNG, is accepted; without its image both the
+    schema and the server refuse it; an empty optional field is allowed by both (read as absent)."""
+    import jsonschema
+
+    url, options, _ = instruct
+    with httpx.Client(base_url=url, timeout=300) as c:
+        form = c.get("/openapi.json").json()["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"][
+            "multipart/form-data"]
+        schema, image = form["schema"], form["schema"]["properties"]["image"]
+        assert {"image", "prompt"} <= set(schema["required"])
+        assert image["type"] == "string" and image["contentMediaType"] == "application/octet-stream"
+        types = [t.strip() for t in form["encoding"]["image"]["contentType"].split(",")]
+        assert types == ["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp"]
+        for rule in ("1 to 3 files", "``image[]``", "at least 16 px", f"at most {options.max_image_pixels} pixels",
+                     "aspect ratio at most 8:1", f"at most {options.max_image_bytes} bytes"):
+            assert rule in image["description"], rule
+        fields = {"prompt": "make it blue", "num_inference_steps": 1, "seed": 3, "size": "", "n": ""}
+        valid = jsonschema.Draft202012Validator(schema).is_valid
+        assert valid({**fields, "image": "the file"}) and not valid(fields)
+        text_parts = [(name, (None, str(value))) for name, value in fields.items()]  # a form's values are text
+        r = c.post("/v1/images/edits", files=text_parts + [("image", ("image.png", image_file(64, 64)[1], types[0]))])
+        assert r.status_code == 200 and r.json()["size"] == "64x64" and len(r.json()["data"]) == 1, r.text
+        r = c.post("/v1/images/edits", files=text_parts)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "image", r.text
+
+
+def test_the_openapi_document_states_where_a_chat_takes_images_and_how_many(instruct):
+    """What schemathesis found on the tiny Instruct server: the document offered image_url parts in any message
+    (the server takes them from user messages only) with any object as the image. Now: user messages only, the
+    URL a data URI of an image (its rules in the description, its format named for a fuzzer), and at most
+    ``max_images`` of them over all the messages. The document and the server agree on each case below."""
+    import jsonschema
+
+    url, options, _ = instruct
+    png = "data:image/png;base64," + base64.b64encode(image_file(64, 64)[1]).decode()
+
+    def user(*parts, role="user"):
+        return {"role": role, "content": [{"type": "text", "text": "make it blue"}, *parts]}
+
+    def image(value=png):
+        return {"type": "image_url", "image_url": value}
+
+    with httpx.Client(base_url=url, timeout=300) as c:
+        schema = c.get("/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"][
+            "application/json"]["schema"]
+        valid = jsonschema.Draft202012Validator(schema).is_valid
+        refused = {"messages[0].content[1]": [user(image(), role="system"), user()],
+                   "messages[0].content[2]": [user(image(), image({"detail": "low"}))],
+                   "messages[1].content[2]": [user(image(), image()), user(image(), image())]}
+        for param, messages in refused.items():
+            body = {"messages": messages, "num_inference_steps": 1}
+            r = c.post("/v1/chat/completions", json=body)
+            assert not valid(body) and r.status_code == 400 and r.json()["error"]["param"] == param, (param, r.text)
+        body = {"messages": [user(image(), image({"url": png})), user(image())], "num_inference_steps": 1}
+        assert valid(body) and options.helpers.max_images == 3
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"][0]["type"] == "image_url", r.text
+        url_schema = schema["properties"]["messages"]["items"]["anyOf"][0]["properties"]["content"]["anyOf"][1][
+            "items"]["anyOf"][1]["properties"]["image_url"]["anyOf"][0]
+        assert url_schema["format"] == "image-uri" and "at least 16 px" in url_schema["description"]
+
+
+def test_a_servers_cot_cap_is_in_the_document_and_held():
+    """``max_cot_tokens`` (the fuzz server's 128) caps ``cot_max_tokens`` as ``max_steps`` caps the steps: the
+    document's maximum, a 400 above it, and the budget of a request that gives none."""
+    from omni.request import COT_BUDGET
+    from omni.serving.errors import APIError
+    from omni.serving.schemas import ImageGenerationRequest
+    from omni.serving.validation import RequestBuilder
+
+    helpers = dataclasses.replace(ModelHelpers.plain(), writes_text=True)
+    pipe = RecordingPipeline(num_pages=64)
+    engine = EngineLoop.around(Scheduler(pipe, max_running=1)).start()
+    assert engine.wait_ready(10)
+    options = ServingOptions(model_id="fake-cot", helpers=helpers, max_cot_tokens=64)
+    with ServerThread(create_app(engine, options)) as srv, httpx.Client(base_url=srv.url) as c:
+        schema = c.get("/openapi.json").json()["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"][
+            "application/json"]["schema"]
+        assert schema["properties"]["cot_max_tokens"]["anyOf"][0]["maximum"] == 64
+        r = c.post("/v1/images/generations", json={"prompt": "x", "bot_task": "think", "cot_max_tokens": 65})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cot_max_tokens", r.text
+    engine.stop()
+
+    def budget(opts: ServingOptions, **fields) -> int:
+        builder = RequestBuilder(opts, helpers)
+        body = ImageGenerationRequest(prompt="x", bot_task="think", **fields)
+        return builder.requests("r", body, "x", 1, builder.size(None, "size"), None)[0].cot_max_tokens
+
+    assert budget(options) == 64 and budget(options, cot_max_tokens=10) == 10
+    assert budget(ServingOptions(model_id="m", helpers=helpers)) == COT_BUDGET
+    with pytest.raises(APIError, match="above this server's limit of 64"):
+        budget(options, cot_max_tokens=65)

@@ -187,6 +187,19 @@ def test_openapi_size_pattern_is_the_servers_side_range():
     assert not any(size.match(s) for s in ("513x64", "64x63", "0300x300", " 300x300", "300x300 "))
 
 
+def test_openapi_non_blank_pattern_is_anchored_and_takes_spaces():
+    """Texts need one non-space character. The pattern says so anchored: schemathesis folds minLength / maxLength
+    into an unanchored r"\\S" as ^\\S{1,8000}$ (no space at all) and judged a form's "a b" invalid."""
+    import re
+
+    from omni.serving.openapi import NON_BLANK
+
+    text = re.compile(NON_BLANK)
+    assert NON_BLANK.startswith("^") and NON_BLANK.endswith("$")
+    assert all(text.search(t) for t in ("a", " a b ", "x\ny", "\u00a0z")) and not any(
+        text.search(t) for t in ("", "   ", "\n\t"))
+
+
 @pytest.mark.parametrize("body,content_type,status,param,words", [
     (b'{"prompt": "a \\ud800 b"}', "application/json", 400, "prompt", "not valid Unicode"),
     (b'{"prompt": "x", "negative_prompt": "\\udfff"}', "application/json", 400, "negative_prompt", "Unicode"),
