@@ -8,12 +8,17 @@ Deselected by default (marker ``fuzz``, about 10 minutes on a 2-core box)::
 It starts ``fuzz_server.py`` (the tiny base model made cheap to say yes to; its
 caps are in the OpenAPI document it serves) and runs every check schemathesis
 has (``--checks all``: server errors, status codes, content types, response
-headers and schemas, positive data accepted, negative data rejected, ...) in
-all its phases (examples, coverage, fuzzing, stateful; positive and negative
-modes). ``OMNI_FUZZ_SECONDS`` (default 600) bounds the run,
+headers and schemas, positive data accepted, negative data rejected, response
+time, ...) in all its phases (examples, coverage, fuzzing, stateful; positive
+and negative modes), with ``fuzz_hooks.py`` loaded (``SCHEMATHESIS_HOOKS``): it
+draws real images for the edit form's image part and a chat's image_url, and
+works around two schemathesis verdicts on forms with a file part.
+``OMNI_FUZZ_SECONDS`` (default 600) bounds the run,
 ``OMNI_FUZZ_MIN_CASES`` (default 30000) is the number of cases it must reach,
 ``OMNI_FUZZ_SEED`` (default 4, the recorded run's) picks the data: another seed explores other inputs;
 ``OMNI_FUZZ_RECIPE`` (default cpu_tiny) picks the model: cpu_tiny_instruct adds editing, text answers and CoT.
+A failure shows schemathesis' report from its first failure on (long lines cut); the whole output is
+``schemathesis.txt`` in the test's tmp_path.
 """
 from __future__ import annotations
 
@@ -52,9 +57,20 @@ def test_schemathesis_finds_no_server_error_and_no_conformance_failure(fuzz_url,
     cmd = [cli, "run", fuzz_url + "/openapi.json", "--checks", "all", "--phases", "examples,coverage,fuzzing,stateful",
            "--mode", "all", "-n", "3000", "--max-time", seconds, "--seed", seed, "--request-timeout", "60",
            "--no-shrink"]
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks",  # real images where the API takes them (fuzz_hooks.py)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env)
     out = run.stdout + run.stderr
+    (tmp_path / "schemathesis.txt").write_text(out)  # whole, for a failure's body (pytest keeps the last 3 runs)
     cases = re.search(r"(\d+) generated, (\d+) passed", out)  # "N generated, K found ..." when some failed
-    assert run.returncode == 0 and cases and cases[1] == cases[2], out[-8000:]
+    assert run.returncode == 0 and cases and cases[1] == cases[2], f"{report(out)}\n(all of it: {tmp_path})"
     assert int(cases[1]) >= least, f"only {cases[1]} cases in {seconds}s (wanted {least})"
     print(out.split("Test cases:")[-1].strip())  # the figures (python -m pytest -m fuzz -s shows them)
+
+
+def report(out: str, width: int = 400) -> str:
+    """schemathesis' output from its first failure or error on, each line cut to ``width`` characters: a
+    failing case's body (megabytes of fuzzed JSON) would otherwise push the other failures out of sight."""
+    start = min((i for i in (out.find("= FAILURES ="), out.find("= ERRORS =")) if i >= 0), default=0)
+    start = out.rfind("\n", 0, start) + 1
+    return "\n".join(line if len(line) <= width else line[:width] + " [...]" for line in out[start:].splitlines())
