@@ -221,9 +221,7 @@ class RequestBuilder:
         if asked is not None and asked > cap:
             raise APIError(400, f"cot_max_tokens {asked} is above this server's limit of {cap}",
                            param="cot_max_tokens")
-        if asked is None:
-            return {} if cap >= COT_BUDGET else {"cot_max_tokens": cap}
-        return {"cot_max_tokens": asked}
+        return {"cot_max_tokens": min(COT_BUDGET if asked is None else asked, cap)}
 
     def check_n(self, n: int, field: str = "n") -> None:
         if self.opt.max_queue is not None and n > self.opt.max_queue:
