@@ -31,6 +31,15 @@ from .json_body import MAX_BODY_BYTES, parse_body, read_body, validated  # noqa:
 from .limits import MAX_ASPECT, MAX_SIDE, MIN_SIDE, NATIVE_SIZES, size_problem  # noqa: F401 (re-exported)
 
 SIZE_TEXT = re.compile(r"[1-9][0-9]*[xX][1-9][0-9]*")  # what the OpenAPI size pattern allows (then the range)
+# Blank text: every character whitespace for Python (str.isspace, re's \s) or for ECMA-262 (the \s of JSON Schema
+# patterns: WhiteSpace, LineTerminator, category Zs). The two sets differ by \x1c-\x1f and \x85 (Python only) and
+# \ufeff (ECMA only); the union is what the server refuses and what openapi.NON_BLANK excludes under either engine
+BLANK = re.compile(r"[\s\ufeff]*")
+
+
+def is_blank(text: str) -> bool:
+    """Whether ``text`` has no character but whitespace (Python's or ECMA-262's): the empty string is blank."""
+    return BLANK.fullmatch(text) is not None
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ def chat_input(messages) -> ChatInput:
         elif m.role in ("system", "developer"):
             systems += texts
     prompt = " ".join(t for t in users if t).strip()
-    if not prompt:
+    if is_blank(prompt):
         raise APIError(400, "messages: no user text to use as the prompt", param="messages")
     return ChatInput(prompt, "\n".join(systems) if systems else None, images)
 
@@ -240,7 +249,7 @@ class RequestBuilder:
     def check_text(self, text: str | None, field: str, required: bool = False) -> None:
         if text is None and not required:
             return
-        if not text or not text.strip():
+        if text is None or is_blank(text):
             raise APIError(400, f"{field} must not be empty", param=field)
         if len(text) > self.opt.max_prompt_chars:
             raise APIError(400, f"{field} is {len(text)} characters; the limit is {self.opt.max_prompt_chars}",
