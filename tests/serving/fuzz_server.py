@@ -1,6 +1,6 @@
 """The server the fuzz test points schemathesis at: the embedded default, made cheap to say yes to.
 
-``python tests/serving/fuzz_server.py PORT [RECIPE]`` serves the tiny base model (cpu_tiny; or
+``python tests/serving/fuzz_server.py PORT [RECIPE] [--full-edits]`` serves the tiny base model (cpu_tiny; or
 ``cpu_tiny_instruct``: editing, text answers and CoT tasks too) with the real transformer, KV
 pool, scheduler and HTTP layer; what is cut down is only the cost of an accepted request, so that
 tens of thousands of cases finish on a small CPU box, each within schemathesis' 10 s response-time
@@ -14,6 +14,11 @@ table's absolute rows (1024x768, 1280x720, ...) is about 1 MP whatever the uploa
 VAE encoder took 1.5 s per such reference on 2 cores. Here the references' posterior is a cell
 average of their pixels instead (``cheap_reference_posterior``); the sizes, tokens, ViT features
 and everything after are the model's own.
+
+``--full-edits`` (test_fuzz.py passes it for ``OMNI_FUZZ_FULL_EDITS=1``) keeps edits whole: the real
+VAE encoder for the references and the model's own max_images (3 for the Instruct flavours); the other
+caps stay. Such edits take longer than schemathesis' default response-time limit (10 s, which
+``--checks all`` turns on): the fuzz test then passes ``--max-response-time FULL_EDITS_MAX_RESPONSE_S``.
 """
 from __future__ import annotations
 
@@ -40,6 +45,11 @@ FUZZ_OVERRIDES = {"defaults.steps": 1, "defaults.size": "256x256", "defaults.gui
 # with CFG, n=2 and a 256-token CoT 8.4 s, and 5.9 s (the slowest of 48, with CFG) with these caps
 FUZZ_OPTIONS = {"max_side": 256, "max_steps": 1, "max_cot_tokens": 128}
 FUZZ_MAX_IMAGES = 2
+# --full-edits: schemathesis' response-time limit. The slowest accepted edit measured on the 2-core box, of 22
+# edits and chats with 3 references snapping to the table's largest row (36x64 px uploads: 720x1280), CFG
+# (guidance 5), n=2, a 128-token CoT (think_recaption) and size auto, took 16.4 s (the VAE encoder for the
+# references, per image of the n, is most of it); 30 s leaves room for a shared box
+FULL_EDITS_MAX_RESPONSE_S = 30.0
 
 
 def cheap_reference_posterior(model) -> None:
@@ -58,7 +68,8 @@ def cheap_reference_posterior(model) -> None:
     model._posterior = posterior
 
 
-def fuzz_app(recipe_name: str = "cpu_tiny"):
+def fuzz_app(recipe_name: str = "cpu_tiny", full_edits: bool = False):
+    """The app and its engine; ``full_edits``: the real VAE encoder and the model's own max_images."""
     from omni import model_registry
     from omni.engine_loop import EngineLoop
     from omni.recipe import load_recipe
@@ -67,17 +78,20 @@ def fuzz_app(recipe_name: str = "cpu_tiny"):
 
     recipe = load_recipe(recipe_name).replace_paths(FUZZ_OVERRIDES)
     pipeline = make_pipeline(recipe)
-    cheap_reference_posterior(pipeline.inner.model)
+    if not full_edits:
+        cheap_reference_posterior(pipeline.inner.model)
     engine = EngineLoop.around(Scheduler.from_recipe(pipeline, recipe)).start()
     assert engine.wait_ready(60)
     helpers = model_registry.get(recipe.model.flavor).serving_helpers()
-    helpers = dataclasses.replace(helpers, max_images=min(helpers.max_images, FUZZ_MAX_IMAGES))
+    if not full_edits:
+        helpers = dataclasses.replace(helpers, max_images=min(helpers.max_images, FUZZ_MAX_IMAGES))
     return create_app(engine, ServingOptions.from_recipe(recipe, model_id=MODEL_ID, helpers=helpers,
                                                          **FUZZ_OPTIONS)), engine
 
 
 if __name__ == "__main__":
-    app, engine = fuzz_app(*sys.argv[2:3])
+    args = [a for a in sys.argv[1:] if a != "--full-edits"]
+    app, engine = fuzz_app(*args[1:2], full_edits="--full-edits" in sys.argv[1:])
     try:
         uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
     finally:

@@ -16,7 +16,10 @@ works around two schemathesis verdicts on forms with a file part.
 ``OMNI_FUZZ_SECONDS`` (default 600) bounds the run,
 ``OMNI_FUZZ_MIN_CASES`` (default 30000) is the number of cases it must reach,
 ``OMNI_FUZZ_SEED`` (default 4, the recorded run's) picks the data: another seed explores other inputs;
-``OMNI_FUZZ_RECIPE`` (default cpu_tiny) picks the model: cpu_tiny_instruct adds editing, text answers and CoT.
+``OMNI_FUZZ_RECIPE`` (default cpu_tiny) picks the model: cpu_tiny_instruct adds editing, text answers and CoT;
+``OMNI_FUZZ_FULL_EDITS=1`` keeps edits whole (the fuzz server's ``--full-edits``: the real VAE encoder for the
+references and the model's own max_images, 3) and raises schemathesis' response-time limit from its default
+10 s (on with ``--checks all``) to ``fuzz_server.FULL_EDITS_MAX_RESPONSE_S``, which such edits fit.
 A failure shows schemathesis' report from its first failure on (long lines cut); the whole output is
 ``schemathesis.txt`` in the test's tmp_path.
 """
@@ -30,18 +33,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from fuzz_server import FULL_EDITS_MAX_RESPONSE_S
 from serving_harness import free_port, wait_healthy
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(3600)]
 HERE = Path(__file__).parent
+FULL_EDITS = os.environ.get("OMNI_FUZZ_FULL_EDITS") == "1"
 
 
 @pytest.fixture(scope="module")
 def fuzz_url():
     port = free_port()
     recipe = os.environ.get("OMNI_FUZZ_RECIPE", "cpu_tiny")
-    proc = subprocess.Popen([sys.executable, str(HERE / "fuzz_server.py"), str(port), recipe], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, str(HERE / "fuzz_server.py"), str(port), recipe,
+                             *(["--full-edits"] if FULL_EDITS else [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 180, "the fuzz server did not become healthy", poll_s=0.5)
     yield url
@@ -56,7 +62,7 @@ def test_schemathesis_finds_no_server_error_and_no_conformance_failure(fuzz_url,
     seed = os.environ.get("OMNI_FUZZ_SEED", "4")
     cmd = [cli, "run", fuzz_url + "/openapi.json", "--checks", "all", "--phases", "examples,coverage,fuzzing,stateful",
            "--mode", "all", "-n", "3000", "--max-time", seconds, "--seed", seed, "--request-timeout", "60",
-           "--no-shrink"]
+           "--no-shrink", *(["--max-response-time", str(FULL_EDITS_MAX_RESPONSE_S)] if FULL_EDITS else [])]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_hooks",  # real images where the API takes them (fuzz_hooks.py)
            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
     run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env)
