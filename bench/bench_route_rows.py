@@ -10,10 +10,15 @@ plan runs on the same ids, each captured ``--chain`` times into a CUDA graph
 with the outputs checked equal to the torch sort's.
 
     python bench/bench_route_rows.py --tokens 1,8,32,64,128 --json out.json
+
+``--against MODULE`` also times another build of the sort on the same ids in the same round robin: a module
+that defines ``TritonKernels`` (e.g. a copy of an earlier ``moe_triton.py`` placed beside it as
+``omni.platforms.cuda.moe_triton_before``); its figures are the ``<plan> us (against)`` columns.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -33,9 +38,11 @@ def main() -> int:
     p.add_argument("--tokens", default="1,8,32,64,128,512", help="tokens routed (top-8 of 64 each), comma-separated")
     p.add_argument("--chain", type=int, default=32, help="sorts per captured graph (a step's layers)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--against", metavar="MODULE", help="another module's TritonKernels, timed alongside")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     kernels, ref = TritonKernels(), TorchKernels()
+    other = importlib.import_module(a.against).TritonKernels() if a.against else None
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for tokens in map(int, a.tokens.split(",")):
@@ -43,11 +50,14 @@ def main() -> int:
         want = ref.route_rows(ids, E)
         plans = [p for p in ROUTE_PLANS if p != "one launch" or tokens * TOP_K <= 1024]
         equal = {p: all(torch.equal(x, y) for x, y in zip(kernels.route_rows(ids, E, plan=p), want)) for p in plans}
-        sorts = {p: (lambda p=p: kernels.route_rows(ids, E, plan=p)) for p in plans}
+        sorts = {f"{p} us": (lambda p=p: kernels.route_rows(ids, E, plan=p)) for p in plans}
+        if other is not None:
+            equal.update({f"{p} (against)": all(torch.equal(x, y)
+                                                for x, y in zip(other.route_rows(ids, E, plan=p), want)) for p in plans})
+            sorts.update({f"{p} us (against)": (lambda p=p: other.route_rows(ids, E, plan=p)) for p in plans})
         t = chained_seconds(sorts, a.chain, a.rounds, burn=20, iters=5)
         row = {"tokens": tokens, "assignments": tokens * TOP_K, "chosen": route_plan(tokens * TOP_K),
-               **{f"{p} us": round(1e6 * s, 2) for p, s in t.items()},
-               "equal to the torch sort": equal}
+               **{name: round(1e6 * s, 2) for name, s in t.items()}, "equal to the torch sort": equal}
         row["chosen vs blocks"] = round(row["blocks us"] / row[f"{row['chosen']} us"], 2)
         print(row, flush=True)
         rows.append(row)

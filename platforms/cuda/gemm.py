@@ -149,6 +149,8 @@ class Fp8Linear:
         self.out_dtype = spec.dtype if any_out else torch.bfloat16
         self.fuse_bias = self.out_dtype in (torch.bfloat16, torch.float16)
         self.accepts_row_quantized = self.per_row  # rows quantized by the fused glue skip quant_rows
+        if self.skinny is not None and torch.cuda.is_available():
+            self.skinny.compile_rows(self.out_dtype)  # every row class's binary now, not in a request
 
     def prepare_weight(self, w_OI: torch.Tensor) -> PreparedWeight:
         return quant.prepare_weight(w_OI.contiguous(), self.spec.quant)

@@ -199,6 +199,8 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
     kernels = memory_kernels(spec.memory_bound, reject, spec.pdl_rows, caps.sm)
     if kernels is None:
         return None
+    if hasattr(kernels, "compile_routes") and torch.cuda.is_available():
+        kernels.compile_routes(spec.num_experts, spec.topk)  # every binary of the sort now, not in a request
     paired = grouped_swiglu_kernel(spec, caps) if grouped_kernel is not None and spec.quant == "fp8_row" else None
     return CudaMoE(spec, kernels, with_few_rows(grouped_kernel, spec, kernels), with_few_rows(paired, spec, kernels))
 

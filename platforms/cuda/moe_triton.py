@@ -22,11 +22,15 @@ import triton
 import triton.language as tl
 
 from .pdl import OFF, Pdl
+from .route_launch import (CHUNK_BLOCK, MAX_BLOCKS, MAX_EXPERTS, ONE_BLOCK_ROWS,  # noqa: F401 (re-exported)
+                           PLACE_BLOCKS, ROUTE_PLANS, SMALL_CHUNK, SMALL_ROWS, SORT_BLOCK, SORT_CHUNK, route_plan,
+                           route_variants)
 from .pdl_triton import HAS_GDC, wait_for_predecessor
 
 from .moe import torch_route_rows  # moe.py imports this module only from a function: no cycle
 
 FP8_MAX = 448.0
+_ROUTES_COMPILED: set = set()  # (device, experts, k, Pdl) whose sorts compile_routes launched
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -139,17 +143,24 @@ def _place_chunk(ids_ptr, token_ptr, inverse_ptr, first, R, K, base, experts, EB
 
 @triton.jit(do_not_specialize=["R", "NB"])
 def _place_kernel(ids_ptr, counts_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, NB, EB: tl.constexpr,
-                  NBP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                  NBT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                   PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Sorted row of each assignment of block b: its expert's start, the rows of that expert in blocks and
-    chunks before it, and its rank in its chunk (``_place_chunk``)."""
+    chunks before it, and its rank in its chunk (``_place_chunk``). The blocks' counts are read ``NBT`` blocks
+    at a time, whatever ``NB`` is: one binary for every row count (a tile of ``NB`` rounded up to a power of
+    two compiled a variant per power, in the first request of each prompt length class)."""
     wait_for_predecessor(PDL, TRIGGER)
     b = tl.program_id(0)
-    blocks, experts = tl.arange(0, NBP), tl.arange(0, EB)
-    c = tl.load(counts_ptr + blocks[:, None] * EB + experts[None, :], mask=(blocks < NB)[:, None], other=0)
-    totals = tl.sum(c, axis=0)
+    experts = tl.arange(0, EB)
+    totals = tl.zeros([EB], dtype=tl.int32)
+    before = tl.zeros([EB], dtype=tl.int32)
+    for first in range(0, NB, NBT):
+        blocks = first + tl.arange(0, NBT)
+        c = tl.load(counts_ptr + blocks[:, None] * EB + experts[None, :], mask=(blocks < NB)[:, None], other=0)
+        totals += tl.sum(c, axis=0)
+        before += tl.sum(tl.where((blocks < b)[:, None], c, 0), axis=0)
     ends = tl.cumsum(totals, axis=0)
-    base = ends - totals + tl.sum(tl.where((blocks < b)[:, None], c, 0), axis=0)
+    base = ends - totals + before
     for start in tl.static_range(0, BLOCK, CHUNK):
         if b * BLOCK + start < R:  # chunks past the last row are skipped
             base = _place_chunk(ids_ptr, token_ptr, inverse_ptr, b * BLOCK + start, R, K, base, experts, EB, CHUNK)
@@ -174,25 +185,6 @@ def _route_one_block_kernel(ids_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, 
     tl.store(ends_ptr + experts, ends, mask=experts < E)
 
 
-# The counting sort's shape: SORT_BLOCK assignments per program, ranked SORT_CHUNK at a time; its programs read
-# every block's counts, so it takes up to MAX_BLOCKS blocks and MAX_EXPERTS experts (a longer prefill sorts
-# with torch).
-SORT_BLOCK, SORT_CHUNK, MAX_BLOCKS, MAX_EXPERTS = 1024, 128, 256, 256
-# A decode step routes a few rows (top-8 of 1-32 tokens): ranked SMALL_CHUNK at a time, the one program ranks
-# [32, 32] tiles instead of [128, 128] ones. The 1024-row chunks of 128 took 101 us a layer for 8 rows on the
-# H200 (bench/profile_decode.py, BENCHMARKS.md fourteenth session).
-SMALL_ROWS, SMALL_CHUNK = 256, 32
-# Up to this many assignments (a decode step of up to 4 answers) one program sorts them all in one launch
-# (``_route_one_block_kernel``). bench/bench_route_rows.py on the H200, graphs of 32 sorts (BENCHMARKS.md "Sixteenth
-# session"): 8-32 assignments 1.9 us against 3.4-3.6 for the per-chunk count and place kernels and 9.6 for the
-# per-1024-rows ones; from 48 assignments the per-chunk kernels are faster (4.31 vs 4.62 us, 256: 5.94 vs 8.14).
-ONE_BLOCK_ROWS = 32
-# Past it and up to CHUNK_ROWS assignments (a decode step of 5-1024 answers, a prompt of up to 1024 tokens) the
-# count and place kernels run one program per CHUNK_BLOCK rows, so the places of all chunks are made at once: with
-# one program per 1024 rows a step of 64 answers (512 assignments) spent 36 us a layer in the place kernel, one
-# chunk after another (bench/profile_decode.py); per chunk the sort of 512 assignments takes 5.3 us against 23.3,
-# of 4096 6.0 against 28.8 (bench/bench_route_rows.py, BENCHMARKS.md "Sixteenth session").
-CHUNK_BLOCK, CHUNK_ROWS = 128, 8192
 
 
 def _warps(block: int) -> int:
@@ -298,6 +290,20 @@ class TritonKernels:
                 ADDENDS=len(addends), BLOCK_D=block, ROWS=tile.rows, num_warps=tile.warps, **self.pdl.kw(T))
         return out
 
+    def compile_routes(self, num_experts: int, k: int) -> int:
+        """Sorts ``T x k`` ids once for each launch ``route_rows`` can make (``route_variants``), on the current
+        device, so Triton compiles them all here, at build time. Without it the first prompt of each length
+        class compiled its sort in that request (1.1 s of a prefill on the H200). Once per device, expert count,
+        ``k`` and PDL rows in a process; returns the sorts launched."""
+        key = (torch.cuda.current_device(), num_experts, k, self.pdl)
+        if num_experts > MAX_EXPERTS or key in _ROUTES_COMPILED:
+            return 0
+        tokens = route_variants(k, self.pdl)
+        for t in tokens:
+            self.route_rows(torch.arange(t * k, device="cuda").remainder(num_experts).reshape(t, k), num_experts)
+        _ROUTES_COMPILED.add(key)
+        return len(tokens)
+
     def route_rows(self, ids_Tk: torch.Tensor, num_experts: int, plan: str | None = None):
         """``(token_R, inverse_R, offsets_E)`` of the stable sort by expert, as ``route_plan`` launches it for
         these rows (``plan``: one of ``ROUTE_PLANS`` instead, for the benchmark and the tests); the torch sort
@@ -322,17 +328,7 @@ class TritonKernels:
         counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
         _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=block, num_warps=8, **pdl)
         _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
-                             NBP=triton.next_power_of_2(nb), BLOCK=block, CHUNK=chunk, num_warps=warps, **pdl)
+                             NBT=PLACE_BLOCKS[plan], BLOCK=block, CHUNK=chunk, num_warps=warps, **pdl)
         return token_R, inverse_R, ends_E
 
 
-def route_plan(R: int) -> str:
-    """How ``route_rows`` launches the sort of ``R`` assignments: ``one launch`` (one program sorts them all),
-    ``chunks`` (count and place kernels, one program per ``CHUNK_BLOCK`` rows: the places in parallel) or
-    ``blocks`` (one program per ``SORT_BLOCK`` rows, ranked a chunk at a time: an image step's 65,552)."""
-    if R <= ONE_BLOCK_ROWS:
-        return "one launch"
-    return "chunks" if R <= CHUNK_ROWS else "blocks"
-
-
-ROUTE_PLANS = ("one launch", "chunks", "blocks")

@@ -27,6 +27,8 @@ import triton.language as tl
 from .pdl import OFF, Pdl
 from .pdl_triton import wait_for_predecessor
 
+_COMPILED: set = set()  # (device, tiles, max_rows, Pdl, out dtype) whose binaries compile_rows made
+
 
 @dataclass(frozen=True)
 class SkinnyTile:
@@ -85,6 +87,32 @@ class SkinnyFp8:
 
     def tile_for(self, rows: int) -> SkinnyTile:
         return next(t for most, t in self.tiles if rows <= most)
+
+    def launches(self) -> dict:
+        """One row count per binary the kernel has up to ``max_rows`` rows: its tile, ``BLOCK_M`` and PDL keywords
+        change with the rows (``M`` itself is not specialized)."""
+        keys = {}
+        for m in range(1, self.max_rows + 1):
+            t = self.tile_for(m)
+            keys.setdefault((t, max(16, triton.next_power_of_2(m)), tuple(sorted(self.pdl.kw(m).items()))), m)
+        return keys
+
+    def compile_rows(self, out_dtype: torch.dtype) -> int:
+        """One call per binary (``launches``) on small zero operands of the real dtypes, on the current device, so
+        Triton compiles them at build time and not in the first prompt or decode step of each row class (BLOCK_K
+        divides the K used, as it divides the model's; N and K are multiples of 16 like the model's, so the same
+        binaries serve it). Once per device, kernel shape and ``out_dtype`` in a process; returns the calls."""
+        key = (torch.cuda.current_device(), self.tiles, self.max_rows, self.pdl, out_dtype)
+        if key in _COMPILED:
+            return 0
+        rows = list(self.launches().values())
+        K, N = max(t.block_k for _, t in self.tiles), max(t.block_n for _, t in self.tiles)
+        w, ws = torch.zeros(N, K, device="cuda").to(torch.float8_e4m3fn), torch.ones(N, device="cuda")
+        for m in rows:
+            self(torch.zeros(m, K, device="cuda").to(torch.float8_e4m3fn), torch.ones(m, 1, device="cuda"), w, ws,
+                 out_dtype)
+        _COMPILED.add(key)
+        return len(rows)
 
     def fits(self, xq_MK: torch.Tensor) -> bool:
         """Whether this kernel takes these rows: on the device, at most ``max_rows`` of them, K a multiple of the

@@ -5,10 +5,16 @@
   fewer rows than one block, decode steps of 1, 32, 40 and 64 tokens (small and large chunks), the one-launch sort's
   limit (32 assignments) and the per-chunk plan's (8192), one past each, each through every launch plan, and beyond
   the kernel's block limit (where it hands over to the torch sort); replayed from a CUDA graph on new ids.
+- ``compile_routes`` and the dense few-row GEMM's ``compile_rows`` (what the platform runs at build time):
+  afterwards no prompt length compiles the sort or that GEMM again (a fresh process with an empty Triton cache
+  counts the binaries).
 - ``combine`` with zero, one and two addends: within a bf16 rounding of the torch kernels' fp32 sum, and a
   zero addend changes no bit.
 """
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,3 +104,42 @@ def test_combine_with_addends_matches_the_torch_kernels(kernels, n_addends):
     if adds:
         zero = triton_k.combine(y, inverse_R, w, torch.bfloat16, (torch.zeros_like(adds[0]),))
         assert torch.equal(zero, triton_k.combine(y, inverse_R, w, torch.bfloat16))
+
+
+COMPILE_THEN_RUN = """
+import os, sys
+from pathlib import Path
+os.environ["TRITON_CACHE_DIR"] = sys.argv[1]  # empty: every compile of this process lands here
+import torch
+from omni.platforms.cuda.moe_triton import TritonKernels
+from omni.platforms.cuda.pdl import Pdl
+from omni.platforms.cuda.route_launch import route_variants
+
+kernels = TritonKernels(Pdl(512))
+binaries = lambda: (torch.cuda.synchronize(), sum(1 for _ in Path(sys.argv[1]).rglob("*.cubin")))[1]
+sorts = kernels.compile_routes(64, 8)
+compiled = binaries()
+for tokens in (1, 3, 4, 5, 7, 8, 14, 17, 33, 40, 64, 65, 300, 600, 1000, 1024, 1025, 1500, 4000, 8194, 20000, 32768):
+    kernels.route_rows(torch.rand(tokens, 64, device="cuda").topk(8, -1).indices, 64)
+routed = binaries()
+skinny = kernels.skinny_fp8(64)
+calls = skinny.compile_rows(torch.bfloat16)
+compiled_gemm = binaries()
+w, ws = torch.zeros(6144, 4096, device="cuda").to(torch.float8_e4m3fn), torch.ones(6144, device="cuda")
+for m in (1, 2, 5, 16, 17, 20, 31, 32, 33, 40, 63, 64):
+    skinny(torch.zeros(m, 4096, device="cuda").to(torch.float8_e4m3fn), torch.ones(m, 1, device="cuda"), w, ws)
+print(sorts, len(route_variants(8, kernels.pdl)), compiled, routed, calls, len(skinny.launches()), compiled_gemm,
+      binaries())
+"""
+
+
+def test_after_the_build_time_compiles_no_row_count_compiles_the_sort_or_the_few_row_gemm(tmp_path):
+    """The first request of each prompt length class compiled the sort's kernels (a place-kernel tile per power
+    of two blocks, each chunk and PDL variant) and the dense few-row GEMM's row class, until the build compiled
+    them all up front."""
+    run = subprocess.run([sys.executable, "-c", COMPILE_THEN_RUN, str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sorts, variants, compiled, routed, calls, launches, compiled_gemm, ran = map(int, run.stdout.split())
+    assert sorts == variants and calls == launches and 0 < compiled < compiled_gemm
+    assert routed == compiled, f"{routed - compiled} kernels compiled by sorts after compile_routes"
+    assert ran == compiled_gemm, f"{ran - compiled_gemm} kernels compiled by GEMMs after compile_rows"
