@@ -86,6 +86,7 @@ def chat_input(messages) -> ChatInput:
     prompt = " ".join(t for t in users if t).strip()
     if is_blank(prompt):
         raise APIError(400, "messages: no user text to use as the prompt", param="messages")
+    systems = [t for t in systems if not is_blank(t)]  # a blank system message says nothing: as if absent
     return ChatInput(prompt, "\n".join(systems) if systems else None, images)
 
 

@@ -131,3 +131,18 @@ def validators(schema: dict) -> list:
         return out
     return out + [("jsonschema_rs", jsonschema_rs.validator_for(schema).is_valid)]
 
+
+
+@pytest.mark.parametrize("role", ["system", "developer"])
+@pytest.mark.parametrize("content", ["", "  ", "\ufeff", [{"type": "text", "text": "\x1c"}]], ids=repr)
+def test_a_blank_system_message_is_taken_as_absent(server, role, content):
+    """The document lets a system or developer message's text be any string; a blank one says nothing, so the
+    chat is answered as without it (it was a 400 naming system_prompt)."""
+    doc = server.get("/openapi.json").json()
+    chat = {**doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"],
+            "components": doc["components"]}
+    body = {"messages": [{"role": role, "content": content}, {"role": "user", "content": "a red circle"}],
+            "num_inference_steps": 1, "size": "64x64"}
+    assert all(valid(body) for _, valid in validators(chat))
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
