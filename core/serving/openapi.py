@@ -9,8 +9,9 @@ fuzzer reading it can reach generation, and what the schema allows is what
 the server accepts. Rules JSON Schema cannot say are in descriptions instead:
 the aspect ratio at most 4:1 (``size``), and what a reference image must be
 (the edit form's ``image`` file parts, a chat's ``image_url``: the formats,
-sides, pixels and aspect image_input.py holds them to, and how several are
-sent). The form's ``encoding`` names the image media types and the URL's
+sides, pixels and aspect image_input.py holds them to, and the spellings of
+several parts). How many files the edit form takes is stated exactly: its
+``image`` is an array of 1..max_images files (repeated parts). The form's ``encoding`` names the image media types and the URL's
 ``format`` is IMAGE_URI_FORMAT, so that a fuzzer can draw real images for both
 (tests/serving/fuzz_hooks.py does). How many image_url parts a chat may carry
 over all its messages is stated exactly (``_at_most_images``).
@@ -217,18 +218,28 @@ def _admits_empty(field: dict) -> bool:
 
 
 def _image_part(schema: dict, opt: ServingOptions) -> dict:
-    """The edit form's reference image, a file part that the pydantic model leaves out (edit_form.py reads the
-    files apart): required, since the server refuses a form without one. JSON Schema cannot say what the bytes
-    must be, nor that several files come as repeated parts: that goes in the description. Returns the form's
-    ``encoding``, which names the part's media types."""
+    """The edit form's reference images, file parts that the pydantic model leaves out (edit_form.py reads the
+    files apart): required, since the server refuses a form without one. Where the model takes several
+    (``max_images`` > 1) the property is an array of 1..max_images files: in an OpenAPI 3.1 multipart body an
+    array is sent as repeated parts of its name, so one file is the 1-item array, on the wire the same as a
+    single ``image`` part (an ``anyOf`` of a file and the array would say the same to a validator, but
+    schemathesis 4.32.5 sends a property whose schema is neither a file nor an array of files as parts without a
+    filename, which a server reads as text fields). JSON Schema cannot say what the bytes must be, nor the
+    other spellings the server takes: that goes in the description. Returns the form's ``encoding``, which
+    names the parts' media types (of each item, for the array)."""
     n = opt.helpers.max_images
-    count = ("one file, as ``image``" if n == 1 else
-             f"1 to {n} files: one as ``image``, several as repeated ``image[]`` parts (the OpenAI SDK's "
-             "spelling; ``image[0]``, ``image[1]``, ... work too), in upload order")
-    schema["properties"]["image"] = {
-        "type": "string", "contentMediaType": "application/octet-stream",  # OpenAPI 3.1's spelling of a file
-        "description": f"the reference image(s), {count}. Each {_image_rules(opt)} (the bytes decide the format, "
-                       "not the part's content type)"}
+    file = {"type": "string", "contentMediaType": "application/octet-stream"}  # OpenAPI 3.1's spelling of a file
+    count = ("one file, as ``image``" if n <= 1 else
+             f"1 to {n} files, in upload order: repeated ``image`` parts (one is a single file), or repeated "
+             "``image[]`` parts (the OpenAI SDK's spelling; ``image[0]``, ``image[1]``, ... work too); a file "
+             f"past the {n}th is a 400 naming it (``image[{n}]``)")
+    rules = f"Each {_image_rules(opt)} (the bytes decide the format, not the part's content type)"
+    if n <= 1:
+        image = {**file, "description": f"the reference image, {count}. {rules}"}
+    else:
+        image = {"type": "array", "items": file, "minItems": 1, "maxItems": n,
+                 "description": f"the reference images, {count}. {rules}"}
+    schema["properties"]["image"] = image
     schema["required"] = ["image", *schema.get("required", ())]
     return {"image": {"contentType": ", ".join(IMAGE_MEDIA_TYPES)}}
 

@@ -127,12 +127,12 @@ class RecordingPipeline(FakePipeline):
         return torch.zeros((state.request.height, state.request.width, 3), dtype=torch.uint8)
 
 
-def recording_server(**options):
-    """(server thread, engine, pipeline): the model-free engine behind helpers that take 3 images."""
+def recording_server(max_images: int = 3, **options):
+    """(server thread, engine, pipeline): the model-free engine behind helpers that take ``max_images`` images."""
     pipe = RecordingPipeline(num_pages=8192)
     engine = EngineLoop.around(Scheduler(pipe, max_running=4)).start()
     assert engine.wait_ready(10)
-    helpers = dataclasses.replace(ModelHelpers.plain(), max_images=3)
+    helpers = dataclasses.replace(ModelHelpers.plain(), max_images=max_images)
     return ServerThread(create_app(engine, ServingOptions(model_id="fake-edit", helpers=helpers, **options))), \
         engine, pipe
 
@@ -423,20 +423,64 @@ def test_the_openapi_document_describes_the_edit_forms_image_part(instruct):
             "multipart/form-data"]
         schema, image = form["schema"], form["schema"]["properties"]["image"]
         assert {"image", "prompt"} <= set(schema["required"])
-        assert image["type"] == "string" and image["contentMediaType"] == "application/octet-stream"
+        # 1 to 3 files, stated exactly: an array of files, sent as repeated parts (one file is the 1-item array)
+        assert image["type"] == "array" and (image["minItems"], image["maxItems"]) == (1, 3)
+        assert image["items"] == {"type": "string", "contentMediaType": "application/octet-stream"}
         types = [t.strip() for t in form["encoding"]["image"]["contentType"].split(",")]
         assert types == ["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp"]
-        for rule in ("1 to 3 files", "``image[]``", "at least 16 px", f"at most {options.max_image_pixels} pixels",
-                     "aspect ratio at most 8:1", f"at most {options.max_image_bytes} bytes"):
+        for rule in ("1 to 3 files", "repeated ``image`` parts", "``image[]``", "``image[3]``", "at least 16 px",
+                     f"at most {options.max_image_pixels} pixels", "aspect ratio at most 8:1",
+                     f"at most {options.max_image_bytes} bytes"):
             assert rule in image["description"], rule
         fields = {"prompt": "make it blue", "num_inference_steps": 1, "seed": 3, "size": "", "n": ""}
         valid = jsonschema.Draft202012Validator(schema).is_valid
-        assert valid({**fields, "image": "the file"}) and not valid(fields)
+        for k in (1, 2, 3):
+            assert valid({**fields, "image": ["a file"] * k}), k
+        assert not valid({**fields, "image": ["a file"] * 4}) and not valid({**fields, "image": []})
+        assert not valid(fields)
         text_parts = [(name, (None, str(value))) for name, value in fields.items()]  # a form's values are text
         r = c.post("/v1/images/edits", files=text_parts + [("image", ("image.png", image_file(64, 64)[1], types[0]))])
         assert r.status_code == 200 and r.json()["size"] == "64x64" and len(r.json()["data"]) == 1, r.text
         r = c.post("/v1/images/edits", files=text_parts)
         assert r.status_code == 400 and r.json()["error"]["param"] == "image", r.text
+
+
+@pytest.mark.parametrize("max_images", [1, 2, 3])
+def test_the_edit_forms_file_count_is_what_the_document_allows(max_images):
+    """The served document's ``image`` against the server, 1 to max_images + 1 files sent as repeated plain
+    ``image`` parts (curl's -F image=@a.png -F image=@b.png): a form the document allows is accepted and the
+    pipeline gets that many references, pixel-exact and in upload order; one more file the document refuses
+    and the server answers 400 naming it (``image[max_images]``). Before, the document gave the form one file,
+    so that a fuzzer or a client generator never sent two; with max_images 1 it stays a single file."""
+    import jsonschema
+
+    srv, engine, pipe = recording_server(max_images)
+    arrays, blobs = zip(*(image_file(64 + 16 * i, 48, seed=i) for i in range(max_images + 1)))
+    with srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        form = c.get("/openapi.json").json()["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"][
+            "multipart/form-data"]
+        image = form["schema"]["properties"]["image"]
+        if max_images == 1:
+            assert image["type"] == "string" and image["contentMediaType"] == "application/octet-stream"
+            assert "one file" in image["description"]
+        else:
+            assert (image["type"], image["minItems"], image["maxItems"]) == ("array", 1, max_images)
+        valid = jsonschema.Draft202012Validator(form["schema"]).is_valid
+        fields = {"prompt": "make it blue", "num_inference_steps": 2, "seed": 7}
+        for k in range(1, max_images + 2):
+            files = ["a file"] * k
+            allowed = valid({**fields, "image": files[0] if max_images == 1 and k == 1 else files})
+            r = c.post("/v1/images/edits", data={name: str(value) for name, value in fields.items()},
+                       files=[("image", (f"{i}.png", blobs[i], "image/png")) for i in range(k)])
+            if k <= max_images:
+                assert allowed and r.status_code == 200, (k, r.text)
+                got = pipe.requests[-1].images
+                assert len(got) == k and all(np.array_equal(g, a) for g, a in zip(got, arrays)), k
+            else:
+                assert not allowed and r.status_code == 400, (k, r.text)
+                err = r.json()["error"]
+                assert err["param"] == f"image[{max_images}]" and f"at most {max_images}" in err["message"], err
+    engine.stop()
 
 
 def test_the_openapi_document_states_where_a_chat_takes_images_and_how_many(instruct):
