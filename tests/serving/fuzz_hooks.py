@@ -11,6 +11,21 @@ schemathesis draws it from the strategies registered here:
 - a chat's ``image_url``: its URL has the format ``IMAGE_URI_FORMAT``, drawn
   as a data URI of such an image (``schemathesis.openapi.format``).
 
+Where the model takes several references, the form's ``image`` is an array of
+1..max_images files (repeated parts). schemathesis 4.32.5 fills an encoded
+property with ONE drawn value whatever its schema
+(``_build_form_strategy_with_encoding``, and the coverage phase's
+``_generate_multipart_body_from_custom_strategies``), and sends a lone value of
+an array property as a part without a filename, which the server reads as a
+text field. ``map_case`` makes that value the 1-item array (one file part,
+named like any file), and ``flatmap_case`` (fuzzing and stateful phases; the
+coverage phase applies only filter and map hooks) draws the array's length
+from its minItems..maxItems and adds that many more images of the part's media
+type. Both keep the case's positive / negative label: the new body is taken as
+the case's starting state (``Case._record_starting_state``), as schemathesis
+does for the values it writes after generation; otherwise the edit would be
+revalidated, and a body with bytes never validates there.
+
 Each image is a small random picture (sides 16..64 px, so within the 8:1
 aspect and the pixel cap; mode RGB, RGBA or L; pixels from a drawn seed)
 encoded with Pillow in the format its media type names.
@@ -81,8 +96,41 @@ schemathesis.openapi.format(IMAGE_URI_FORMAT, st.sampled_from(list(FORMATS.items
 
 
 def files_as_text(form: dict) -> dict:
-    """``form`` with each file part (bytes) as "", the string a file is to the schema."""
-    return {name: "" if isinstance(value, bytes) else value for name, value in form.items()}
+    """``form`` with each file part (bytes, or a list of them) as "", the string a file is to the schema."""
+    def text(value):
+        if isinstance(value, list):
+            return [text(item) for item in value]
+        return "" if isinstance(value, bytes) else value
+
+    return {name: text(value) for name, value in form.items()}
+
+
+def file_arrays(case) -> dict[str, tuple[int, int]]:
+    """The multipart form's array-of-files properties of ``case``'s operation: name -> (minItems, maxItems)."""
+    if not isinstance(case.body, dict) or not (case.media_type or "").startswith("multipart/"):
+        return {}
+    body = case.operation.get_body_for_media_type(case.media_type)
+    schema = (body.resolved_schema if body is not None else None) or {}
+    arrays = {}
+    for name, prop in schema.get("properties", {}).items():
+        items = prop.get("items") if isinstance(prop, dict) and prop.get("type") == "array" else None
+        if isinstance(items, dict) and items.get("contentMediaType") == "application/octet-stream":
+            arrays[name] = (prop.get("minItems", 0), prop.get("maxItems", prop.get("minItems", 0) + 2))
+    return arrays
+
+
+def lone_files_as_lists(case) -> dict | None:
+    """``case``'s form with each lone file (bytes) of an array-of-files property as a 1-item list; None when
+    there is none."""
+    lone = [name for name in file_arrays(case) if isinstance(case.body.get(name), bytes)]
+    return {**case.body, **{name: [case.body[name]] for name in lone}} if lone else None
+
+
+def with_body(case, body: dict):
+    """``case`` with ``body``, taken as its starting state (its positive / negative label stays)."""
+    case.body = body
+    case._record_starting_state()
+    return case
 
 
 @schemathesis.hook
@@ -94,13 +142,41 @@ def filter_case(context, case) -> bool:
         return True
     body = case.operation.get_body_for_media_type(case.media_type)
     schema = body.resolved_schema if body is not None else None
-    return schema is None or jsonschema.Draft202012Validator(schema).is_valid(files_as_text(case.body))
+    form = lone_files_as_lists(case) or case.body  # what map_case sends: the lone file as the 1-item array
+    return schema is None or jsonschema.Draft202012Validator(schema).is_valid(files_as_text(form))
+
+
+@schemathesis.hook
+def map_case(context, case):
+    """A lone file drawn for an array-of-files property (see the module doc) as the 1-item array."""
+    form = lone_files_as_lists(case)
+    return case if form is None else with_body(case, form)
+
+
+@schemathesis.hook
+def flatmap_case(context, case):
+    """An array-of-files property holding one drawn image gets minItems..maxItems of them: the rest drawn in the
+    media type of the part (schemathesis sends every item of an array part with the one content type)."""
+    grow = {name: bounds for name, bounds in file_arrays(case).items()
+            if isinstance(case.body.get(name), list) and len(case.body[name]) == 1
+            and isinstance(case.body[name][0], bytes) and bounds[1] > 1}
+    if not grow:
+        return st.just(case)
+    types = case.multipart_content_types or {}
+
+    def more(name, lo, hi):
+        fmt = FORMATS.get(types.get(name, ""), "PNG")
+        return st.lists(images(fmt), min_size=max(lo, 1) - 1, max_size=hi - 1).map(
+            lambda extra: (name, [case.body[name][0], *extra]))
+
+    return st.tuples(*(more(name, *bounds) for name, bounds in grow.items())).map(
+        lambda drawn: with_body(case, {**case.body, **dict(drawn)}))
 
 
 def _files_as_text(valid_as_sent):
     """``valid_as_sent(response, case, media_type)``, given ``case`` with its form's file parts as ""."""
     def wrapped(response, case, media_type):
-        if isinstance(case.body, dict) and any(isinstance(value, bytes) for value in case.body.values()):
+        if isinstance(case.body, dict) and files_as_text(case.body) != case.body:
             case = SimpleNamespace(operation=case.operation, body=files_as_text(case.body))
         return valid_as_sent(response, case, media_type)
 

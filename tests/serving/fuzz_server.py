@@ -19,11 +19,18 @@ and everything after are the model's own.
 VAE encoder for the references and the model's own max_images (3 for the Instruct flavours); the other
 caps stay. Such edits take longer than schemathesis' default response-time limit (10 s, which
 ``--checks all`` turns on): the fuzz test then passes ``--max-response-time FULL_EDITS_MAX_RESPONSE_S``.
+
+``--edit-counts PATH`` writes, after each accepted edit (200), the accepted edits by their number of
+reference images as JSON ({"1": ..., "2": ..., "3": ...}) to PATH (``count_edits``: the harness wraps the
+API's edit handler; nothing in core counts them), so that a run shows how many multi-reference edits it made.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -68,6 +75,37 @@ def cheap_reference_posterior(model) -> None:
     model._posterior = posterior
 
 
+def count_edits(path: str) -> Counter:
+    """Count the accepted edits by their number of reference images into a Counter, written to ``path`` as JSON
+    after each: ``Api.edits`` wrapped, the references counted where it takes the uploaded files."""
+    from omni.serving.endpoints import Api
+
+    counts: Counter = Counter()
+    refs: contextvars.ContextVar[list | None] = contextvars.ContextVar("edit_refs", default=None)
+    edits, edit_images = Api.edits, Api._edit_images
+
+    async def counted_edits(self, request, rid):
+        seen = []
+        token = refs.set(seen)
+        try:
+            response = await edits(self, request, rid)
+        finally:
+            refs.reset(token)
+        if response.status_code == 200 and seen:
+            counts[seen[-1]] += 1
+            Path(path).write_text(json.dumps({str(k): counts[k] for k in sorted(counts)}))
+        return response
+
+    def counted_images(self, parts):
+        out = edit_images(self, parts)
+        if (seen := refs.get()) is not None:
+            seen.append(len(out))
+        return out
+
+    Api.edits, Api._edit_images = counted_edits, counted_images
+    return counts
+
+
 def fuzz_app(recipe_name: str = "cpu_tiny", full_edits: bool = False):
     """The app and its engine; ``full_edits``: the real VAE encoder and the model's own max_images."""
     from omni import model_registry
@@ -91,6 +129,10 @@ def fuzz_app(recipe_name: str = "cpu_tiny", full_edits: bool = False):
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--full-edits"]
+    if "--edit-counts" in args:
+        at = args.index("--edit-counts")
+        count_edits(args[at + 1])
+        del args[at:at + 2]
     app, engine = fuzz_app(*args[1:2], full_edits="--full-edits" in sys.argv[1:])
     try:
         uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

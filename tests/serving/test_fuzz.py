@@ -21,13 +21,15 @@ works around two schemathesis verdicts on forms with a file part.
 references and the model's own max_images, 3) and raises schemathesis' response-time limit from its default
 10 s (on with ``--checks all``) to ``fuzz_server.FULL_EDITS_MAX_RESPONSE_S``, which such edits fit.
 A failure shows schemathesis' report from its first failure on (long lines cut); the whole output is
-``schemathesis.txt`` in the test's tmp_path.
+``schemathesis.txt`` in the test's tmp_path. After the figures it prints the accepted edits by their number of
+reference images (the fuzz server's ``--edit-counts``; the edit form takes 1..max_images files).
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,20 +44,23 @@ FULL_EDITS = os.environ.get("OMNI_FUZZ_FULL_EDITS") == "1"
 
 
 @pytest.fixture(scope="module")
-def fuzz_url():
+def fuzz_server(tmp_path_factory):
+    """(url, path of the accepted edits by reference count, JSON) of a fuzz server started for the module."""
     port = free_port()
     recipe = os.environ.get("OMNI_FUZZ_RECIPE", "cpu_tiny")
+    counts = tmp_path_factory.mktemp("fuzz_server") / "edit_counts.json"
     proc = subprocess.Popen([sys.executable, str(HERE / "fuzz_server.py"), str(port), recipe,
-                             *(["--full-edits"] if FULL_EDITS else [])],
+                             *(["--full-edits"] if FULL_EDITS else []), "--edit-counts", str(counts)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 180, "the fuzz server did not become healthy", poll_s=0.5)
-    yield url
+    yield url, counts
     proc.terminate()
     proc.wait(30)
 
 
-def test_schemathesis_finds_no_server_error_and_no_conformance_failure(fuzz_url, tmp_path):
+def test_schemathesis_finds_no_server_error_and_no_conformance_failure(fuzz_server, tmp_path):
+    fuzz_url, counts = fuzz_server
     cli = shutil.which("schemathesis") or pytest.skip("schemathesis is not installed: pip install 'omni-run[fuzz]'")
     seconds = os.environ.get("OMNI_FUZZ_SECONDS", "600")
     least = int(os.environ.get("OMNI_FUZZ_MIN_CASES", "30000"))
@@ -72,6 +77,8 @@ def test_schemathesis_finds_no_server_error_and_no_conformance_failure(fuzz_url,
     assert run.returncode == 0 and cases and cases[1] == cases[2], f"{report(out)}\n(all of it: {tmp_path})"
     assert int(cases[1]) >= least, f"only {cases[1]} cases in {seconds}s (wanted {least})"
     print(out.split("Test cases:")[-1].strip())  # the figures (python -m pytest -m fuzz -s shows them)
+    edits = json.loads(counts.read_text()) if counts.exists() else {}
+    print("accepted edits by reference count:", edits or "none")
 
 
 def report(out: str, width: int = 400) -> str:
