@@ -11,7 +11,8 @@ the aspect ratio at most 4:1 (``size``), and what a reference image must be
 (the edit form's ``image`` file parts, a chat's ``image_url``: the formats,
 sides, pixels and aspect image_input.py holds them to, and the spellings of
 several parts). How many files the edit form takes is stated exactly: its
-``image`` is an array of 1..max_images files (repeated parts). The form's ``encoding`` names the image media types and the URL's
+``image`` is an array of 1..max_images files (repeated parts). The form's
+``encoding`` names the image media types and the URL's
 ``format`` is IMAGE_URI_FORMAT, so that a fuzzer can draw real images for both
 (tests/serving/fuzz_hooks.py does). How many image_url parts a chat may carry
 over all its messages is stated exactly (``_at_most_images``).

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from .pdl import OFF, Pdl
 from .route_launch import (CHUNK_BLOCK, MAX_BLOCKS, MAX_EXPERTS, ONE_BLOCK_ROWS,  # noqa: F401 (re-exported)
-                           PLACE_BLOCKS, ROUTE_PLANS, SMALL_CHUNK, SMALL_ROWS, SORT_BLOCK, SORT_CHUNK, route_plan,
-                           route_variants)
+                           PLACE_BLOCKS, ROUTE_PLANS, SMALL_CHUNK, SMALL_ROWS, SORT_BLOCK, SORT_CHUNK, route_chunk,
+                           route_plan, route_variants)
 from .pdl_triton import HAS_GDC, wait_for_predecessor
 
 from .moe import torch_route_rows  # moe.py imports this module only from a function: no cycle
@@ -319,7 +319,7 @@ class TritonKernels:
         token_R, inverse_R = (torch.empty(R, dtype=torch.int64, device=dev),
                               torch.empty(R, dtype=torch.int64, device=dev))
         ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        chunk = SMALL_CHUNK if R <= SMALL_ROWS else SORT_CHUNK
+        chunk = route_chunk(R)
         warps, pdl = (4 if chunk == SMALL_CHUNK else 8), self.pdl.kw(R)
         if plan == "one launch":
             _route_one_block_kernel[(1,)](ids, token_R, inverse_R, ends_E, R, num_experts, k, EB=eb,

@@ -44,6 +44,11 @@ def route_plan(R: int) -> str:
 ROUTE_PLANS = ("one launch", "chunks", "blocks")
 
 
+def route_chunk(R: int) -> int:
+    """How many assignments the sort of ``R`` ranks at a time (its warps follow: 4 for the small chunk, else 8)."""
+    return SMALL_CHUNK if R <= SMALL_ROWS else SORT_CHUNK
+
+
 def route_launch(R: int, pdl: Pdl) -> tuple | None:
     """What picks the sort's binaries for ``R`` assignments: its plan, its chunk (the warps follow the chunk) and
     its PDL keywords; None past ``MAX_BLOCKS`` blocks, where ``route_rows`` hands over to the torch sort. The
@@ -51,7 +56,7 @@ def route_launch(R: int, pdl: Pdl) -> tuple | None:
     plan = route_plan(R)
     if -(-R // (CHUNK_BLOCK if plan == "chunks" else SORT_BLOCK)) > MAX_BLOCKS:
         return None
-    return plan, SMALL_CHUNK if R <= SMALL_ROWS else SORT_CHUNK, tuple(sorted(pdl.kw(R).items()))
+    return plan, route_chunk(R), tuple(sorted(pdl.kw(R).items()))
 
 
 def route_variants(k: int, pdl: Pdl) -> list[int]:

@@ -26,6 +26,7 @@ API's edit handler; nothing in core counts them), so that a run shows how many m
 """
 from __future__ import annotations
 
+import argparse
 import contextvars
 import dataclasses
 import json
@@ -128,13 +129,16 @@ def fuzz_app(recipe_name: str = "cpu_tiny", full_edits: bool = False):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--full-edits"]
-    if "--edit-counts" in args:
-        at = args.index("--edit-counts")
-        count_edits(args[at + 1])
-        del args[at:at + 2]
-    app, engine = fuzz_app(*args[1:2], full_edits="--full-edits" in sys.argv[1:])
+    cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("port", type=int)
+    cli.add_argument("recipe", nargs="?", default="cpu_tiny")
+    cli.add_argument("--full-edits", action="store_true")
+    cli.add_argument("--edit-counts", metavar="PATH")
+    a = cli.parse_args()
+    if a.edit_counts:
+        count_edits(a.edit_counts)
+    app, engine = fuzz_app(a.recipe, full_edits=a.full_edits)
     try:
-        uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+        uvicorn.run(app, host="127.0.0.1", port=a.port, log_level="warning")
     finally:
         engine.stop()

@@ -26,12 +26,13 @@ reference images (the fuzz server's ``--edit-counts``; the edit form takes 1..ma
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
-import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,12 @@ def fuzz_server(tmp_path_factory):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, 180, "the fuzz server did not become healthy", poll_s=0.5)
+    log = open(counts.with_name("server.log"), "w")  # drained as it comes: a full pipe would block the server
+    threading.Thread(target=shutil.copyfileobj, args=(proc.stdout, log), daemon=True).start()
     yield url, counts
     proc.terminate()
     proc.wait(30)
+    log.close()
 
 
 def test_schemathesis_finds_no_server_error_and_no_conformance_failure(fuzz_server, tmp_path):
