@@ -500,6 +500,18 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
       next convolution's autocast dtype) take it at build
       (``omni.group_norm.use_group_norm_kernel``); without it (the reference
       glue has none) they keep their torch ops.
+    - optional pair, ``conv3x3_weights(w_OI33) -> prepared | None`` and
+      ``conv3x3(x_BCHW, prepared, bias_O, addend_BOHW=None) -> y_BOHW``: a
+      3x3, stride 1, padding 1 convolution ``addend + conv2d(x, w, bias)``.
+      ``conv3x3_weights`` runs once per convolution at ``finalize()``
+      (``omni.winograd.use_conv3x3_kernel``) and returns the weights the
+      kernel reads (a tensor the module keeps as a buffer; the 3x3 weight is
+      then released) or None to keep torch's convolution for that shape. The
+      result agrees with ``omni.winograd.conv3x3_winograd`` (F(2x2, 3x3),
+      products accumulated in fp32, one rounding, then the addend in x's
+      dtype) within fp32 summation order; any layout of ``x`` / ``addend``,
+      ``y`` channels-last. The image heads take it; without it (the
+      reference glue has none) their convolutions are torch's.
 
     ``T`` may be 0 (a sequence-parallel rank with no tokens). Results match
     the reference within the activation dtype's rounding (a fused kernel
@@ -515,7 +527,8 @@ def omni_glue_impl(spec: GlueSpec, reject: Reject) -> GlueImpl | None:
     Default implementation: ``omni.reference_glue.ReferenceGlue``, plain torch
     ops that run on any device (the fallback of every platform without fused
     glue; it refuses ``memory_bound="triton"``).
-    Versions: 0.5 (``always_on``); 0.4 (``pdl_rows``); 0.3 (``group_norm``); 0.2 (``store_gather_kv``).
+    Versions: 0.6 (``conv3x3``); 0.5 (``always_on``); 0.4 (``pdl_rows``); 0.3 (``group_norm``);
+    0.2 (``store_gather_kv``).
     """
 
 

@@ -277,8 +277,9 @@ class GlueSpec:
 
 class GlueImpl(Protocol):
     """The fused glue of ``omni_glue_impl`` (every method capturable where the platform captures); a glue may
-    also have ``store_gather_kv`` (the KV pool's one-pass store + gather) and ``group_norm`` (the image paths'
-    one-pass GroupNorm [+ FiLM] + SiLU), both documented there."""
+    also have ``store_gather_kv`` (the KV pool's one-pass store + gather), ``group_norm`` (the image paths'
+    one-pass GroupNorm [+ FiLM] + SiLU) and ``conv3x3`` / ``conv3x3_weights`` (the image heads' 3x3
+    convolutions), all documented there."""
 
     name: str
 

@@ -11,8 +11,9 @@
   GN, SiLU, conv3 hidden -> C: the velocity.
 
 Module names follow the official code so ``state_dict()`` keys match the
-checkpoint. Convolutions and GroupNorm (``omni.group_norm``) are plain torch (they are not in the
-platform contract); the Linear layers resolve the platform's kernel. A platform with the
+checkpoint. The Linear layers resolve the platform's kernel; the 3x3 convolutions
+(``omni.winograd.FusableConv3x3``) and the GroupNorms (``omni.group_norm``) are torch's unless the
+platform's glue offers ``conv3x3`` / ``group_norm`` (taken at ``finalize()``). A platform with the
 ``channels_last`` capability gets NHWC conv weights (``to_channels_last``), since the tokens
 already are NHWC.
 
@@ -28,6 +29,7 @@ import torch.nn as nn
 
 from omni.group_norm import FusableGroupNorm, group_norm
 from omni.layers import Linear
+from omni.winograd import FusableConv3x3
 
 FREQUENCY_DIM = 256
 GN_GROUPS, GN_EPS = 32, 1e-5
@@ -72,8 +74,8 @@ class GroupNorm32(FusableGroupNorm):
         return self.fused(x, norm_dtype=x.dtype, out_dtype=x.dtype, silu=True, scale_BC=scale_BC, shift_BC=shift_BC)
 
 
-def conv3(c_in: int, c_out: int, dtype: torch.dtype) -> nn.Conv2d:
-    return nn.Conv2d(c_in, c_out, kernel_size=3, padding=1, dtype=dtype)
+def conv3(c_in: int, c_out: int, dtype: torch.dtype) -> FusableConv3x3:
+    return FusableConv3x3(c_in, c_out, dtype=dtype)
 
 
 class ResBlock(nn.Module):
@@ -92,7 +94,7 @@ class ResBlock(nn.Module):
         h = conv_in(norm_in.silu(x_BCHW))
         scale_BC, shift_BC = self.emb_layers(emb_BE).to(h.dtype).chunk(2, dim=-1)
         norm_out, conv_out = self.out_layers[0], self.out_layers[3]
-        return self.skip_connection(x_BCHW) + conv_out(norm_out.silu(h, scale_BC, shift_BC))
+        return conv_out(norm_out.silu(h, scale_BC, shift_BC), self.skip_connection(x_BCHW))  # skip + conv
 
 
 def _require_patch_size_1(patch_size: int) -> None:
@@ -128,7 +130,7 @@ def to_channels_last(*modules: nn.Module) -> None:
     for module in modules:
         for conv in module.modules():
             fmt = next((f for cls, f in formats.items() if isinstance(conv, cls)), None)
-            if fmt is not None:
+            if fmt is not None and conv.weight.dim() == conv.weight.data.dim() > 3:  # not a released weight
                 conv.weight.data = conv.weight.data.contiguous(memory_format=fmt)
 
 

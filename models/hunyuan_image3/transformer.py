@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from omni.build_options import BuildOptions
 from omni.group_norm import use_group_norm_kernel
+from omni.winograd import use_conv3x3_kernel
 from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
                          finalize_experts, unhooked)
 from omni.specs import (GROUPED_SKINNY_ROWS, GROUPED_SMALL_ROWS, PDL_ROWS, GlueSpec, MoESpec, PreparedMoE,
@@ -327,10 +328,12 @@ class HunyuanImage3Transformer(nn.Module):
         self.final_layer = UNetUp(D, hidden, C, patch_size=cfg.patch_size, **kw)
         self.channels_last = "channels_last" in platform.info.capabilities  # NHWC conv weights at finalize()
         # the glue's optional kernels, where the platform has them: the KV pool's fused store + gather (gathered
-        # keys), and the one-pass "GroupNorm [, FiLM], SiLU" of the image heads and the VAE
+        # keys), the one-pass "GroupNorm [, FiLM], SiLU" of the image heads and the VAE, and the heads' 3x3
+        # convolutions by Winograd (conv3x3 / conv3x3_weights, taken at finalize())
         glue = platform.glue(glue_spec(cfg, 0, opts))
         self.kv_store_gather = getattr(glue, "store_gather_kv", None)
         self.group_norm_kernel = getattr(glue, "group_norm", None)
+        self.image_glue = glue
         self.requires_grad_(False)
 
     # ------------------------------------------------------------ token stream
@@ -395,4 +398,5 @@ class HunyuanImage3Transformer(nn.Module):
             to_channels_last(self.patch_embed, self.final_layer)
         if self.group_norm_kernel is not None:
             use_group_norm_kernel(self.group_norm_kernel, self.patch_embed, self.final_layer)
+        use_conv3x3_kernel(self.image_glue, self.patch_embed, self.final_layer)
 

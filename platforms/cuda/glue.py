@@ -9,6 +9,7 @@ none reads the host, so all of it is capturable:
     route                     softmax, top-k and renormalisation of the router logits (one pass)
     store_gather_kv           a forward's K/V into the pool and its key table out of it (one launch)
     group_norm                GroupNorm [+ FiLM] [+ SiLU] of the image heads and the VAE (``group_norm_triton``)
+    conv3x3 (+ _weights)      the image heads' wide 3x3 convolutions by Winograd F(2x2, 3x3) (``winograd_triton``)
 
 ``spec.memory_bound`` picks as for the GEMMs: ``auto`` Triton when it
 imports, ``torch`` the reference's ops (``omni.reference_glue``), ``triton``
@@ -38,10 +39,11 @@ class TritonGlue:
     def __init__(self, spec: GlueSpec, moe_kernels):
         import triton
 
-        from . import glue_triton, group_norm_triton
+        from . import glue_triton, group_norm_triton, winograd_triton
 
         self.spec, self.k, self.swiglu_kernels, self.triton = spec, glue_triton, moe_kernels, triton
         self.group_norm_kernels, self.pdl = group_norm_triton, moe_kernels.pdl  # kernels.pdl_rows
+        self.winograd = winograd_triton
         self.tiles = dict(glue_triton.TILES)  # launch shapes per kernel (a benchmark may try others)
         self.block = triton.next_power_of_2(spec.hidden)
         self.name = "cuda-triton-glue"
@@ -114,6 +116,15 @@ class TritonGlue:
         """``omni.group_norm.group_norm_act`` (``chain``: its keyword arguments) in three launches."""
         act = self.group_norm_kernels.group_norm_act if x.is_cuda else group_norm_act
         return act(x, num_groups, weight, bias, eps, **chain)
+
+    def conv3x3_weights(self, w_OI33):
+        """The Winograd weights of a CUDA 3x3 convolution wide enough to gain (``winograd_triton.worth_it``), else
+        None (cuDNN's direct kernel stays)."""
+        return self.winograd.prepare(w_OI33) if w_OI33.is_cuda else None
+
+    def conv3x3(self, x_BCHW, u_KOI, bias_O, addend_BOHW=None):
+        """``omni.winograd.conv3x3_winograd`` in three launches (two Triton, one cuBLAS); channels-last out."""
+        return self.winograd.conv3x3(x_BCHW, u_KOI, bias_O, addend_BOHW)
 
     def store_gather_kv(self, k_pool_PKH, v_pool_PKH, k_TKH, v_TKH, write_T, gather_S, fresh_S):
         same = k_TKH.dtype == k_pool_PKH.dtype and v_TKH.dtype == v_pool_PKH.dtype

@@ -1,0 +1,123 @@
+"""The image heads' 3x3 convolutions: cuDNN's direct kernel against Winograd F(2x2, 3x3) (the cuda glue's
+``conv3x3``), in the same run, at the released shapes (random values, bf16, channels-last as the model keeps
+them on cuda).
+
+1. Each convolution of one 1024x1024 CFG step (``patch_embed`` on one latent, ``final_layer`` on both rows; a
+   64x64 grid): cuDNN, Winograd with fp32 GEMM results (the kernel's), Winograd with bf16 GEMM results; each
+   also split into its three launches. Error of each against an fp64 convolution of the same bf16 values
+   (relative L2 and largest difference in bf16 ulps of the reference's scale).
+2. The whole heads of one step (``bench_group_norm.heads``, NHWC weights, the glue's GroupNorm kernel): torch
+   convolutions against the glue's ``conv3x3`` (time, and the relative L2 distance of the outputs).
+
+Each figure is a CUDA-event median; the variants alternate in rounds (``bench_common.round_robin``).
+
+    python bench/bench_winograd.py --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emit, git_commit, relative, round_robin  # noqa: E402
+from bench_group_norm import heads  # noqa: E402
+
+from omni.group_norm import use_group_norm_kernel  # noqa: E402
+from omni.models.hunyuan_image3 import image_io  # noqa: E402
+from omni.platform_manager import select  # noqa: E402
+from omni.specs import GlueSpec  # noqa: E402
+from omni.winograd import TAPS, tiles, use_conv3x3_kernel, winograd_weights  # noqa: E402
+
+# (name, rows, in, out): the 3x3 convolutions of one step on a 64x64 latent grid
+SHAPES = (("patch_embed in_layers 1024->4096", 1, 1024, 4096),
+          ("patch_embed out_layers 4096->4096", 1, 4096, 4096),
+          ("final_layer in_layers 4096->1024", 2, 4096, 1024),
+          ("final_layer out_layers 1024->1024", 2, 1024, 1024))
+
+
+def conv_case(wt, rows: int, c_in: int, c_out: int, grid: int, rounds: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(c_in + c_out)
+    x = torch.randn(rows, c_in, grid, grid, device="cuda", generator=g).bfloat16()
+    x = x.contiguous(memory_format=torch.channels_last)
+    w = (torch.randn(c_out, c_in, 3, 3, device="cuda", generator=g) / (3 * c_in ** 0.5)).bfloat16()
+    b = torch.randn(c_out, device="cuda", generator=g).bfloat16()
+    w_cl, u = w.contiguous(memory_format=torch.channels_last), winograd_weights(w, torch.bfloat16)
+    th, tw = tiles(grid, grid)
+    v = torch.empty(TAPS, rows * th * tw, c_in, device="cuda", dtype=torch.bfloat16)
+    m = torch.bmm(v, u.transpose(1, 2), out_dtype=torch.float32)
+    y = torch.empty_like(x[:, :1]).expand(rows, c_out, grid, grid).contiguous(memory_format=torch.channels_last)
+    fns = {
+        "cudnn": lambda: F.conv2d(x, w_cl, b, padding=1),
+        "winograd_fp32_m": lambda: wt.conv3x3(x, u, b),
+        "winograd_bf16_m": lambda: wt.conv3x3(x, u, b, m_dtype=torch.bfloat16),
+        "part_input_transform": lambda: wt.input_kernel[(triton_cdiv(v.shape[1], wt.TILE_ROWS),
+                                                         triton_cdiv(c_in, wt.TILE_CHANNELS))](
+            x, v, v.shape[1], c_in, grid, grid, tw, th * tw, *x.stride(), BT=wt.TILE_ROWS, BC=wt.TILE_CHANNELS,
+            num_warps=wt.WARPS),
+        "part_gemms_fp32_out": lambda: torch.bmm(v, u.transpose(1, 2), out_dtype=torch.float32),
+        "part_output_transform": lambda: wt.output_kernel[(triton_cdiv(m.shape[1], wt.TILE_ROWS),
+                                                           triton_cdiv(c_out, wt.TILE_CHANNELS))](
+            m, b, y, y, m.shape[1], c_out, grid, grid, tw, th * tw, *y.stride(), *y.stride(),
+            HAS_BIAS=True, HAS_ADD=False, BT=wt.TILE_ROWS, BC=wt.TILE_CHANNELS, num_warps=wt.WARPS),
+    }
+    t = round_robin(fns, rounds)
+    ref = F.conv2d(x.double(), w.double(), b.double(), padding=1)
+    scale = float(ref.abs().max())
+    outs = {k: fns[k]() for k in ("cudnn", "winograd_fp32_m", "winograd_bf16_m")}
+    flops = 2 * rows * grid * grid * 9 * c_in * c_out
+    return {"ms": {k: v_ * 1e3 for k, v_ in t.items()},
+            "tflops_cudnn": flops / t["cudnn"] / 1e12,
+            "speedup_fp32_m": t["cudnn"] / t["winograd_fp32_m"],
+            "speedup_bf16_m": t["cudnn"] / t["winograd_bf16_m"],
+            "rel_l2_vs_fp64": {k: relative(o, ref) for k, o in outs.items()},
+            "max_abs_vs_fp64_over_max_ref": {k: float((o.double() - ref).abs().max()) / scale
+                                             for k, o in outs.items()}}
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def heads_case(platform, rounds: int) -> dict:
+    glue = platform.glue(GlueSpec(hidden=4096, head_dim=128, eps=1e-5, dtype=torch.bfloat16))
+
+    def prepare(conv: bool):
+        def run(down, up):
+            image_io.to_channels_last(down, up)
+            use_group_norm_kernel(glue.group_norm, down, up)
+            if conv:
+                use_conv3x3_kernel(glue, down, up)
+        return run
+
+    steps = {"torch_conv": heads(platform, prepare(False)), "winograd_conv": heads(platform, prepare(True))}
+    t = round_robin(steps, rounds)
+    outs = {k: f() for k, f in steps.items()}
+    return {"ms": {k: s * 1e3 for k, s in t.items()}, "speedup": t["torch_conv"] / t["winograd_conv"],
+            "rel_l2_winograd_vs_torch": relative(outs["winograd_conv"], outs["torch_conv"].double())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grid", type=int, default=64, help="latent grid side (64: a 1024x1024 image)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    platform = select("cuda")
+    platform.device_services(0)
+    from omni.platforms.cuda import winograd_triton as wt
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
+           "grid": a.grid, "convs": {}}
+    with torch.inference_mode():
+        for name, rows, c_in, c_out in SHAPES:
+            out["convs"][name] = conv_case(wt, rows, c_in, c_out, a.grid, a.rounds)
+            print(name, out["convs"][name]["ms"], flush=True)
+        out["heads"] = heads_case(platform, a.rounds)
+    return emit(out, a.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
