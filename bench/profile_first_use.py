@@ -13,6 +13,10 @@ and how many kernel binaries Triton compiled meanwhile.
     python bench/profile_first_use.py --recipe h200_fp8 --layers 8 --json out.json
     python bench/profile_first_use.py --recipe h200_fp8 --layers 8 --warm-up --json out.json   # as a server starts
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --layers 32 --warm-up image --answers 16 --words 3
+    python bench/profile_first_use.py --recipe h200_instruct_fp8 --warm-up --batches 2,8,17,64 --words 3
+
+``--batches`` then decodes that many answers together, one batch after another (prompts of distinct lengths,
+``--answers`` tokens each, 16 by default): what a server meets as its answer concurrency changes.
 """
 from __future__ import annotations
 
@@ -45,13 +49,25 @@ def parse():
                         "for an Instruct flavour a short answer; image: the default request only, as before)")
     p.add_argument("--answers", type=int, default=0, metavar="TOKENS",
                    help="after the warm-up, two text answers of TOKENS greedy tokens, timed apart (Instruct recipes)")
+    p.add_argument("--batches", default="", metavar="N,N,...",
+                   help="after the answers, batches of N text answers decoded together (Instruct recipes)")
     p.add_argument("--json", type=Path)
     return p.parse_args()
 
 
 def compiled() -> int:
     """Kernel binaries in the Triton cache (one .cubin per compiled variant)."""
-    return sum(1 for _ in Path(CACHE).rglob("*.cubin"))
+    return len(binaries())
+
+
+def binaries() -> set[Path]:
+    return set(Path(CACHE).rglob("*.cubin"))
+
+
+def names(paths: set[Path]) -> list[str]:
+    """The kernels of some binaries, with how many variants of each."""
+    stems = sorted(p.stem for p in paths)
+    return [f"{n} x{stems.count(n)}" for n in dict.fromkeys(stems)]
 
 
 def once(fn) -> float:
@@ -79,19 +95,37 @@ def answer_s(engine, tokens: int, seed: int) -> dict:
     """One greedy text answer of ``tokens`` tokens: seconds (prefill and decode) and what it compiled."""
     from omni.request import TextRequest
 
-    k0 = compiled()
+    k0, b0 = compiled(), binaries()
     req = TextRequest(prompt="what is in a snowy birch forest at dawn?", max_tokens=tokens, temperature=0.0,
                       seed=seed, stop_ids=())
     s = engine.admit(req)
     seconds = once(lambda: run_answer(engine, s))
     engine.release(s)
-    return {"tokens": tokens, "seconds": seconds, "compiled": compiled() - k0}
+    return {"tokens": tokens, "seconds": seconds, "compiled": compiled() - k0, "kernels": names(binaries() - b0)}
 
 
 def run_answer(engine, s) -> None:
-    engine.prefill([s])
-    while not s.done:
-        engine.denoise_step([s])
+    run_batch(engine, [s])
+
+
+def run_batch(engine, states: list) -> None:
+    engine.prefill(states)
+    while not all(s.done for s in states):
+        engine.denoise_step([s for s in states if not s.done])
+
+
+def batch_s(engine, n: int, tokens: int) -> dict:
+    """``n`` greedy answers decoded together, prompts of distinct lengths: seconds and what they compiled."""
+    from omni.request import TextRequest
+
+    k0, b0 = compiled(), binaries()
+    states = [engine.admit(TextRequest(prompt=" ".join(WORDS[: 3 + i % len(WORDS)]) + f" ({i})?", max_tokens=tokens,
+                                       temperature=0.0, seed=i, stop_ids=())) for i in range(n)]
+    seconds = once(lambda: run_batch(engine, states))
+    for s in states:
+        engine.release(s)
+    return {"answers": n, "tokens": tokens, "seconds": seconds, "compiled": compiled() - k0,
+            "kernels": names(binaries() - b0)}
 
 
 def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
@@ -121,14 +155,19 @@ def main() -> int:
         print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled", flush=True)
     answers = [answer_s(engine, a.answers, seed=i) for i in range(2)] if a.answers else []
     for i, row in enumerate(answers):
-        print(f"answer {i + 1}: {row['seconds']:.2f} s for {row['tokens']} tokens, {row['compiled']} compiled",
-              flush=True)
+        print(f"answer {i + 1}: {row['seconds']:.2f} s for {row['tokens']} tokens, {row['compiled']} compiled "
+              f"{row['kernels']}", flush=True)
+    batches = [batch_s(engine, int(n), a.answers or 16) for n in a.batches.split(",") if n]
+    for row in batches:
+        print(f"batch of {row['answers']}: {row['seconds']:.2f} s for {row['tokens']} tokens each, "
+              f"{row['compiled']} compiled {row['kernels']}", flush=True)
     rows = []
     for i, n in enumerate(int(w) for w in a.words.split(",")):
         rows.append(first_use(engine, deployment.recipe, n, a.size, seed=i))
         print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()), flush=True)
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": "empty at start",
-           "compiled_while_building": before, "warm_up": warm, "answers": answers, "requests": rows,
+           "compiled_while_building": before, "warm_up": warm, "answers": answers, "batches": batches,
+           "requests": rows,
            "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

@@ -40,10 +40,11 @@ class TritonGlue:
         import triton
 
         from . import glue_triton, group_norm_triton, winograd_triton
+        from .pdl_triton import launch
 
         self.spec, self.k, self.swiglu_kernels, self.triton = spec, glue_triton, moe_kernels, triton
         self.group_norm_kernels, self.pdl = group_norm_triton, moe_kernels.pdl  # kernels.pdl_rows
-        self.winograd = winograd_triton
+        self.winograd, self.launch = winograd_triton, launch  # launch: with the PDL classes compiled together
         self.tiles = dict(glue_triton.TILES)  # launch shapes per kernel (a benchmark may try others)
         self.block = triton.next_power_of_2(spec.hidden)
         self.name = "cuda-triton-glue"
@@ -58,9 +59,10 @@ class TritonGlue:
         if T:
             dd = d.reshape(-1, D).contiguous() if d is not None else x2
             tile = self.tiles["norm"]
-            self.k.norm_kernel[(self.triton.cdiv(T, tile.rows),)](
+            self.launch(
+                self.k.norm_kernel, (self.triton.cdiv(T, tile.rows),), self.pdl, T,
                 x2, dd, w, h if h is not None else y, y, q, s, T, D, self.spec.eps, BLOCK=self.block, ROWS=tile.rows,
-                ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX, num_warps=tile.warps, **self.pdl.kw(T))
+                ADD=d is not None, QUANT=quantize, QMAX=self.k.FP8_MAX, num_warps=tile.warps)
         y = y.view(x.shape)
         out = RowQuantized(q, s, y) if quantize else y
         return out if h is None else (h.view(x.shape), out)
@@ -86,9 +88,10 @@ class TritonGlue:
                                                                                     device=qkv.device)
         if T:
             tile = self.tiles["rope"]
-            self.k.rope_norm_kernel[(self.triton.cdiv(T, tile.rows), K)](
+            self.launch(
+                self.k.rope_norm_kernel, (self.triton.cdiv(T, tile.rows), K), self.pdl, T,
                 qkv, cos_TH.contiguous(), sin_TH.contiguous(), wq_H, wk_H, q, k, v, T, self.spec.eps, K=K, G=N // K,
-                H=H, ROWS=tile.rows, num_warps=tile.warps, **self.pdl.kw(T))
+                H=H, ROWS=tile.rows, num_warps=tile.warps)
         return q, k, v
 
     def swiglu(self, h_T2I, quantize: bool):
@@ -107,9 +110,10 @@ class TritonGlue:
         ids = torch.empty(T, k + extra, dtype=torch.int64, device=x.device)
         if T:
             tile = self.tiles["route"]
-            self.k.route_kernel[(self.triton.cdiv(T, tile.rows),)](
+            self.launch(
+                self.k.route_kernel, (self.triton.cdiv(T, tile.rows),), self.pdl, T,
                 x, w, ids, T, E, TOPK=k, BLOCK_T=tile.rows, BLOCK_E=self.triton.next_power_of_2(E),
-                KPAD=self.triton.next_power_of_2(k + extra), ALWAYS=extra, num_warps=tile.warps, **self.pdl.kw(T))
+                KPAD=self.triton.next_power_of_2(k + extra), ALWAYS=extra, num_warps=tile.warps)
         return w, ids
 
     def group_norm(self, x, num_groups, weight, bias, eps, **chain):
@@ -135,9 +139,9 @@ class TritonGlue:
         ko = torch.empty((S, *k_pool_PKH.shape[1:]), dtype=k.dtype, device=k.device)
         vo = torch.empty_like(ko)
         if S + T:
-            self.k.kv_kernel[(S + T,)](k_pool_PKH, v_pool_PKH, k, v, write_T, gather_S, fresh_S, ko, vo, S, W,
-                                       BLOCK=self.triton.next_power_of_2(W), num_warps=4,
-                                       **self.pdl.kw(S + T))
+            self.launch(self.k.kv_kernel, (S + T,), self.pdl, S + T,
+                        k_pool_PKH, v_pool_PKH, k, v, write_T, gather_S, fresh_S, ko, vo, S, W,
+                        BLOCK=self.triton.next_power_of_2(W), num_warps=4)
         return ko, vo
 
 

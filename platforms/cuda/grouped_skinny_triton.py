@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .pdl import OFF, Pdl
-from .pdl_triton import wait_for_predecessor
+from .pdl_triton import launch, wait_for_predecessor
 from .skinny_triton import SkinnyTile
 
 
@@ -160,8 +160,7 @@ class GroupedSkinnyFp8:
             return out
         t = self.tile_for(min(R, group_rows or R)) or self.tiles[-1][1]
         grid = (N // t.block_n, tile_bound(R, E, t.block_m))
-        _grouped_skinny_fp8_kernel[grid](xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out, N, K, E,
-                                         BLOCK_E=triton.next_power_of_2(E), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                                         BLOCK_K=t.block_k, SWIGLU=self.swiglu, num_warps=t.warps,
-                                         num_stages=t.stages, **self.pdl.kw(R))
+        launch(_grouped_skinny_fp8_kernel, grid, self.pdl, R, xq_RK, xs_R, wq_ENK, ws_EN, offs_E, out, N, K, E,
+               BLOCK_E=triton.next_power_of_2(E), BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+               SWIGLU=self.swiglu, num_warps=t.warps, num_stages=t.stages)
         return out

@@ -25,7 +25,7 @@ from .pdl import OFF, Pdl
 from .route_launch import (CHUNK_BLOCK, MAX_BLOCKS, MAX_EXPERTS, ONE_BLOCK_ROWS,  # noqa: F401 (re-exported)
                            PLACE_BLOCKS, ROUTE_PLANS, SMALL_CHUNK, SMALL_ROWS, SORT_BLOCK, SORT_CHUNK, route_chunk,
                            route_plan, route_variants)
-from .pdl_triton import HAS_GDC, wait_for_predecessor
+from .pdl_triton import HAS_GDC, launch, wait_for_predecessor
 
 from .moe import torch_route_rows  # moe.py imports this module only from a function: no cycle
 
@@ -231,8 +231,8 @@ class TritonKernels:
         s = torch.empty(R, dtype=torch.float32, device=x.device)
         if R:
             block = triton.next_power_of_2(D)
-            _quant_kernel[(R,)](x, token_R, q, s, R, D, BLOCK=block, ROWS=1, QMAX=FP8_MAX, GATHER=True,
-                                num_warps=_warps(block), **self.pdl.kw(R))
+            launch(_quant_kernel, (R,), self.pdl, R, x, token_R, q, s, R, D, BLOCK=block, ROWS=1, QMAX=FP8_MAX,
+                   GATHER=True, num_warps=_warps(block))
         return q, s[:, None]
 
     def gather_rows(self, q_TD: torch.Tensor, s_T1: torch.Tensor, token_R: torch.Tensor):
@@ -243,9 +243,8 @@ class TritonKernels:
         out_s = torch.empty(R, dtype=torch.float32, device=q.device)
         if R:
             tile = self.gather_tile
-            _gather_rows_kernel[(triton.cdiv(R, tile.rows),)](q, s, token_R, out, out_s, R, D,
-                                                               BLOCK=min(4096, triton.next_power_of_2(D)),
-                                                               ROWS=tile.rows, num_warps=tile.warps, **self.pdl.kw(R))
+            launch(_gather_rows_kernel, (triton.cdiv(R, tile.rows),), self.pdl, R, q, s, token_R, out, out_s, R, D,
+                   BLOCK=min(4096, triton.next_power_of_2(D)), ROWS=tile.rows, num_warps=tile.warps)
         return out, out_s[:, None]
 
     def quant_rows(self, x_TD: torch.Tensor):
@@ -256,9 +255,8 @@ class TritonKernels:
         s = torch.empty(T, dtype=torch.float32, device=x.device)
         if T:
             tile = self.quant_tiles.get(D, self.quant_tile)
-            _quant_kernel[(triton.cdiv(T, tile.rows),)](x, x, q, s, T, D, BLOCK=triton.next_power_of_2(D),
-                                                        ROWS=tile.rows, QMAX=FP8_MAX, GATHER=False,
-                                                        num_warps=tile.warps, **self.pdl.kw(T))
+            launch(_quant_kernel, (triton.cdiv(T, tile.rows),), self.pdl, T, x, x, q, s, T, D,
+                   BLOCK=triton.next_power_of_2(D), ROWS=tile.rows, QMAX=FP8_MAX, GATHER=False, num_warps=tile.warps)
         return q, s[:, None]
 
     def swiglu(self, h_R2I: torch.Tensor, quantize: bool, tile=None):
@@ -269,9 +267,8 @@ class TritonKernels:
         s = torch.empty(R, dtype=torch.float32, device=h.device)
         if R:
             tile = tile or self.swiglu_tile
-            _swiglu_kernel[(triton.cdiv(R, tile.rows),)](h, out, s, R, I, BLOCK=triton.next_power_of_2(I),
-                                                         ROWS=tile.rows, QUANT=quantize, QMAX=FP8_MAX,
-                                                         num_warps=tile.warps, **self.pdl.kw(R))
+            launch(_swiglu_kernel, (triton.cdiv(R, tile.rows),), self.pdl, R, h, out, s, R, I,
+                   BLOCK=triton.next_power_of_2(I), ROWS=tile.rows, QUANT=quantize, QMAX=FP8_MAX, num_warps=tile.warps)
         return (out, s[:, None]) if quantize else (out, None)
 
     def combine(self, y_RD: torch.Tensor, inverse_R: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype,
@@ -285,9 +282,9 @@ class TritonKernels:
         a = [t.reshape(T, D).contiguous() for t in addends] + [out] * (2 - len(addends))  # unread placeholders
         if T:
             tile, block = self.combine_tile, 1024
-            _combine_kernel[(triton.cdiv(T, tile.rows), triton.cdiv(D, block))](
-                y_RD.contiguous(), inverse_R, w_Tk.float().contiguous(), a[0], a[1], out, T, D, K=k,
-                ADDENDS=len(addends), BLOCK_D=block, ROWS=tile.rows, num_warps=tile.warps, **self.pdl.kw(T))
+            launch(_combine_kernel, (triton.cdiv(T, tile.rows), triton.cdiv(D, block)), self.pdl, T,
+                   y_RD.contiguous(), inverse_R, w_Tk.float().contiguous(), a[0], a[1], out, T, D, K=k,
+                   ADDENDS=len(addends), BLOCK_D=block, ROWS=tile.rows, num_warps=tile.warps)
         return out
 
     def compile_routes(self, num_experts: int, k: int) -> int:

@@ -45,6 +45,12 @@ class Pdl:
         """``max_rows`` (``kernels.pdl_rows``) where the device has PDL, else none."""
         return cls(max_rows if sm >= PDL_SM else 0)
 
+    def classes(self) -> tuple[MappingProxyType, ...]:
+        """Every set of launch keywords ``kw`` gives under this policy (one to three): a kernel has one binary
+        for each (``pdl_triton.launch`` compiles them together)."""
+        found = (self.kw(rows) for rows in (1, TRIGGER_ROWS, self.max_rows + 1))
+        return tuple({id(k): k for k in found}.values())
+
     def kw(self, rows: int) -> MappingProxyType:
         """A call's launch keywords: the kernel's ``PDL`` and ``TRIGGER`` constexprs and Triton's ``launch_pdl``
         (the row count is a shape: a captured call keeps its choice)."""

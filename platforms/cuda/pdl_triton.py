@@ -6,11 +6,20 @@ an earlier kernel writes and before its first write (a buffer the previous kerne
 this one by the allocator). ``griddepcontrol`` needs sm_90, so kernels take ``PDL`` as a constexpr and other GPUs
 compile without it; a kernel launched without the PDL attribute passes the wait at once. ``HAS_GDC``: whether
 this Triton has it (``TritonKernels`` launches nothing with PDL otherwise).
+
+``launch`` is how the platform's kernels launch under a policy (``pdl.Pdl``): each PDL class is a binary of its
+own, so the first launch of a kernel's signature also compiles the policy's other classes, and no later row
+class compiles in a request.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from .pdl import Pdl
+
+_SIGNATURES: set = set()  # (kernel, constexprs and launch options, tensor dtypes) whose classes launch compiled
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -35,3 +44,22 @@ def wait_for_predecessor(PDL: tl.constexpr, TRIGGER: tl.constexpr = False):
         if TRIGGER:
             gdc_launch_dependents()
         gdc_wait()
+
+
+def launch(kernel, grid, pdl: Pdl, rows: int, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` with ``pdl``'s launch keywords for ``rows`` (``Pdl.kw``).
+
+    The first launch of each signature (keyword constexprs and options, the tensors' dtypes) first compiles the
+    binaries of the policy's other classes (Triton's ``warmup``: compiled and cached, not run). Without it the
+    first call past a class edge compiled in its request: after a server's warm-up, the first answer whose
+    prompt crossed one compiled 4 kernels (1.5 s), the first 8 answers decoded together 7 (2.1 s; BENCHMARKS.md,
+    "Thirtieth session"). A signature the build and the warm-up never launched still compiles on first use.
+    """
+    chosen = pdl.kw(rows)
+    key = (kernel, tuple(kwargs.items()), tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args))
+    if key not in _SIGNATURES:
+        _SIGNATURES.add(key)
+        for other in pdl.classes():
+            if other is not chosen:
+                kernel.warmup(*args, grid=grid, **kwargs, **other)
+    kernel[grid](*args, **kwargs, **chosen)

@@ -17,3 +17,13 @@ def test_devices_before_hopper_and_a_zero_limit_never_launch_with_it():
     assert Pdl.on_device(512, (8, 9)) == Pdl.on_device(0, (9, 0)) == OFF
     assert OFF.kw(1) == {"PDL": False, "TRIGGER": False}
     assert Pdl.on_device(512, (10, 0)).max_rows == 512
+
+
+def test_the_classes_are_every_keyword_set_a_call_can_get():
+    """``pdl_triton.launch`` compiles a kernel's binary for each of them at its first launch."""
+    pdl = Pdl.on_device(512, (9, 0))
+    assert [dict(k) for k in pdl.classes()] == [pdl.kw(1), pdl.kw(TRIGGER_ROWS), pdl.kw(513)]
+    assert {id(pdl.kw(rows)) for rows in range(0, 2000)} == {id(k) for k in pdl.classes()}
+    assert [dict(k) for k in OFF.classes()] == [OFF.kw(1)]
+    small = Pdl.on_device(TRIGGER_ROWS - 1, (9, 0))  # the early launch never reached
+    assert [dict(k) for k in small.classes()] == [small.kw(1), small.kw(TRIGGER_ROWS)]

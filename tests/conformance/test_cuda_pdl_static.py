@@ -4,7 +4,8 @@ A kernel that takes the ``PDL`` constexpr is launched with programmatic dependen
 (``platforms/cuda/pdl.py``): it may start while the kernel before it still runs, so it must call
 ``wait_for_predecessor`` before it reads or writes memory (``pdl_triton``'s rule), here: before any ``tl.load`` /
 ``tl.store`` / ``tl.atomic_*`` and before any other jitted helper that might. And every launch of such a kernel
-must pass the policy's launch keywords (``**pdl.kw(rows)``), or it silently runs without PDL. The GPU test
+must pass the policy's launch keywords (``**pdl.kw(rows)``, or launch through ``pdl_triton.launch``), or it
+silently runs without PDL. The GPU test
 (tests/gpu/test_gpu_pdl.py) checks the bits; this one checks that no kernel or launch site was left out.
 """
 from __future__ import annotations
@@ -60,14 +61,19 @@ def test_a_pdl_kernel_waits_before_it_touches_memory(name):
 
 
 def _launches() -> list[tuple[str, str, ast.Call]]:
-    """(file, kernel, call) for every ``kernel[grid](...)`` of a PDL kernel in the platform's files."""
+    """(file, kernel, call) for every launch of a PDL kernel in the platform's files: ``kernel[grid](...)``, or
+    ``launch(kernel, grid, pdl, rows, ...)`` (``pdl_triton.launch``, which passes the policy's keywords)."""
     out = []
     for file, tree in TREES.items():
         for call in ast.walk(tree):
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript):
                 name = _callee(call).rsplit(".", 1)[-1]
-                if name in PDL_KERNELS:
-                    out.append((file, name, call))
+            elif isinstance(call, ast.Call) and _callee(call).rsplit(".", 1)[-1] == "launch" and call.args:
+                name = ast.unparse(call.args[0]).rsplit(".", 1)[-1]
+            else:
+                continue
+            if name in PDL_KERNELS:
+                out.append((file, name, call))
     return out
 
 
@@ -78,8 +84,13 @@ def test_every_pdl_kernel_is_launched_somewhere():
 
 @pytest.mark.parametrize("file,name,call", _launches(), ids=lambda v: v if isinstance(v, str) else "")
 def test_every_launch_passes_the_pdl_keywords(file, name, call):
-    starred = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
     explicit = {k.arg for k in call.keywords} & {"PDL", "TRIGGER", "launch_pdl"}
-    assert any("pdl" in s.lower() for s in starred) and not explicit, (
+    if isinstance(call.func, ast.Subscript):
+        starred = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
+        passes = any("pdl" in s.lower() for s in starred)
+    else:  # launch(kernel, grid, pdl, rows, ...): the policy is its third argument
+        starred = [ast.unparse(a) for a in call.args[2:3]]
+        passes = len(call.args) >= 4 and "pdl" in starred[0].lower()
+    assert passes and not explicit, (
         f"{file}:{call.lineno} launches {name} without the policy's keywords "
-        f"(**pdl.kw(rows)); starred {starred}, explicit {sorted(explicit)}")
+        f"(**pdl.kw(rows) or launch(kernel, grid, pdl, rows, ...)); saw {starred}, explicit {sorted(explicit)}")

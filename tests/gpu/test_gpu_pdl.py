@@ -7,6 +7,10 @@ PDL, with the wait alone and with the early launch of the next kernel.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,3 +109,45 @@ def test_eager_calls_with_pdl_compute_what_calls_without_compute(platform):
         inputs = _inputs(tokens, tokens)
         for got, want in zip(_layer(with_pdl, w, *inputs), _layer(without, w, *inputs)):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+WARM_THEN_RUN = """
+import os, sys
+from pathlib import Path
+os.environ["TRITON_CACHE_DIR"] = sys.argv[1]  # empty: every compile of this process lands here
+sys.path.insert(0, sys.argv[2])
+import torch
+import test_gpu_pdl as t
+from omni.platform_manager import select
+
+platform = select("cuda")
+platform.device_services(0)
+binaries = lambda: (torch.cuda.synchronize(), sum(1 for _ in Path(sys.argv[1]).rglob("*.cubin")))[1]
+ops = t._ops(platform, 512)
+w = t._weights(ops[1], ops[2])
+built = binaries()
+with torch.inference_mode():
+    for tokens in (1, 600):  # a server's warm-up: one answer's step, an image-sized call
+        t._layer(ops, w, *t._inputs(tokens, 0))
+    warmed = binaries()
+    for tokens in (2, 3, 7, 8, 16, 17, 40, 56, 57, 64, 100, 300, 512, 513):
+        t._layer(ops, w, *t._inputs(tokens, 0))
+print(built, warmed, binaries())
+"""
+
+
+def test_after_one_call_of_each_kernel_no_pdl_class_compiles_in_a_request(tmp_path):
+    """Each PDL class (none, the wait, the wait and the early launch) is a binary of its own; ``pdl_triton.launch``
+    compiles a kernel's classes at its first launch, so once a warm-up has run each kernel, calls of other row
+    counts (other classes) compile nothing. Before, the first step of 8 answers compiled 7 kernels (2.1 s)."""
+    from omni.platforms.cuda.capabilities import detect_caps
+
+    caps = detect_caps(0)
+    if caps.sm < (9, 0) or caps.cutlass_grouped_refusal:
+        pytest.skip(f"cuda: PDL and the CUTLASS grouped build need sm90 and nvcc ({caps.sm_name})")
+    here = str(Path(__file__).resolve().parent)
+    run = subprocess.run([sys.executable, "-c", WARM_THEN_RUN, str(tmp_path), here], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built, warmed, ran = map(int, run.stdout.split()[-3:])
+    assert built < warmed, "the warm-up compiled nothing: the test no longer sees first launches"
+    assert ran == warmed, f"{ran - warmed} binaries compiled after the warm-up"
