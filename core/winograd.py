@@ -73,7 +73,8 @@ def input_transform(x_BCHW: torch.Tensor) -> torch.Tensor:
 
 
 def output_transform(m_KTO: torch.Tensor, shape_BOHW: tuple[int, int, int, int]) -> torch.Tensor:
-    """``Y = A^T M A`` in fp32 (float64 for float64 ``M``): ``[B, O, H, W]`` from the 16 GEMM results ``[16, B*th*tw, O]``."""
+    """``Y = A^T M A`` in fp32 (float64 for float64 ``M``): ``[B, O, H, W]`` from the 16 GEMM results
+    ``[16, B*th*tw, O]``."""
     B, O, H, W = shape_BOHW
     th, tw = tiles(H, W)
     m = m_KTO.to(accumulation_dtype(m_KTO.dtype)).reshape(4, 4, B, th, tw, O)
@@ -87,9 +88,8 @@ def conv3x3_winograd(x_BCHW: torch.Tensor, u_KOI: torch.Tensor, bias_O: torch.Te
     """``addend + conv2d(x, w, bias, padding=1)`` by F(2x2, 3x3), ``u_KOI = winograd_weights(w)``.
 
     The definition of the glue's ``conv3x3``: V and U in their dtype (x's), the 16 GEMMs accumulated and
-    returned in fp32, the output transform and the bias in fp32, rounded to x's dtype (float64 inputs keep
-    float64 throughout), then the addend added
-    in x's dtype (as ``addend + conv(x)`` rounds).
+    returned in fp32, the output transform and the bias in fp32, rounded to x's dtype, then the addend added
+    in x's dtype (as ``addend + conv(x)`` rounds). Float64 inputs keep float64 throughout.
     """
     B, _, H, W = x_BCHW.shape
     acc = accumulation_dtype(x_BCHW.dtype)

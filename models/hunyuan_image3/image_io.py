@@ -130,7 +130,7 @@ def to_channels_last(*modules: nn.Module) -> None:
     for module in modules:
         for conv in module.modules():
             fmt = next((f for cls, f in formats.items() if isinstance(conv, cls)), None)
-            if fmt is not None and conv.weight.dim() == conv.weight.data.dim() > 3:  # not a released weight
+            if fmt is not None and conv.weight.dim() > 3:  # not a weight released for Winograd (empty)
                 conv.weight.data = conv.weight.data.contiguous(memory_format=fmt)
 
 

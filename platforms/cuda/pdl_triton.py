@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .pdl import Pdl
 
-_SIGNATURES: set = set()  # (kernel, constexprs and launch options, tensor dtypes) whose classes launch compiled
+_SIGNATURES: set = set()  # (kernel, policy, constexprs and options, tensor dtypes) whose classes are compiled
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -54,9 +54,10 @@ def launch(kernel, grid, pdl: Pdl, rows: int, *args, **kwargs) -> None:
     first call past a class edge compiled in its request: after a server's warm-up, the first answer whose
     prompt crossed one compiled 4 kernels (1.5 s), the first 8 answers decoded together 7 (2.1 s; BENCHMARKS.md,
     "Thirtieth session"). A signature the build and the warm-up never launched still compiles on first use.
+    The check costs a tuple and a set lookup a launch on the host (captured steps do not pay it).
     """
     chosen = pdl.kw(rows)
-    key = (kernel, tuple(kwargs.items()), tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args))
+    key = (kernel, pdl, tuple(kwargs.items()), tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args))
     if key not in _SIGNATURES:
         _SIGNATURES.add(key)
         for other in pdl.classes():

@@ -13,8 +13,10 @@ least ``MIN_PRODUCT``). The transforms move about 16 x (2 C_in + 4 C_out) bytes
 a tile against C_in x C_out products saved; measured on one H200 against cuDNN
 (bf16, channels-last, 64x64 grid; BENCHMARKS.md, "Thirtieth session"):
 
-    1024 -> 4096 (1 row) 1.12x   4096 -> 4096 (1 row) 1.72x   4096 -> 1024 (2 rows) 1.40x
-    1024 -> 1024 (2 rows) 0.96x (left to cuDNN), and 32 in or out (the heads' first and last) is no contest.
+    1024 -> 4096 (1 row) 1.22x   4096 -> 4096 (1 row) 1.69x   4096 -> 1024 (2 rows) 1.39x
+    1024 -> 1024 (2 rows) 0.94x (left to cuDNN), and 32 in or out (the heads' first and last) is no contest.
+
+May assume: 16 x tiles x channels < 2^31 (int32 offsets; the heads' rows of about 4096 tokens use an eighth).
 """
 from __future__ import annotations
 

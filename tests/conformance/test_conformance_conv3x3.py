@@ -3,8 +3,9 @@ definition ``omni.winograd.conv3x3_winograd`` and a float64 direct convolution.
 
 The kernel computes the definition's roundings (V and U in the input dtype, fp32 GEMMs and transforms, one
 rounding, then the addend), so it must agree with it within fp32 summation order: at most one rounding step of
-the output dtype (of the convolution, then of its sum with the addend), almost everywhere none. Against the exact convolution of the same values, F(2x2, 3x3)'s
-extra roundings (V and U in bf16) cost about half as much again as the output's own rounding: the bound is
+the output dtype (of the convolution, then of its sum with the addend), almost everywhere none. Against the
+exact convolution of the same values, F(2x2, 3x3)'s extra roundings (V and U in bf16) cost about half as much
+again as the output's own rounding: the bound is
 1.5 half-ulps of relative L2 (at the released widths on an H200 a direct bf16 convolution measured 0.55, the
 kernel 0.82: BENCHMARKS.md, "Thirtieth session").
 Platforms whose glue has no ``conv3x3`` (the reference) skip: their heads keep torch's convolutions.
