@@ -49,12 +49,11 @@ def main() -> int:
         ids = torch.rand(tokens, E, device="cuda", generator=g).topk(TOP_K, -1).indices
         want = ref.route_rows(ids, E)
         plans = [p for p in ROUTE_PLANS if p != "one launch" or tokens * TOP_K <= 1024]
-        equal = {p: all(torch.equal(x, y) for x, y in zip(kernels.route_rows(ids, E, plan=p), want)) for p in plans}
-        sorts = {f"{p} us": (lambda p=p: kernels.route_rows(ids, E, plan=p)) for p in plans}
-        if other is not None:
-            equal.update({f"{p} (against)": all(torch.equal(x, y)
-                                                for x, y in zip(other.route_rows(ids, E, plan=p), want)) for p in plans})
-            sorts.update({f"{p} us (against)": (lambda p=p: other.route_rows(ids, E, plan=p)) for p in plans})
+        builds = {"": kernels, **({" (against)": other} if other is not None else {})}
+        equal = {f"{p}{tag}": all(torch.equal(x, y) for x, y in zip(k.route_rows(ids, E, plan=p), want))
+                 for tag, k in builds.items() for p in plans}
+        sorts = {f"{p} us{tag}": (lambda k=k, p=p: k.route_rows(ids, E, plan=p)) for tag, k in builds.items()
+                 for p in plans}
         t = chained_seconds(sorts, a.chain, a.rounds, burn=20, iters=5)
         row = {"tokens": tokens, "assignments": tokens * TOP_K, "chosen": route_plan(tokens * TOP_K),
                **{name: round(1e6 * s, 2) for name, s in t.items()}, "equal to the torch sort": equal}

@@ -30,7 +30,7 @@ from omni.group_norm import use_group_norm_kernel  # noqa: E402
 from omni.models.hunyuan_image3 import image_io  # noqa: E402
 from omni.platform_manager import select  # noqa: E402
 from omni.specs import GlueSpec  # noqa: E402
-from omni.winograd import TAPS, tiles, use_conv3x3_kernel, winograd_weights  # noqa: E402
+from omni.winograd import use_conv3x3_kernel, winograd_weights  # noqa: E402
 
 # (name, rows, in, out): the 3x3 convolutions of one step on a 64x64 latent grid
 SHAPES = (("patch_embed in_layers 1024->4096", 1, 1024, 4096),
@@ -46,23 +46,15 @@ def conv_case(wt, rows: int, c_in: int, c_out: int, grid: int, rounds: int) -> d
     w = (torch.randn(c_out, c_in, 3, 3, device="cuda", generator=g) / (3 * c_in ** 0.5)).bfloat16()
     b = torch.randn(c_out, device="cuda", generator=g).bfloat16()
     w_cl, u = w.contiguous(memory_format=torch.channels_last), winograd_weights(w, torch.bfloat16)
-    th, tw = tiles(grid, grid)
-    v = torch.empty(TAPS, rows * th * tw, c_in, device="cuda", dtype=torch.bfloat16)
+    v = wt.input_transform(x)
     m = torch.bmm(v, u.transpose(1, 2), out_dtype=torch.float32)
-    y = torch.empty_like(x[:, :1]).expand(rows, c_out, grid, grid).contiguous(memory_format=torch.channels_last)
     fns = {
         "cudnn": lambda: F.conv2d(x, w_cl, b, padding=1),
         "winograd_fp32_m": lambda: wt.conv3x3(x, u, b),
         "winograd_bf16_m": lambda: wt.conv3x3(x, u, b, m_dtype=torch.bfloat16),
-        "part_input_transform": lambda: wt.input_kernel[(triton_cdiv(v.shape[1], wt.TILE_ROWS),
-                                                         triton_cdiv(c_in, wt.TILE_CHANNELS))](
-            x, v, v.shape[1], c_in, grid, grid, tw, th * tw, *x.stride(), BT=wt.TILE_ROWS, BC=wt.TILE_CHANNELS,
-            num_warps=wt.WARPS),
+        "part_input_transform": lambda: wt.input_transform(x),
         "part_gemms_fp32_out": lambda: torch.bmm(v, u.transpose(1, 2), out_dtype=torch.float32),
-        "part_output_transform": lambda: wt.output_kernel[(triton_cdiv(m.shape[1], wt.TILE_ROWS),
-                                                           triton_cdiv(c_out, wt.TILE_CHANNELS))](
-            m, b, y, y, m.shape[1], c_out, grid, grid, tw, th * tw, *y.stride(), *y.stride(),
-            HAS_BIAS=True, HAS_ADD=False, BT=wt.TILE_ROWS, BC=wt.TILE_CHANNELS, num_warps=wt.WARPS),
+        "part_output_transform": lambda: wt.output_transform(m, b, None, (rows, c_out, grid, grid), x.dtype),
     }
     t = round_robin(fns, rounds)
     ref = F.conv2d(x.double(), w.double(), b.double(), padding=1)
@@ -76,10 +68,6 @@ def conv_case(wt, rows: int, c_in: int, c_out: int, grid: int, rounds: int) -> d
             "rel_l2_vs_fp64": {k: relative(o, ref) for k, o in outs.items()},
             "max_abs_vs_fp64_over_max_ref": {k: float((o.double() - ref).abs().max()) / scale
                                              for k, o in outs.items()}}
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def heads_case(platform, rounds: int) -> dict:

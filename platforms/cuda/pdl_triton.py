@@ -54,13 +54,21 @@ def launch(kernel, grid, pdl: Pdl, rows: int, *args, **kwargs) -> None:
     first call past a class edge compiled in its request: after a server's warm-up, the first answer whose
     prompt crossed one compiled 4 kernels (1.5 s), the first 8 answers decoded together 7 (2.1 s; BENCHMARKS.md,
     "Thirtieth session"). A signature the build and the warm-up never launched still compiles on first use.
-    The check costs a tuple and a set lookup a launch on the host (captured steps do not pay it).
+    The check costs a tuple and a set lookup a launch on the host where the policy has PDL (captured steps do
+    not pay it); without PDL there is one class and no check.
     """
     chosen = pdl.kw(rows)
-    key = (kernel, pdl, tuple(kwargs.items()), tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args))
-    if key not in _SIGNATURES:
-        _SIGNATURES.add(key)
+    if pdl.max_rows and _first_launch(kernel, pdl, args, kwargs):  # no PDL: one class, nothing else to compile
         for other in pdl.classes():
             if other is not chosen:
                 kernel.warmup(*args, grid=grid, **kwargs, **other)
     kernel[grid](*args, **kwargs, **chosen)
+
+
+def _first_launch(kernel, pdl: Pdl, args: tuple, kwargs: dict) -> bool:
+    """Whether this is the first launch of the signature (recorded now)."""
+    key = (kernel, pdl, tuple(kwargs.items()), tuple(a.dtype if isinstance(a, torch.Tensor) else None for a in args))
+    if key in _SIGNATURES:
+        return False
+    _SIGNATURES.add(key)
+    return True

@@ -157,23 +157,38 @@ def prepare(w_OI33: torch.Tensor) -> torch.Tensor | None:
     return winograd_weights(w_OI33, w_OI33.dtype) if worth_it(w_OI33) else None
 
 
-def conv3x3(x_BCHW: torch.Tensor, u_KOI: torch.Tensor, bias_O: torch.Tensor | None,
-            addend_BOHW: torch.Tensor | None = None, *, m_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``addend + conv2d(x, w, bias, padding=1)`` with ``u_KOI = prepare(w)``; the result is channels-last."""
+def input_transform(x_BCHW: torch.Tensor) -> torch.Tensor:
+    """``V [16, tiles, C]`` in x's dtype (``omni.winograd.input_transform``), one launch."""
     B, C, H, W = x_BCHW.shape
-    O = u_KOI.shape[1]
     th, tw = tiles(H, W)
     T = B * th * tw
     v_KTI = torch.empty(TAPS, T, C, dtype=x_BCHW.dtype, device=x_BCHW.device)
-    y = torch.empty(B, H, W, O, dtype=x_BCHW.dtype, device=x_BCHW.device).permute(0, 3, 1, 2)
-    if T == 0:
-        return y
-    input_kernel[(triton.cdiv(T, TILE_ROWS), triton.cdiv(C, TILE_CHANNELS))](
-        x_BCHW, v_KTI, T, C, H, W, tw, th * tw, *x_BCHW.stride(), BT=TILE_ROWS, BC=TILE_CHANNELS, num_warps=WARPS)
-    m_KTO = torch.bmm(v_KTI, u_KOI.transpose(1, 2), out_dtype=m_dtype)
-    add = addend_BOHW if addend_BOHW is not None else y
-    output_kernel[(triton.cdiv(T, TILE_ROWS), triton.cdiv(O, TILE_CHANNELS))](
-        m_KTO, bias_O if bias_O is not None else m_KTO, add, y, T, O, H, W, tw, th * tw, *y.stride(), *add.stride(),
-        HAS_BIAS=bias_O is not None, HAS_ADD=addend_BOHW is not None, BT=TILE_ROWS, BC=TILE_CHANNELS,
-        num_warps=WARPS)
+    if T:
+        input_kernel[(triton.cdiv(T, TILE_ROWS), triton.cdiv(C, TILE_CHANNELS))](
+            x_BCHW, v_KTI, T, C, H, W, tw, th * tw, *x_BCHW.stride(), BT=TILE_ROWS, BC=TILE_CHANNELS,
+            num_warps=WARPS)
+    return v_KTI
+
+
+def output_transform(m_KTO: torch.Tensor, bias_O: torch.Tensor | None, addend_BOHW: torch.Tensor | None,
+                     shape_BOHW: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
+    """``addend + round(A^T M A + bias)``, channels-last ``[B, O, H, W]`` in ``dtype``, one launch."""
+    B, O, H, W = shape_BOHW
+    th, tw = tiles(H, W)
+    T = B * th * tw
+    y = torch.empty(B, H, W, O, dtype=dtype, device=m_KTO.device).permute(0, 3, 1, 2)
+    if T:
+        add = addend_BOHW if addend_BOHW is not None else y
+        output_kernel[(triton.cdiv(T, TILE_ROWS), triton.cdiv(O, TILE_CHANNELS))](
+            m_KTO, bias_O if bias_O is not None else m_KTO, add, y, T, O, H, W, tw, th * tw, *y.stride(),
+            *add.stride(), HAS_BIAS=bias_O is not None, HAS_ADD=addend_BOHW is not None, BT=TILE_ROWS,
+            BC=TILE_CHANNELS, num_warps=WARPS)
     return y
+
+
+def conv3x3(x_BCHW: torch.Tensor, u_KOI: torch.Tensor, bias_O: torch.Tensor | None,
+            addend_BOHW: torch.Tensor | None = None, *, m_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``addend + conv2d(x, w, bias, padding=1)`` with ``u_KOI = prepare(w)``; the result is channels-last."""
+    B, _, H, W = x_BCHW.shape
+    m_KTO = torch.bmm(input_transform(x_BCHW), u_KOI.transpose(1, 2), out_dtype=m_dtype)
+    return output_transform(m_KTO, bias_O, addend_BOHW, (B, u_KOI.shape[1], H, W), x_BCHW.dtype)

@@ -132,7 +132,6 @@ def validators(schema: dict) -> list:
     return out + [("jsonschema_rs", jsonschema_rs.validator_for(schema).is_valid)]
 
 
-
 @pytest.mark.parametrize("role", ["system", "developer"])
 @pytest.mark.parametrize("content", ["", "  ", "\ufeff", [{"type": "text", "text": "\x1c"}]], ids=repr)
 def test_a_blank_system_message_is_taken_as_absent(server, role, content):
