@@ -26,6 +26,7 @@ from .route_launch import (CHUNK_BLOCK, MAX_BLOCKS, MAX_EXPERTS, ONE_BLOCK_ROWS,
                            PLACE_BLOCKS, ROUTE_PLANS, SMALL_CHUNK, SMALL_ROWS, SORT_BLOCK, SORT_CHUNK, route_chunk,
                            route_plan, route_variants)
 from .pdl_triton import HAS_GDC, launch, wait_for_predecessor
+from .triton_compile import compiling
 
 from .moe import torch_route_rows  # moe.py imports this module only from a function: no cycle
 
@@ -296,8 +297,9 @@ class TritonKernels:
         if num_experts > MAX_EXPERTS or key in _ROUTES_COMPILED:
             return 0
         tokens = route_variants(k, self.pdl)
-        for t in tokens:
-            self.route_rows(torch.arange(t * k, device="cuda").remainder(num_experts).reshape(t, k), num_experts)
+        with compiling():  # compiled in parallel, not run
+            for t in tokens:
+                self.route_rows(torch.arange(t * k, device="cuda").remainder(num_experts).reshape(t, k), num_experts)
         _ROUTES_COMPILED.add(key)
         return len(tokens)
 
@@ -317,15 +319,15 @@ class TritonKernels:
                               torch.empty(R, dtype=torch.int64, device=dev))
         ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
         chunk = route_chunk(R)
-        warps, pdl = (4 if chunk == SMALL_CHUNK else 8), self.pdl.kw(R)
-        if plan == "one launch":
-            _route_one_block_kernel[(1,)](ids, token_R, inverse_R, ends_E, R, num_experts, k, EB=eb,
-                                          RB=max(chunk, triton.next_power_of_2(R)), CHUNK=chunk, num_warps=warps, **pdl)
+        warps = 4 if chunk == SMALL_CHUNK else 8
+        if plan == "one launch":  # siblings=False: compile_routes compiles each launch's classes (route_variants)
+            launch(_route_one_block_kernel, (1,), self.pdl, R, ids, token_R, inverse_R, ends_E, R, num_experts, k,
+                   EB=eb, RB=max(chunk, triton.next_power_of_2(R)), CHUNK=chunk, num_warps=warps, siblings=False)
             return token_R, inverse_R, ends_E
         counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
-        _count_kernel[(nb,)](ids, counts, R, EB=eb, BLOCK=block, num_warps=8, **pdl)
-        _place_kernel[(nb,)](ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb, EB=eb,
-                             NBT=PLACE_BLOCKS[plan], BLOCK=block, CHUNK=chunk, num_warps=warps, **pdl)
+        launch(_count_kernel, (nb,), self.pdl, R, ids, counts, R, EB=eb, BLOCK=block, num_warps=8, siblings=False)
+        launch(_place_kernel, (nb,), self.pdl, R, ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb,
+               EB=eb, NBT=PLACE_BLOCKS[plan], BLOCK=block, CHUNK=chunk, num_warps=warps, siblings=False)
         return token_R, inverse_R, ends_E
 
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .pdl import Pdl
+from .triton_compile import compile_only, compiling
 
 _SIGNATURES: set = set()  # (kernel, policy, constexprs and options, tensor dtypes) whose classes are compiled
 
@@ -46,23 +47,29 @@ def wait_for_predecessor(PDL: tl.constexpr, TRIGGER: tl.constexpr = False):
         gdc_wait()
 
 
-def launch(kernel, grid, pdl: Pdl, rows: int, *args, **kwargs) -> None:
+def launch(kernel, grid, pdl: Pdl, rows: int, *args, siblings: bool = True, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` with ``pdl``'s launch keywords for ``rows`` (``Pdl.kw``).
 
     The first launch of each signature (keyword constexprs and options, the tensors' dtypes) first compiles the
-    binaries of the policy's other classes (Triton's ``warmup``: compiled and cached, not run). Without it the
-    first call past a class edge compiled in its request: after a server's warm-up, the first answer whose
-    prompt crossed one compiled 4 kernels (1.5 s), the first 8 answers decoded together 7 (2.1 s; BENCHMARKS.md,
-    "Thirtieth session"). A signature the build and the warm-up never launched still compiles on first use.
+    binaries of the policy's classes together, in parallel (``triton_compile.compiling``: Triton's ``warmup``,
+    compiled and cached, not run). Without it the first call past a class edge compiled in its request: after a
+    server's warm-up, the first answer whose prompt crossed one compiled 4 kernels (1.5 s), the first 8 answers
+    decoded together 7 (2.1 s; BENCHMARKS.md, "Thirtieth session"). A signature the build and the warm-up never
+    launched still compiles on first use. ``siblings=False``: the caller compiles its classes itself (the sort
+    and the few-row GEMM, whose tiles change with the rows too: ``compile_routes``, ``compile_rows``).
     The check costs a tuple and a set lookup a launch on the host where the policy has PDL (captured steps do
     not pay it); without PDL there is one class and no check.
+    Inside ``compiling()`` nothing runs: the call's binary (and, with ``siblings``, its classes') is compiled.
     """
     chosen = pdl.kw(rows)
-    if pdl.max_rows and _first_launch(kernel, pdl, args, kwargs):  # no PDL: one class, nothing else to compile
-        for other in pdl.classes():
-            if other is not chosen:
-                kernel.warmup(*args, grid=grid, **kwargs, **other)
-    kernel[grid](*args, **kwargs, **chosen)
+    if siblings and pdl.max_rows and _first_launch(kernel, pdl, args, kwargs):  # no PDL: one class, no check
+        with compiling():
+            for kw in pdl.classes():
+                kernel.warmup(*args, grid=grid, **kwargs, **kw)
+    if compile_only():
+        kernel.warmup(*args, grid=grid, **kwargs, **chosen)
+    else:
+        kernel[grid](*args, **kwargs, **chosen)
 
 
 def _first_launch(kernel, pdl: Pdl, args: tuple, kwargs: dict) -> bool:

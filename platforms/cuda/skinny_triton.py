@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from .pdl import OFF, Pdl
-from .pdl_triton import wait_for_predecessor
+from .pdl_triton import launch, wait_for_predecessor
+from .triton_compile import compiling
 
 _COMPILED: set = set()  # (device, tiles, max_rows, Pdl, out dtype) whose binaries compile_rows made
 
@@ -108,9 +109,10 @@ class SkinnyFp8:
         rows = list(self.launches().values())
         K, N = max(t.block_k for _, t in self.tiles), max(t.block_n for _, t in self.tiles)
         w, ws = torch.zeros(N, K, device="cuda").to(torch.float8_e4m3fn), torch.ones(N, device="cuda")
-        for m in rows:
-            self(torch.zeros(m, K, device="cuda").to(torch.float8_e4m3fn), torch.ones(m, 1, device="cuda"), w, ws,
-                 out_dtype)
+        with compiling():  # compiled in parallel, not run
+            for m in rows:
+                self(torch.zeros(m, K, device="cuda").to(torch.float8_e4m3fn), torch.ones(m, 1, device="cuda"), w, ws,
+                     out_dtype)
         _COMPILED.add(key)
         return len(rows)
 
@@ -128,9 +130,10 @@ class SkinnyFp8:
         N = wq_NK.shape[0]
         y = torch.empty(M, N, dtype=out_dtype, device=xq_MK.device)
         t = self.tile_for(M)
-        _skinny_fp8_kernel[(triton.cdiv(N, t.block_n),)](
+        launch(  # siblings=False: compile_rows compiles each row class's binary (launches)
+            _skinny_fp8_kernel, (triton.cdiv(N, t.block_n),), self.pdl, M,
             xq_MK.contiguous(), xs_M1.reshape(-1).float().contiguous(), wq_NK, ws_N.reshape(-1).float().contiguous(),
             y, M, N, K,
             BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            num_warps=t.warps, num_stages=t.stages, **self.pdl.kw(M))
+            num_warps=t.warps, num_stages=t.stages, siblings=False)
         return y

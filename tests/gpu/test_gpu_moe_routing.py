@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -133,11 +134,14 @@ print(sorts, len(route_variants(8, kernels.pdl)), compiled, routed, calls, len(s
 """
 
 
-def test_after_the_build_time_compiles_no_row_count_compiles_the_sort_or_the_few_row_gemm(tmp_path):
+@pytest.mark.parametrize("workers", ["1", "4"])
+def test_after_the_build_time_compiles_no_row_count_compiles_the_sort_or_the_few_row_gemm(tmp_path, workers):
     """The first request of each prompt length class compiled the sort's kernels (a place-kernel tile per power
     of two blocks, each chunk and PDL variant) and the dense few-row GEMM's row class, until the build compiled
-    them all up front."""
-    run = subprocess.run([sys.executable, "-c", COMPILE_THEN_RUN, str(tmp_path)], capture_output=True, text=True)
+    them all up front; one compile at a time or four in parallel (``triton_compile``), the same binaries."""
+    env = dict(os.environ, OMNI_COMPILE_WORKERS=workers)
+    run = subprocess.run([sys.executable, "-c", COMPILE_THEN_RUN, str(tmp_path)], capture_output=True, text=True,
+                         env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     sorts, variants, compiled, routed, calls, launches, compiled_gemm, ran = map(int, run.stdout.split())
     assert sorts == variants and calls == launches and 0 < compiled < compiled_gemm

@@ -1,0 +1,78 @@
+"""Triton compiles in parallel: the build's (the MoE sort's and the few-row GEMM's row classes) and a kernel
+signature's PDL classes at its first launch.
+
+Why: each binary takes about half a second to compile (Triton's passes, LLVM, ptxas), and the build compiled
+its binaries one after another: ready in 16.6 s from an empty Triton cache on the H200, of which about 8 s were
+those compiles (BENCHMARKS.md, "Twenty-ninth session"). Triton's compiler releases the GIL in its passes and
+runs ptxas as a process, so threads overlap them (two threads on two cores: 1.9x here).
+
+``compiling()`` is the scope: inside it ``pdl_triton.launch`` hands each kernel to Triton's ``warmup`` instead
+of running it, and Triton's ``AsyncCompileMode`` submits the compile to a thread pool; leaving the scope waits
+for every compile (raising the first error) and puts the binaries in the kernels' caches. Calls made inside it
+run their torch ops but no Triton kernel, so their outputs are undefined: only the compile-time paths
+(``compile_routes``, ``compile_rows``, ``launch``'s PDL classes) enter it. ``OMNI_COMPILE_WORKERS`` sets the
+pool's threads (1: one compile at a time, as before); the default is the CPUs this process may use, at most
+16. A Triton without ``AsyncCompileMode`` (before 3.4) compiles in the caller's thread.
+
+This module imports Triton only inside ``compiling()``, so the CPU tests read it.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+MAX_WORKERS = 16  # past this the compiles contend for memory more than they gain (a binary's compile: ~0.5 s)
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("omni_compile_only", default=False)
+_POOL: list = []  # the one thread pool, made at first use
+
+
+def workers(environ=os.environ) -> int:
+    """The pool's threads: ``OMNI_COMPILE_WORKERS`` (a positive integer), else this process's CPUs, at most
+    ``MAX_WORKERS``."""
+    raw = environ.get("OMNI_COMPILE_WORKERS", "").strip()
+    if not raw:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(MAX_WORKERS, cpus))
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"OMNI_COMPILE_WORKERS must be a positive integer (threads compiling Triton kernels), "
+                         f"got {raw!r}")
+    return int(raw)
+
+
+def compile_only() -> bool:
+    """Whether ``launch`` compiles instead of running (inside ``compiling()``)."""
+    return _COMPILE_ONLY.get()
+
+
+@contextmanager
+def compiling():
+    """The scope in which ``launch`` compiles (see the module docstring); nested scopes join the outer one."""
+    if _COMPILE_ONLY.get():
+        yield
+        return
+    token = _COMPILE_ONLY.set(True)
+    try:
+        with _async_mode():
+            yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+@contextmanager
+def _async_mode():
+    """Triton's ``AsyncCompileMode`` over the pool (its exit waits for every compile), or nothing where this
+    Triton lacks it or one thread is asked for."""
+    n = workers()
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        AsyncCompileMode = None
+    if AsyncCompileMode is None or n == 1:
+        yield
+        return
+    if not _POOL or _POOL[0]._max_workers != n:
+        _POOL[:] = [ThreadPoolExecutor(max_workers=n, thread_name_prefix="omni-triton-compile")]
+    with AsyncCompileMode(_POOL[0]):
+        yield

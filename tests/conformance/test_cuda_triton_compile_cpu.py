@@ -1,0 +1,40 @@
+"""The cuda platform's compile scope (``platforms/cuda/triton_compile.py``) without a GPU: how many threads
+compile, and when ``launch`` compiles instead of running. The compiles themselves: tests/gpu/test_gpu_moe_routing.py
+and tests/gpu/test_gpu_pdl.py."""
+from __future__ import annotations
+
+import pytest
+
+from omni.platforms.cuda import triton_compile as tc
+
+
+def test_workers_default_to_the_cpus_this_process_may_use_capped():
+    got = tc.workers({})
+    assert 1 <= got <= tc.MAX_WORKERS
+    assert tc.workers({"OMNI_COMPILE_WORKERS": "3"}) == 3
+    assert tc.workers({"OMNI_COMPILE_WORKERS": " 1 "}) == 1  # one compile at a time, as before the pool
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "four", "1.5"])
+def test_a_bad_worker_count_is_refused_naming_the_variable(bad):
+    with pytest.raises(ValueError, match="OMNI_COMPILE_WORKERS.*positive integer"):
+        tc.workers({"OMNI_COMPILE_WORKERS": bad})
+
+
+def test_the_scope_turns_compile_only_on_nests_and_restores(monkeypatch):
+    monkeypatch.setenv("OMNI_COMPILE_WORKERS", "1")  # no pool: the scope's flag alone
+    assert not tc.compile_only()
+    with tc.compiling():
+        assert tc.compile_only()
+        with tc.compiling():  # launch's PDL classes inside the build's scope join it
+            assert tc.compile_only()
+        assert tc.compile_only()
+    assert not tc.compile_only()
+
+
+def test_an_error_inside_the_scope_leaves_it(monkeypatch):
+    monkeypatch.setenv("OMNI_COMPILE_WORKERS", "1")
+    with pytest.raises(RuntimeError, match="boom"):
+        with tc.compiling():
+            raise RuntimeError("boom")
+    assert not tc.compile_only()
