@@ -37,9 +37,9 @@ SWEEP = {
 }
 SWEEP["moe_swiglu"] = SWEEP["swiglu"]
 SWEEP["quant_routed"] = SWEEP["quant_hidden"] = [(r, w) for r in (1, 2, 4, 8) for w in (4, 8, 16)]
-SWEEP["gather"] = [(r, w) for r in (1, 2, 4, 8) for w in (2, 4, 8, 16)]
+SWEEP["scatter"] = [(r, w) for r in (1, 2, 4) for w in (2, 4, 8, 16)]
 SWEEP["combine"] = [(r, w) for r in (1, 2, 4) for w in (2, 4, 8, 16)]
-MOE_TILES = {"moe_swiglu": "swiglu_tile", "gather": "gather_tile", "combine": "combine_tile"}
+MOE_TILES = {"moe_swiglu": "swiglu_tile", "scatter": "scatter_tile", "combine": "combine_tile"}
 
 
 def parse() -> argparse.Namespace:
@@ -77,7 +77,7 @@ def cases(glue, moe):
     h_routed = torch.randn(R, 2 * I, device="cuda", generator=g, dtype=torch.bfloat16)
     h_epilogue = torch.randn(R, I, device="cuda", generator=g, dtype=torch.bfloat16)
     xq, xs = moe.quant_rows(x)
-    token_R, inverse_R, _ = moe.route_rows(torch.randint(0, E, (T, TOPK), device="cuda", generator=g), E)
+    _, inverse_R, _ = moe.route_rows(torch.randint(0, E, (T, TOPK), device="cuda", generator=g), E)
     y_routed = torch.randn(R, D, device="cuda", generator=g, dtype=torch.bfloat16)
     w_Tk = torch.rand(T, TOPK, device="cuda", generator=g)
     b16 = 2
@@ -94,7 +94,8 @@ def cases(glue, moe):
         ("fp8 rows of the epilogue's h (65,552 x 3072)", "quant_routed", lambda: moe.quant_rows(h_epilogue),
          R * I * (b16 + 1)),
         ("fp8 rows of o_proj's input (8194 x 4096)", "quant_hidden", lambda: moe.quant_rows(x), T * D * (b16 + 1)),
-        ("gather of e4m3 rows (65,552 x 4096)", "gather", lambda: moe.gather_rows(xq, xs, token_R), R * D * 2),
+        ("scatter of e4m3 rows (8194 x 4096 -> 65,552)", "scatter", lambda: moe.scatter_rows(xq, xs, inverse_R),
+         (T + R) * D),
         ("combine of 8 rows + 2 addends (8194 x 4096)", "combine",
          lambda: moe.combine(y_routed, inverse_R, w_Tk, torch.bfloat16, (x, d)), (R + 3 * T) * D * b16),
     ]
@@ -102,7 +103,7 @@ def cases(glue, moe):
 
 def set_tile(glue, moe, key: str, tile) -> None:
     """``moe_swiglu``: the routed rows' SwiGLU; ``swiglu``: the shared expert's (the same kernel, its own tile);
-    ``gather`` and ``combine``: the MoE's (``MOE_TILES``)."""
+    ``scatter`` and ``combine``: the MoE's (``MOE_TILES``)."""
     if key in MOE_TILES:
         setattr(moe, MOE_TILES[key], tile)
     elif key.startswith("quant"):

@@ -75,7 +75,11 @@ class TorchKernels:
     def quant_rows(self, x_TD):
         return quant.quantize_fp8(x_TD, per_row=True)
 
-    def gather_rows(self, q_TD, s_T1, token_R):
+    def scatter_rows(self, q_TD, s_T1, inverse_R):
+        """``out[inverse_R[t*k + j]] = q[t]``: the rows by sorted row, the inverse permutation's token each."""
+        R = inverse_R.numel()
+        token_R = torch.empty_like(inverse_R)
+        token_R[inverse_R] = torch.arange(R, device=inverse_R.device) // max(1, R // max(1, q_TD.shape[0]))
         return q_TD[token_R], s_T1.reshape(-1, 1).float()[token_R]
 
     def swiglu(self, h_R2I, quantize: bool):
@@ -161,7 +165,7 @@ class CudaMoE:
         out_dtype = self.spec.dtype if rows is not None else x_TD.dtype
         x = None if rows is not None else x_TD.to(self.spec.dtype)
         if self.spec.quant == "fp8_row":
-            xq, xs = (self.kernels.gather_rows(rows.q_TI, rows.scale_T1, token_R) if rows is not None
+            xq, xs = (self.kernels.scatter_rows(rows.q_TI, rows.scale_T1, inverse_R) if rows is not None
                       else self.kernels.quant_gather(x, token_R))
             most = topk_ids_Tk.shape[0]  # no expert gets more rows than tokens: a token's k experts are distinct
             h = self.gemm13.scaled(xq, xs, prepared.w13, offs, most)  # with the epilogue: the SwiGLU already

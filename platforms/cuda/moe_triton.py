@@ -5,7 +5,8 @@ every tensor is a contiguous CUDA tensor. One program per row; no host reads.
 
     quant_gather   x[token_R[r]] -> e4m3 row r and its per-row fp32 scale (gather + dynamic quantization);
                    ``quant_rows`` is the same without the gather (the dense fp8_row linears' activations)
-    gather_rows    q[token_R[r]], s[token_R[r]]: rows a glue kernel quantized already (1 byte per element moved)
+    scatter_rows   out[inverse_R[t*k + j]] = q[t] (and its scale): rows a glue kernel quantized already, each
+                   read once and written k times (1 byte per element moved)
     swiglu         h[r] = [x1 | x2] -> x1 * silu(x2), as bf16 or as e4m3 + per-row scale
     combine        out[t] = sum(addends)[t] + sum_j w[t, j] * y[inverse[t*k + j]] (fp32 accumulate, one rounding)
     route_rows     a stable counting sort of the T*k expert ids: one launch up to 32 assignments, else two
@@ -51,19 +52,24 @@ def _quant_kernel(x_ptr, token_ptr, q_ptr, s_ptr, T, D, BLOCK: tl.constexpr, ROW
     tl.store(s_ptr + rows, s, mask=rm)
 
 
-@triton.jit(do_not_specialize=["R"])
-def _gather_rows_kernel(q_ptr, s_ptr, token_ptr, out_ptr, out_s_ptr, R, D, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                        PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+@triton.jit(do_not_specialize=["T"])
+def _scatter_rows_kernel(q_ptr, s_ptr, inv_ptr, out_ptr, out_s_ptr, T, D, K: tl.constexpr, BLOCK: tl.constexpr,
+                         ROWS: tl.constexpr, PDL: tl.constexpr = False, TRIGGER: tl.constexpr = False):
+    """Tokens ``[ROWS]``: each e4m3 row read once and written to its ``K`` sorted rows (``inverse``), and its
+    scale with it."""
     wait_for_predecessor(PDL, TRIGGER)
-    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    rm = rows < R
-    t = tl.load(token_ptr + rows, mask=rm, other=0).to(tl.int64)
+    t = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    tm = t < T
     for start in tl.range(0, D, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        m = rm[:, None] & (cols < D)[None, :]
+        m = tm[:, None] & (cols < D)[None, :]
         row = tl.load(q_ptr + t[:, None] * D + cols[None, :], mask=m)
-        tl.store(out_ptr + rows[:, None] * D + cols[None, :], row, mask=m)
-    tl.store(out_s_ptr + rows, tl.load(s_ptr + t, mask=rm), mask=rm)
+        for j in tl.static_range(K):
+            r = tl.load(inv_ptr + t * K + j, mask=tm, other=0).to(tl.int64)
+            tl.store(out_ptr + r[:, None] * D + cols[None, :], row, mask=m)
+    s = tl.load(s_ptr + t, mask=tm)
+    for j in tl.static_range(K):
+        tl.store(out_s_ptr + tl.load(inv_ptr + t * K + j, mask=tm, other=0).to(tl.int64), s, mask=tm)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -207,9 +213,9 @@ class TritonKernels:
         # (8194 x 4096) 68.0 -> 56.7 us at 4 x 16 (the bytes floors: 143.5 and 23.9 us); other widths 1 x 8
         self.quant_tiles = {3072: Tile(2, 4), 4096: Tile(4, 16)}
         self.quant_tile = Tile(1, 8)
-        # the e4m3 rows' gather (65,552 rows of 4096 from 8194) and the combine (8194 tokens x 8 rows of 4096
-        # + 2 addends): rows (tokens) per program and warps
-        self.gather_tile = Tile(1, 4)
+        # the e4m3 rows' scatter (8194 tokens of 4096 to 65,552 sorted rows) and the combine (8194 tokens x 8 rows
+        # of 4096 + 2 addends): tokens per program and warps
+        self.scatter_tile = Tile(1, 4)
         self.combine_tile = Tile(1, 4)
 
     def skinny_fp8(self, max_rows: int):
@@ -236,16 +242,18 @@ class TritonKernels:
                    GATHER=True, num_warps=_warps(block))
         return q, s[:, None]
 
-    def gather_rows(self, q_TD: torch.Tensor, s_T1: torch.Tensor, token_R: torch.Tensor):
-        """Rows quantized already, gathered: ``(q[token_R] [R, D] e4m3, s[token_R] [R, 1] fp32)``."""
+    def scatter_rows(self, q_TD: torch.Tensor, s_T1: torch.Tensor, inverse_R: torch.Tensor):
+        """Rows quantized already, in the sort's order: ``(out [R, D] e4m3, out_s [R, 1] fp32)`` with
+        ``out[inverse_R[t*k + j]] = q[t]``. Each token's row is read once and written ``k`` times: a gather by
+        sorted row read each token's row ``k`` times, at random, after the writes had pushed it out of L2."""
         q, s = q_TD.contiguous(), s_T1.reshape(-1).float().contiguous()
-        R, D = token_R.numel(), q.shape[1]
+        (T, D), R = q.shape, inverse_R.numel()
         out = torch.empty(R, D, dtype=q.dtype, device=q.device)
         out_s = torch.empty(R, dtype=torch.float32, device=q.device)
         if R:
-            tile = self.gather_tile
-            launch(_gather_rows_kernel, (triton.cdiv(R, tile.rows),), self.pdl, R, q, s, token_R, out, out_s, R, D,
-                   BLOCK=min(4096, triton.next_power_of_2(D)), ROWS=tile.rows, num_warps=tile.warps)
+            tile = self.scatter_tile
+            launch(_scatter_rows_kernel, (triton.cdiv(T, tile.rows),), self.pdl, R, q, s, inverse_R, out, out_s,
+                   T, D, K=R // T, BLOCK=min(4096, triton.next_power_of_2(D)), ROWS=tile.rows, num_warps=tile.warps)
         return out, out_s[:, None]
 
     def quant_rows(self, x_TD: torch.Tensor):

@@ -297,6 +297,22 @@ def test_grouped_mm_kernel_on_cpu_tensors():
     torch.testing.assert_close(y.float(), naive_grouped(spec, x, w, offsets).float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("T,k", [(1, 1), (37, 3), (300, 8)])
+def test_scatter_rows_puts_each_token_row_at_its_sorted_rows(T, k):
+    """The definition the Triton scatter is held to (its GPU test: bit for bit): the rows by sorted row, each
+    the row of that row's token in the stable sort by expert."""
+    from omni.platforms.cuda.moe import torch_route_rows
+
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(T, 64, generator=g).to(torch.float8_e4m3fn)
+    s = torch.rand(T, 1, generator=g)
+    ids = torch.rand(T, 16, generator=g).topk(k, -1).indices
+    token_R, inverse_R, _ = torch_route_rows(ids, 16)
+    out, out_s = TorchKernels().scatter_rows(q, s, inverse_R)
+    assert torch.equal(out.view(torch.uint8), q[token_R].view(torch.uint8)) and torch.equal(out_s, s[token_R])
+    assert torch.equal(token_R.sort().values, torch.arange(T).repeat_interleave(k))  # each token k times
+
+
 def test_group_tensor_scales_match_per_group_absmax():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(25, 64, generator=g) * torch.linspace(0.1, 3, 25)[:, None]

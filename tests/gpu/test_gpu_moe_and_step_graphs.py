@@ -71,8 +71,9 @@ def test_fused_moe_triton_torch_reference_agree(platform, quant, capsys):
 
 
 def test_fused_moe_takes_rows_the_glue_quantized(platform):
-    """The fp8_row MoE gathers ``RowQuantized`` rows as they are (Triton copy == torch indexing, bit for bit),
-    and the layer's output matches the plain-rows path (its own Triton quantization of the same rows)."""
+    """The fp8_row MoE scatters ``RowQuantized`` rows as they are into the sort's order (Triton copy == torch
+    indexing == the rows gathered by each sorted row's token, bit for bit), and the layer's output matches the
+    plain-rows path (its own Triton quantization of the same rows)."""
     from omni import quant
     from omni.platforms.cuda.moe import TorchKernels, memory_kernels
     from omni.specs import RowQuantized
@@ -83,11 +84,13 @@ def test_fused_moe_takes_rows_the_glue_quantized(platform):
     x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     w, ids = torch.rand(T, E, device="cuda", generator=g).softmax(-1).topk(k, -1)
     q, s = quant.quantize_fp8(x, per_row=True)
-    token = torch.randint(0, T, (T * k,), device="cuda", generator=g)
     triton_kernels = memory_kernels("triton", pytest.fail)
-    for a, b in zip(triton_kernels.gather_rows(q, s, token), TorchKernels().gather_rows(q, s, token)):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    token, inverse, _ = triton_kernels.route_rows(ids, E)
+    by_token = (q[token], s.reshape(-1, 1)[token])
+    for kernels in (triton_kernels, TorchKernels()):
+        for a, b in zip(kernels.scatter_rows(q, s, inverse), by_token):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
     fused = platform.moe(spec)
     assert fused.accepts_row_quantized
     prepared = fused.prepare_weights((torch.randn(E, 2 * inner, D, device="cuda") / D ** 0.5).bfloat16(),
