@@ -26,6 +26,8 @@ from contextvars import ContextVar
 MAX_WORKERS = 16  # past this the compiles contend for memory more than they gain (a binary's compile: ~0.5 s)
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("omni_compile_only", default=False)
 _POOL: list = []  # the one thread pool, made at first use
+if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads: it makes its own
+    os.register_at_fork(after_in_child=_POOL.clear)
 
 
 def workers(environ=os.environ) -> int:

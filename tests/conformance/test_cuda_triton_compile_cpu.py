@@ -38,3 +38,16 @@ def test_an_error_inside_the_scope_leaves_it(monkeypatch):
         with tc.compiling():
             raise RuntimeError("boom")
     assert not tc.compile_only()
+
+
+def test_a_forked_child_makes_its_own_pool(monkeypatch):
+    """A ThreadPoolExecutor copied by fork has no threads to run its work: the child must not reuse it."""
+    import os
+
+    tc._POOL[:] = ["the parent's pool"]
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if the pool list was emptied at fork
+        os._exit(0 if tc._POOL == [] else 1)
+    _, status = os.waitpid(pid, 0)
+    tc._POOL.clear()
+    assert os.waitstatus_to_exitcode(status) == 0
