@@ -10,8 +10,9 @@ machinery around it: bench/csrc/dense_fp8_probe.cu builds CUTLASS's plain
 configurations (ping-pong 128x128 in 1x2 and 2x1 clusters, cooperative
 128x256 in 2x1), and times each beside torch._scaled_mm (cuBLAS,
 use_fast_accum=True) and, with ``--grouped-lib``, every configuration of a
-grouped object with all rows in expert 0 of 64. Shapes: M = 65,552 rows,
-gate_up K 4096 -> N 6144 and down K 3072 -> N 4096, random e4m3 operands with
+grouped object with all rows in expert 0 of 64. Shapes: M = 65,552 rows (``--rows``),
+gate_up K 4096 -> N 6144 and down K 3072 -> N 4096 (``--shapes``; also the layer's dense GEMMs at 8194 rows:
+qkv, o_proj, shared_down), random e4m3 operands with
 per-row fp32 scales. Reported: TFLOP/s (2 M N K / seconds a call; the median
 over ``--rounds`` round-robin rounds of replays of ``--chain`` captured calls,
 as bench/bench_cutlass_grouped.py times), the relative L2 error of every
@@ -44,7 +45,10 @@ from omni.platforms.cuda.cutlass_grouped import CutlassGroupedFp8, exported_conf
 SOURCE = Path(__file__).resolve().parent / "csrc" / "dense_fp8_probe.cu"
 E = 64  # the grouped kernel's groups: every row in group 0
 M = 65552  # the released MoE's routed rows (8194 tokens x top 8)
-SHAPES = {"gate_up": (4096, 6144), "down": (3072, 4096)}  # name: (K, N)
+# name: (K, N): the MoE's expert GEMMs, and the layer's dense ones (qkv_proj and the shared expert's gate_up are
+# both 4096 -> 6144) at ``--rows 8194`` (one 1024x1024 CFG step's tokens)
+SHAPES = {"gate_up": (4096, 6144), "down": (3072, 4096), "qkv": (4096, 6144), "o_proj": (4096, 4096),
+          "shared_down": (3072, 4096)}
 
 
 def dense_configs(library: Path) -> list[str]:
@@ -96,7 +100,8 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--chain", type=int, default=8, help="capture each kernel N times back to back into a CUDA "
                    "graph and time its replays (the sustained rate, as in a captured step); 0: eager calls")
-    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: gate_up, down")
+    p.add_argument("--shapes", default="gate_up,down", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--rows", type=int, default=M, help="M: the routed rows (default) or a step's tokens (8194)")
     a = p.parse_args()
 
     lib_path = probe_library(SOURCE, a.lib)
@@ -118,10 +123,10 @@ def main():
     rows = []
     for name in a.shapes.split(","):
         k, n = SHAPES[name]
-        xq, xs = fp8(torch.randn(M, k, device="cuda", generator=g).bfloat16())
+        xq, xs = fp8(torch.randn(a.rows, k, device="cuda", generator=g).bfloat16())
         wq, ws = fp8(torch.randn(n, k, device="cuda", generator=g).bfloat16())
         xs, ws = xs.view(-1).contiguous(), ws.view(-1).contiguous()
-        flops = 2 * M * n * k
+        flops = 2 * a.rows * n * k
 
         def cublas():
             return torch._scaled_mm(xq, wq.t(), scale_a=xs.view(-1, 1), scale_b=ws.view(1, -1),
@@ -137,7 +142,7 @@ def main():
             wq_e = wq_e.view(torch.float8_e4m3fn)
             ws_e = torch.zeros(E, n, device="cuda")
             ws_e[0] = ws
-            offs = torch.full((E,), M, dtype=torch.int32, device="cuda")  # cumulative ends: all rows in group 0
+            offs = torch.full((E,), a.rows, dtype=torch.int32, device="cuda")  # cumulative ends: all rows in group 0
             for kernel in grouped:
                 fns[f"cutlass grouped {kernel.config}"] = call(kernel, xq, xs, wq_e, ws_e, offs, 0, 1)
         ref = cublas().float()
@@ -147,7 +152,7 @@ def main():
                 err[label] = float((fn().float() - ref).norm() / ref.norm())
         torch.cuda.synchronize()
         t = round_robin_seconds(fns, a.rounds, a.chain)
-        row = {"gemm": name, "M": M, "N": n, "K": k,
+        row = {"gemm": name, "M": a.rows, "N": n, "K": k,
                **{f"{label} TFLOP/s": round(flops / s / 1e12, 1) for label, s in t.items()},
                "rel err vs cublas": err, "stages": stages,
                "timing": f"graph of {a.chain} calls" if a.chain else "eager calls"}
