@@ -248,6 +248,8 @@ class TritonKernels:
         sorted row read each token's row ``k`` times, at random, after the writes had pushed it out of L2."""
         q, s = q_TD.contiguous(), s_T1.reshape(-1).float().contiguous()
         (T, D), R = q.shape, inverse_R.numel()
+        if T and R % T:
+            raise ValueError(f"cuda-moe scatter_rows: {R} sorted rows are not k per token of {T}")
         out = torch.empty(R, D, dtype=q.dtype, device=q.device)
         out_s = torch.empty(R, dtype=torch.float32, device=q.device)
         if R:

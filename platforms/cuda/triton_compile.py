@@ -4,7 +4,8 @@ signature's PDL classes at its first launch.
 Why: each binary takes about half a second to compile (Triton's passes, LLVM, ptxas), and the build compiled
 its binaries one after another: ready in 16.6 s from an empty Triton cache on the H200, of which about 8 s were
 those compiles (BENCHMARKS.md, "Twenty-ninth session"). Triton's compiler releases the GIL in its passes and
-runs ptxas as a process, so threads overlap them (two threads on two cores: 1.9x here).
+runs ptxas as a process, so threads overlap them: 13.8 -> 10.9 s ready on the H200's 16 CPUs, same machine
+(BENCHMARKS.md, "Thirty-first session").
 
 ``compiling()`` is the scope: inside it ``pdl_triton.launch`` hands each kernel to Triton's ``warmup`` instead
 of running it, and Triton's ``AsyncCompileMode`` submits the compile to a thread pool; leaving the scope waits

@@ -138,7 +138,8 @@ print(sorts, len(route_variants(8, kernels.pdl)), compiled, routed, calls, len(s
 def test_after_the_build_time_compiles_no_row_count_compiles_the_sort_or_the_few_row_gemm(tmp_path, workers):
     """The first request of each prompt length class compiled the sort's kernels (a place-kernel tile per power
     of two blocks, each chunk and PDL variant) and the dense few-row GEMM's row class, until the build compiled
-    them all up front; one compile at a time or four in parallel (``triton_compile``), the same binaries."""
+    them all up front; one compile at a time or four in parallel (``triton_compile``): either way, nothing
+    compiles after the build."""
     env = dict(os.environ, OMNI_COMPILE_WORKERS=workers)
     run = subprocess.run([sys.executable, "-c", COMPILE_THEN_RUN, str(tmp_path)], capture_output=True, text=True,
                          env=env)
