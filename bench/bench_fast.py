@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -72,6 +73,9 @@ def parse(argv=None):
                    help="the decode whose time enters the per-image figure (all three are timed and compared); "
                         "float16 autocast is the official pipeline's")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--floor-rounds", type=int, default=1, metavar="N",
+                   help="time the fp8 floor's kernels alone N times in all (rotating their order), to report the "
+                   "spread of the floor timed alone and of the engine's ratio to it; the first pass stays the floor")
     p.add_argument("--json", type=Path)
     p.add_argument("--platform", default="cuda", help="cpu with --config small: a dry run of the script")
     p.add_argument("--config", choices=["released", "small"], default="released",
@@ -275,6 +279,11 @@ def summarize(a, out):
         lines.append(f"naive / engine fp8 = {nv['image_s'] / e8['image_s']:.1f}x")
     if e8 and "fp8" in fl:
         lines.append(f"engine fp8 / floor fp8 = {e8['step_32_s'] / fl['fp8']['step_32_layers_s']:.2f}x (per step)")
+        rounds = fl["fp8"].get("alone_rounds")
+        if rounds:
+            ratios = [e8["step_32_s"] / t for t in rounds["step_32_layers_s"]]
+            lines.append(f"engine fp8 / floor fp8 over {len(ratios)} rounds of the floor alone = "
+                         f"{min(ratios):.3f}-{max(ratios):.3f}x (median {statistics.median(ratios):.3f}x)")
         sus = fl["fp8"].get("sustained")
         if sus:
             lines.append(f"engine fp8 / sustained floor fp8 = {e8['step_32_s'] / sus['step_32_layers_s']:.2f}x "

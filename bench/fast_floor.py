@@ -3,6 +3,7 @@ experts) and its attention kernel, each timed alone and (fp8) all captured into 
 time no implementation of the step can beat by much."""
 from __future__ import annotations
 
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def floor(a, s: Setup, out, platform):
                      "image_s": total * RELEASED_LAYERS * a.steps}
         print(f"[floor {prec}] per layer {total*1e3:.2f} ms: " +
               ", ".join(f"{n} {t*1e3:.2f}" for n, t in times.items()), flush=True)
+        if kept and a.floor_rounds > 1:
+            res[prec]["alone_rounds"] = alone_rounds(kept, times, a.floor_rounds)
         if kept and torch.cuda.is_available():
             res[prec]["sustained"] = sustained_floor(kept, a.timed)
             kept.clear()
@@ -143,6 +146,24 @@ def _rates(res: dict, s: Setup) -> None:
         gemm_t = sum(v for n, v in kt.items() if n != "attention")
         res[prec]["gemm_tflops"] = (fl["dense"] + fl["routed"]) / gemm_t / 1e12
         res[prec]["attention_tflops"] = fl["attention"] / kt["attention"] / 1e12
+
+
+def alone_rounds(kernels: dict, first: dict, rounds: int) -> dict:
+    """The fp8 kernels timed alone again, ``rounds - 1`` more times, each round in another order (rotated), with
+    their operands kept: the run-to-run spread of the floor timed alone. Each kernel's time depends on how hot
+    the card is when its burst starts (the previous kernel's); the per-layer figure of the first pass stays the
+    floor's, and this reports every round's total and the per-kernel medians beside it."""
+    names, per_kernel = list(kernels), {n: [t] for n, t in first.items()}
+    for r in range(1, rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            per_kernel[name].append(median_seconds(kernels[name], 20))
+    totals = [sum(per_kernel[n][r] for n in names) for r in range(rounds)]
+    medians = {n: statistics.median(v) for n, v in per_kernel.items()}
+    print(f"[floor alone x{rounds}] per layer " + ", ".join(f"{t*1e3:.2f}" for t in totals) +
+          f" ms (min {min(totals)*1e3:.2f}, max {max(totals)*1e3:.2f}); per-kernel medians sum to "
+          f"{sum(medians.values())*1e3:.2f} ms", flush=True)
+    return {"per_layer_s": totals, "step_32_layers_s": [t * RELEASED_LAYERS for t in totals],
+            "kernels_median_s": medians, "per_layer_of_medians_s": sum(medians.values())}
 
 
 def sustained_floor(kernels: dict, steps: int) -> dict:
