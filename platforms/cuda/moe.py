@@ -77,9 +77,9 @@ class TorchKernels:
 
     def scatter_rows(self, q_TD, s_T1, inverse_R):
         """``out[inverse_R[t*k + j]] = q[t]``: the rows by sorted row, the inverse permutation's token each."""
-        R = inverse_R.numel()
+        R, T = inverse_R.numel(), q_TD.shape[0]
         token_R = torch.empty_like(inverse_R)
-        token_R[inverse_R] = torch.arange(R, device=inverse_R.device) // max(1, R // max(1, q_TD.shape[0]))
+        token_R[inverse_R] = torch.arange(R, device=inverse_R.device) // (R // T if T else 1)
         return q_TD[token_R], s_T1.reshape(-1, 1).float()[token_R]
 
     def swiglu(self, h_R2I, quantize: bool):

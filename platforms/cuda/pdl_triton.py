@@ -62,13 +62,12 @@ def launch(kernel, grid, pdl: Pdl, rows: int, *args, siblings: bool = True, **kw
     Inside ``compiling()`` nothing runs: the call's binary (and, with ``siblings``, its classes') is compiled.
     """
     chosen = pdl.kw(rows)
-    if siblings and pdl.max_rows and _first_launch(kernel, pdl, args, kwargs):  # no PDL: one class, no check
-        with compiling():
-            for kw in pdl.classes():
+    every = siblings and pdl.max_rows and _first_launch(kernel, pdl, args, kwargs)  # no PDL: one class, no check
+    if every or compile_only():
+        with compiling():  # inside an outer scope (the build's), joined to it
+            for kw in (pdl.classes() if every else (chosen,)):
                 kernel.warmup(*args, grid=grid, **kwargs, **kw)
-    if compile_only():
-        kernel.warmup(*args, grid=grid, **kwargs, **chosen)
-    else:
+    if not compile_only():
         kernel[grid](*args, **kwargs, **chosen)
 
 

@@ -26,9 +26,9 @@ from contextvars import ContextVar
 
 MAX_WORKERS = 16  # past this the compiles contend for memory more than they gain (a binary's compile: ~0.5 s)
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("omni_compile_only", default=False)
-_POOL: list = []  # the one thread pool, made at first use
-if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads: it makes its own
-    os.register_at_fork(after_in_child=_POOL.clear)
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # by thread count, made at first use
+if hasattr(os, "register_at_fork"):  # a forked child has none of the pools' threads: it makes its own
+    os.register_at_fork(after_in_child=_POOLS.clear)
 
 
 def workers(environ=os.environ) -> int:
@@ -75,7 +75,7 @@ def _async_mode():
     if AsyncCompileMode is None or n == 1:
         yield
         return
-    if not _POOL or _POOL[0]._max_workers != n:
-        _POOL[:] = [ThreadPoolExecutor(max_workers=n, thread_name_prefix="omni-triton-compile")]
-    with AsyncCompileMode(_POOL[0]):
+    if n not in _POOLS:
+        _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="omni-triton-compile")
+    with AsyncCompileMode(_POOLS[n]):
         yield

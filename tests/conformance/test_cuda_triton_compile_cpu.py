@@ -44,10 +44,10 @@ def test_a_forked_child_makes_its_own_pool(monkeypatch):
     """A ThreadPoolExecutor copied by fork has no threads to run its work: the child must not reuse it."""
     import os
 
-    tc._POOL[:] = ["the parent's pool"]
+    tc._POOLS[2] = "the parent's pool"
     pid = os.fork()
-    if pid == 0:  # the child: exit code 0 only if the pool list was emptied at fork
-        os._exit(0 if tc._POOL == [] else 1)
+    if pid == 0:  # the child: exit code 0 only if the pools were dropped at fork
+        os._exit(0 if tc._POOLS == {} else 1)
     _, status = os.waitpid(pid, 0)
-    tc._POOL.clear()
+    tc._POOLS.pop(2)
     assert os.waitstatus_to_exitcode(status) == 0
