@@ -13,7 +13,7 @@ for every compile (raising the first error) and puts the binaries in the kernels
 run their torch ops but no Triton kernel, so their outputs are undefined: only the compile-time paths
 (``compile_routes``, ``compile_rows``, ``launch``'s PDL classes) enter it. ``OMNI_COMPILE_WORKERS`` sets the
 pool's threads (1: one compile at a time, as before); the default is the CPUs this process may use, at most
-16. A Triton without ``AsyncCompileMode`` (before 3.4) compiles in the caller's thread.
+16. A Triton without ``AsyncCompileMode`` (3.6 has it) compiles in the caller's thread.
 
 This module imports Triton only inside ``compiling()``, so the CPU tests read it.
 """
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-MAX_WORKERS = 16  # past this the compiles contend for memory more than they gain (a binary's compile: ~0.5 s)
+MAX_WORKERS = 16  # a cap: the one host measured had 16 CPUs (BENCHMARKS.md); more threads were not measured
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("omni_compile_only", default=False)
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by thread count, made at first use
 if hasattr(os, "register_at_fork"):  # a forked child has none of the pools' threads: it makes its own
