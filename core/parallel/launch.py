@@ -135,6 +135,8 @@ def run_worker(fn: Callable | str, info: RankInfo, degrees: Degrees, *, platform
 
     if threads:  # host threads per worker, as torchrun's OMP_NUM_THREADS: workers share the host CPUs
         torch.set_num_threads(threads)
+    # as torchrun sets it: what shares this host's CPUs with this rank (a platform's kernel compile threads)
+    os.environ["LOCAL_WORLD_SIZE"] = str(info.local_world_size)
     if info.world_size != degrees.world_size:
         raise ValueError(f"{degrees.label()} needs {degrees.world_size} ranks, the job has {info.world_size}")
     plat = select(platform)

@@ -12,8 +12,9 @@ of running it, and Triton's ``AsyncCompileMode`` submits the compile to a thread
 for every compile (raising the first error) and puts the binaries in the kernels' caches. Calls made inside it
 run their torch ops but no Triton kernel, so their outputs are undefined: only the compile-time paths
 (``compile_routes``, ``compile_rows``, ``launch``'s PDL classes) enter it. ``OMNI_COMPILE_WORKERS`` sets the
-pool's threads (1: one compile at a time, as before); the default is the CPUs this process may use, at most
-16. A Triton without ``AsyncCompileMode`` (3.6 has it) compiles in the caller's thread.
+pool's threads (1: one compile at a time, as before); the default is the CPUs this process may use, shared
+among the ranks on its host (``LOCAL_WORLD_SIZE``), at most 16. A Triton without ``AsyncCompileMode`` (3.6 has
+it) compiles in the caller's thread.
 
 This module imports Triton only inside ``compiling()``, so the CPU tests read it.
 """
@@ -32,16 +33,24 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the pools' thr
 
 
 def workers(environ=os.environ) -> int:
-    """The pool's threads: ``OMNI_COMPILE_WORKERS`` (a positive integer), else this process's CPUs, at most
-    ``MAX_WORKERS``."""
+    """The pool's threads: ``OMNI_COMPILE_WORKERS`` (a positive integer), else this process's share of its CPUs
+    (split among the ``LOCAL_WORLD_SIZE`` ranks on this host, which torchrun and ``omni.parallel.launch`` set),
+    at most ``MAX_WORKERS``. Every rank builds, and so compiles, at the same time: eight ranks of 16 threads
+    each on a host of 64 CPUs would run twice as many compiles as it has CPUs."""
     raw = environ.get("OMNI_COMPILE_WORKERS", "").strip()
     if not raw:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(MAX_WORKERS, cpus))
+        return max(1, min(MAX_WORKERS, cpus // _ranks_on_host(environ)))
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"OMNI_COMPILE_WORKERS must be a positive integer (threads compiling Triton kernels), "
                          f"got {raw!r}")
     return int(raw)
+
+
+def _ranks_on_host(environ) -> int:
+    """``LOCAL_WORLD_SIZE`` where it is a positive integer, else 1 (a single process)."""
+    raw = environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
 
 
 def compile_only() -> bool:

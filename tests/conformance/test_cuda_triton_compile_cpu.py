@@ -15,6 +15,17 @@ def test_workers_default_to_the_cpus_this_process_may_use_capped():
     assert tc.workers({"OMNI_COMPILE_WORKERS": " 1 "}) == 1  # one compile at a time, as before the pool
 
 
+def test_ranks_on_one_host_split_its_cpus():
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    for ranks in (1, 2, 4, cpus, 4 * cpus):
+        assert tc.workers({"LOCAL_WORLD_SIZE": str(ranks)}) == max(1, min(tc.MAX_WORKERS, cpus // ranks))
+    for unreadable in ("", "0", "two"):  # a single process
+        assert tc.workers({"LOCAL_WORLD_SIZE": unreadable}) == tc.workers({})
+    assert tc.workers({"LOCAL_WORLD_SIZE": "8", "OMNI_COMPILE_WORKERS": "6"}) == 6  # the setting wins
+
+
 @pytest.mark.parametrize("bad", ["0", "-2", "four", "1.5"])
 def test_a_bad_worker_count_is_refused_naming_the_variable(bad):
     with pytest.raises(ValueError, match="OMNI_COMPILE_WORKERS.*positive integer"):

@@ -138,6 +138,18 @@ def test_two_hosts_on_loopback_under_torchrun():
     assert "rank=0 node=0 world=2 sum=3" in outs[0] and "rank=1 node=1 world=2 sum=3" in outs[1]
 
 
+def test_each_rank_compiles_on_its_share_of_the_host(monkeypatch):
+    """The launcher tells each rank how many ranks share its host (``LOCAL_WORLD_SIZE``, as torchrun does), so
+    that the ranks' kernel compile pools, which run at the same time, split the CPUs instead of each taking all."""
+    import workers
+    from omni.platforms.cuda.triton_compile import MAX_WORKERS
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "7")  # a stale value from an outer job: the launcher's count wins
+    cpus = len(os.sched_getaffinity(0))
+    out = launch(workers.host_share, Degrees(tp=2), timeout_s=FAST_S)
+    assert out == [("2", max(1, min(MAX_WORKERS, cpus // 2)))] * 2
+
+
 def test_rank_info_from_torchrun_environment():
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29501"}

@@ -41,6 +41,15 @@ def hosts_check(ctx):
     return f"rank={ctx.rank} node={ctx.info.node_rank} world={ctx.info.world_size} sum={t.item():g}"
 
 
+def host_share(ctx):
+    """What this rank reads as the ranks on its host, and the Triton compile threads that gives the cuda
+    platform (its compile pool's default; the module imports no Triton until it compiles)."""
+    from omni.platforms.cuda.triton_compile import workers as compile_workers
+
+    return os.environ.get("LOCAL_WORLD_SIZE"), compile_workers({k: v for k, v in os.environ.items()
+                                                                 if k != "OMNI_COMPILE_WORKERS"})
+
+
 def driver_job(ctx, checkpoint: str, prompts: list[str], follower_ballast_mib: int = 0):
     """One multi-rank replica serving through the Engine on its first rank; the other ranks follow. The other
     ranks first touch ``follower_ballast_mib`` MiB (their peak memory rises by that much); the driver's results
