@@ -3,17 +3,20 @@
 May assume: ``torch`` imports. Importing this module does nothing else: no
 device query, no vendor import, no torch flag. Detection reads device count
 and properties only; ``omni_platform_configure`` is the one hook with a
-process-wide effect (``torch.cuda.set_device``). Every factory returns a plain
-object the model stores, and refuses with a reason (``reject``) when a spec
+process-wide effect (``torch.cuda.set_device``; ``TRITON_CACHE_DIR`` set under
+``OMNI_KERNEL_CACHE`` where only that is set: ``triton_compile``). Every
+factory returns a plain object the model stores, and refuses with a reason (``reject``) when a spec
 does not fit, so the reference answers it and the trace says why. Regions
 are captured as CUDA graphs (``torch.cuda.CUDAGraph``).
 """
 from __future__ import annotations
 
+from omni.hookspecs import hookimpl
 from omni.platforms.common.graphs import GraphApi
 from omni.platforms.common.plugin import DevicePlatform
 
 from . import attention, capabilities, gemm, glue, moe
+from .triton_compile import keep_binaries_with_ours
 
 
 class CudaPlatform(DevicePlatform):
@@ -29,5 +32,11 @@ class CudaPlatform(DevicePlatform):
     # 148594), so a capture on the step's stream is not aborted. gloo blocks the host: it cannot be recorded
     capturable_collectives = ("nccl",)
     host_id_backends = ("nccl",)  # two ranks on one GPU (multi-rank tests): measured on the H200 (docs/parallel.md)
+
+    @hookimpl
+    def omni_platform_configure(self, info, local_rank: int) -> bool:
+        keep_binaries_with_ours()  # before any kernel factory compiles: Triton's binaries kept beside ours
+        return super().omni_platform_configure(info, local_rank)
+
 
 plugin = CudaPlatform()

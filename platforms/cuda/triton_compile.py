@@ -16,6 +16,10 @@ pool's threads (1: one compile at a time, as before); the default is the CPUs th
 among the ranks on its host (``LOCAL_WORLD_SIZE``), at most 16. A Triton without ``AsyncCompileMode`` (3.6 has
 it) compiles in the caller's thread.
 
+``keep_binaries_with_ours`` points Triton's cache into ``OMNI_KERNEL_CACHE`` where that is set and
+``TRITON_CACHE_DIR`` is not, so that one kept folder holds every compiled kernel (our CUTLASS objects and
+Triton's binaries): a restart with it compiles nothing.
+
 This module imports Triton only inside ``compiling()``, so the CPU tests read it.
 """
 from __future__ import annotations
@@ -45,6 +49,17 @@ def workers(environ=os.environ) -> int:
         raise ValueError(f"OMNI_COMPILE_WORKERS must be a positive integer (threads compiling Triton kernels), "
                          f"got {raw!r}")
     return int(raw)
+
+
+def keep_binaries_with_ours(environ=os.environ) -> str | None:
+    """Set ``TRITON_CACHE_DIR`` to ``$OMNI_KERNEL_CACHE/triton`` when only the latter is set (Triton reads it at
+    each compile; ranks spawned later inherit it); returns the folder set, else None (an explicit
+    ``TRITON_CACHE_DIR`` wins; without ``OMNI_KERNEL_CACHE`` Triton keeps its own default, ``~/.triton``)."""
+    ours = environ.get("OMNI_KERNEL_CACHE", "").strip()
+    if not ours or environ.get("TRITON_CACHE_DIR", "").strip():
+        return None
+    environ["TRITON_CACHE_DIR"] = os.path.join(ours, "triton")
+    return environ["TRITON_CACHE_DIR"]
 
 
 def _ranks_on_host(environ) -> int:

@@ -1,7 +1,9 @@
 """The cuda platform's compile scope (``platforms/cuda/triton_compile.py``) without a GPU: how many threads
-compile, and when ``launch`` compiles instead of running. The compiles themselves: tests/gpu/test_gpu_moe_routing.py
-and tests/gpu/test_gpu_pdl.py."""
+compile, when ``launch`` compiles instead of running, and where Triton keeps its binaries. The compiles in a
+build: tests/gpu/test_gpu_moe_routing.py and tests/gpu/test_gpu_pdl.py."""
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -16,8 +18,6 @@ def test_workers_default_to_the_cpus_this_process_may_use_capped():
 
 
 def test_ranks_on_one_host_split_its_cpus():
-    import os
-
     cpus = len(os.sched_getaffinity(0))
     for ranks in (1, 2, 4, cpus, 4 * cpus):
         assert tc.workers({"LOCAL_WORLD_SIZE": str(ranks)}) == max(1, min(tc.MAX_WORKERS, cpus // ranks))
@@ -53,8 +53,6 @@ def test_an_error_inside_the_scope_leaves_it(monkeypatch):
 
 def test_a_forked_child_makes_its_own_pool(monkeypatch):
     """A ThreadPoolExecutor copied by fork has no threads to run its work: the child must not reuse it."""
-    import os
-
     tc._POOLS[2] = "the parent's pool"
     pid = os.fork()
     if pid == 0:  # the child: exit code 0 only if the pools were dropped at fork
@@ -62,3 +60,77 @@ def test_a_forked_child_makes_its_own_pool(monkeypatch):
     _, status = os.waitpid(pid, 0)
     tc._POOLS.pop(2)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_triton_binaries_are_kept_in_our_kernel_cache_when_only_it_is_named(tmp_path):
+    env = {"OMNI_KERNEL_CACHE": str(tmp_path)}
+    assert tc.keep_binaries_with_ours(env) == str(tmp_path / "triton")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    explicit = {"OMNI_KERNEL_CACHE": str(tmp_path), "TRITON_CACHE_DIR": "/elsewhere"}
+    assert tc.keep_binaries_with_ours(explicit) is None and explicit["TRITON_CACHE_DIR"] == "/elsewhere"
+    for unset in ({}, {"OMNI_KERNEL_CACHE": " "}):  # Triton keeps its own default
+        assert tc.keep_binaries_with_ours(unset) is None and "TRITON_CACHE_DIR" not in unset
+
+
+def test_the_cuda_platform_sets_triton_s_cache_when_a_worker_is_configured(tmp_path, monkeypatch):
+    """Through pluggy, as the host calls it (the override must be a hookimpl of its own); the device double
+    records set_device, the one CUDA call the hook makes."""
+    import pluggy
+
+    from omni import hookspecs
+    from omni.platforms.cuda.plugin import CudaPlatform
+
+    class Device:
+        def __init__(self):
+            self.calls = []
+
+        def set_device(self, index):
+            self.calls.append(index)
+
+    monkeypatch.setenv("OMNI_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", "")  # blank reads as unset; monkeypatch restores what was there
+    plugin, device = CudaPlatform(), Device()
+    monkeypatch.setattr(plugin, "device_module", lambda: device)
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(plugin)
+    assert pm.hook.omni_platform_configure(info=None, local_rank=1) is True  # firstresult
+    assert device.calls == [1]
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+
+
+COMPILE_ONE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from omni.platforms.cuda.triton_compile import keep_binaries_with_ours
+
+keep_binaries_with_ours()  # after Triton's import, as in a worker: Triton reads the folder at each compile
+
+@triton.jit
+def add_one(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+triton.compile(ASTSource(add_one, signature={"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                         constexprs={"BLOCK": 128}), target=GPUTarget("cuda", 90, 32))
+"""
+
+
+def test_a_restart_finds_the_binaries_in_the_kept_folder(tmp_path):
+    """Triton compiles for sm_90 without a GPU (ptxas is in its wheel): the first process writes the binary under
+    ``$OMNI_KERNEL_CACHE/triton``, a second one finds it there and writes nothing."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    kept, script = tmp_path / "kernels", tmp_path / "compile_one.py"  # Triton reads a kernel's source from its file
+    script.write_text(COMPILE_ONE)
+    env = {**os.environ, "OMNI_KERNEL_CACHE": str(kept)}
+    env.pop("TRITON_CACHE_DIR", None)
+    files = []
+    for _ in range(2):
+        subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=120)
+        files.append(sorted((p.relative_to(kept), p.stat().st_mtime_ns) for p in kept.rglob("*") if p.is_file()))
+    assert [p for p, _ in files[0] if p.suffix == ".cubin"] and all(p.parts[0] == "triton" for p, _ in files[0])
+    assert files[1] == files[0]  # nothing compiled or rewritten the second time
