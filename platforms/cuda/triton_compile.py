@@ -18,7 +18,7 @@ it) compiles in the caller's thread.
 
 ``keep_binaries_with_ours`` points Triton's cache into ``OMNI_KERNEL_CACHE`` where that is set and
 ``TRITON_CACHE_DIR`` is not, so that one kept folder holds every compiled kernel (our CUTLASS objects and
-Triton's binaries): a restart with it compiles nothing.
+Triton's binaries): a restart with it finds the binaries compiled before.
 
 This module imports Triton only inside ``compiling()``, so the CPU tests read it.
 """
@@ -40,7 +40,7 @@ def workers(environ=os.environ) -> int:
     """The pool's threads: ``OMNI_COMPILE_WORKERS`` (a positive integer), else this process's share of its CPUs
     (split among the ``LOCAL_WORLD_SIZE`` ranks on this host, which torchrun and ``omni.parallel.launch`` set),
     at most ``MAX_WORKERS``. Every rank builds, and so compiles, at the same time: eight ranks of 16 threads
-    each on a host of 64 CPUs would run twice as many compiles as it has CPUs."""
+    each on a host of 64 CPUs would run twice as many compile threads as it has CPUs."""
     raw = environ.get("OMNI_COMPILE_WORKERS", "").strip()
     if not raw:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
