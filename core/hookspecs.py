@@ -386,8 +386,8 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     ``a = x1 * silu(x2)`` (SiLU on the SECOND half). Activations are quantized
     dynamically as ``omni_grouped_gemm_impl`` says (per token for ``fp8_row``,
     per expert group for ``fp8_tensor``). ``topk_ids_Tk`` are int64 local
-    expert ids in ``[0, E)``; ``k`` may be smaller than ``spec.topk`` (expert
-    parallelism passes single routed rows). Routing weights are applied as
+    expert ids in ``[0, E)``; ``k`` is ``spec.topk`` (1 where expert
+    parallelism passes single routed rows) or fewer. Routing weights are applied as
     given (``spec.renormalize`` only records what the router did); the
     weighted sum is accumulated in fp32.
 

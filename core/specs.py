@@ -306,8 +306,9 @@ class MoESpec:
     ``[x1, x2] = x[t] @ w13[e].T`` splits the ``2 * inner`` outputs in halves; SiLU gates with the
     SECOND half (HunyuanImage-3 order). Router and shared expert stay in the model.
     ``renormalize`` records whether the router renormalised the top-k weights (the impl applies
-    the weights as given). ``topk`` is the router's k; an impl must also accept fewer columns
-    (expert parallelism hands each rank single routed rows, k = 1).
+    the weights as given). ``topk`` is the k of the ids the impl is fed: the router's k (plus the
+    always-on experts of a fused shared expert), or 1 where expert parallelism hands each rank
+    single routed rows (``omni.parallel.ep``); an impl must also accept fewer columns.
     """
 
     num_experts: int

@@ -6,7 +6,10 @@ hook to it, as ``torch.distributed.tensor.parallel`` styles do. The module's
 contract is ``module(x_TD, weights_Tk, experts_Tk) -> y_TD`` where the
 output is already weighted by ``weights`` and summed over the k choices;
 fed one (token, expert) assignment per row (k = 1) it returns one weighted
-row per assignment, which is what both modes below rely on:
+row per assignment, which is what both modes below rely on. Its ``topk``
+attribute is the k it is fed: the shard sets it to 1, so the MoE kernel the
+module builds from it at ``finalize()`` knows (the cuda platform compiles the
+sort's k = 1 launches at build instead of in a request):
 
 - select (tokens replicated over the ep group, ``dispatch == 1``): keep the
   assignments that route to local experts, run them, and add the rows back
@@ -40,6 +43,7 @@ class ExpertShard:
     def attach(self, module: torch.nn.Module) -> None:
         module.register_forward_pre_hook(self.before)
         module.register_forward_hook(self.after)
+        module.topk = 1  # the k it is fed from now on: one (token, expert) assignment a row
 
     # ------------------------------------------------------------------ hooks
 

@@ -143,7 +143,8 @@ class RoutedExperts(KernelOwner):
 
     The weights stay two ``GroupedLinear`` modules (checkpoint names, TP/EP
     plans and the offloader see them as before); ``finalize()`` prepares both
-    with the MoE kernel and the forward hands them to it.
+    with the MoE kernel and the forward hands them to it. ``topk``: the k of the
+    ids it is fed (an EP shard feeds single assignments and sets it to 1).
     """
 
     def __init__(self, num_experts: int, dim: int, inner: int, *, platform, dtype, quant, memory_bound,

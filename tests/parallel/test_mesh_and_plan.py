@@ -194,6 +194,19 @@ def test_shard_reads_only_its_slices_from_safetensors(tmp_path):
     assert rec.reads == [slice(6, 8)]  # a contiguous quarter, never the whole tensor
 
 
+def test_expert_parallel_experts_build_their_kernel_for_the_single_rows_they_are_fed():
+    """An EP shard feeds its experts one (token, expert) assignment a row: the MoE spec ``finalize()`` builds from
+    says k = 1 (the cuda platform compiles that sort at build), while a layout without EP keeps the router's k."""
+    k = TINY_GOLDEN.moe_topk[0]
+    for degrees, want in ((Degrees(tp=2, ep=2), 1), (Degrees(tp=2), k)):
+        model, _ = _shard(degrees, rank=1)
+        specs = [layer.mlp.experts._spec() for layer in model.model.layers]
+        assert k > 1 and {s.topk for s in specs} == {want}, degrees
+    assert {s.num_experts for s in specs} == {TINY_GOLDEN.num_experts}  # tp: every expert, sliced
+    model, _ = _shard(Degrees(tp=2, ep=2), rank=1)
+    assert {layer.mlp.experts._spec().num_experts for layer in model.model.layers} == {TINY_GOLDEN.num_experts // 2}
+
+
 def test_expert_parallel_name_map_skips_other_ranks_experts():
     _, plan = _shard(Degrees(cfg=2, ep=2), rank=1)
     assert plan.name_map("model.layers.1.mlp.experts.3.down_proj.weight") == \
