@@ -64,6 +64,12 @@ def binaries() -> set[Path]:
     return set(Path(CACHE).rglob("*.cubin"))
 
 
+def new_binaries(before: set[Path]) -> dict:
+    """How many binaries were compiled since ``before`` (a ``binaries()`` set), and of which kernels."""
+    new = binaries() - before
+    return {"compiled": len(new), "kernels": names(new)}
+
+
 def names(paths: set[Path]) -> list[str]:
     """The kernels of some binaries, with how many variants of each."""
     stems = sorted(p.stem for p in paths)
@@ -95,13 +101,13 @@ def answer_s(engine, tokens: int, seed: int) -> dict:
     """One greedy text answer of ``tokens`` tokens: seconds (prefill and decode) and what it compiled."""
     from omni.request import TextRequest
 
-    k0, b0 = compiled(), binaries()
+    b0 = binaries()
     req = TextRequest(prompt="what is in a snowy birch forest at dawn?", max_tokens=tokens, temperature=0.0,
                       seed=seed, stop_ids=())
     s = engine.admit(req)
     seconds = once(lambda: run_answer(engine, s))
     engine.release(s)
-    return {"tokens": tokens, "seconds": seconds, "compiled": compiled() - k0, "kernels": names(binaries() - b0)}
+    return {"tokens": tokens, "seconds": seconds, **new_binaries(b0)}
 
 
 def run_answer(engine, s) -> None:
@@ -118,14 +124,13 @@ def batch_s(engine, n: int, tokens: int) -> dict:
     """``n`` greedy answers decoded together, prompts of distinct lengths: seconds and what they compiled."""
     from omni.request import TextRequest
 
-    k0, b0 = compiled(), binaries()
+    b0 = binaries()
     states = [engine.admit(TextRequest(prompt=" ".join(WORDS[: 3 + i % len(WORDS)]) + f" ({i})?", max_tokens=tokens,
                                        temperature=0.0, seed=i, stop_ids=())) for i in range(n)]
     seconds = once(lambda: run_batch(engine, states))
     for s in states:
         engine.release(s)
-    return {"answers": n, "tokens": tokens, "seconds": seconds, "compiled": compiled() - k0,
-            "kernels": names(binaries() - b0)}
+    return {"answers": n, "tokens": tokens, "seconds": seconds, **new_binaries(b0)}
 
 
 def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:

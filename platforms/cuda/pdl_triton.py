@@ -61,13 +61,13 @@ def launch(kernel, grid, pdl: Pdl, rows: int, *args, siblings: bool = True, **kw
     not pay it); without PDL there is one class and no check.
     Inside ``compiling()`` nothing runs: the call's binary (and, with ``siblings``, its classes') is compiled.
     """
-    chosen = pdl.kw(rows)
+    chosen, only = pdl.kw(rows), compile_only()
     every = siblings and pdl.max_rows and _first_launch(kernel, pdl, args, kwargs)  # no PDL: one class, no check
-    if every or compile_only():
+    if every or only:
         with compiling():  # inside an outer scope (the build's), joined to it
             for kw in (pdl.classes() if every else (chosen,)):
                 kernel.warmup(*args, grid=grid, **kwargs, **kw)
-    if not compile_only():
+    if not only:
         kernel[grid](*args, **kwargs, **chosen)
 
 
