@@ -14,6 +14,7 @@ and how many kernel binaries Triton compiled meanwhile.
     python bench/profile_first_use.py --recipe h200_fp8 --layers 8 --warm-up --json out.json   # as a server starts
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --layers 32 --warm-up image --answers 16 --words 3
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --warm-up --batches 2,8,17,64 --words 3
+    python bench/profile_first_use.py --recipe h200_fp8 --layers 32 --warm-up --compile-first   # the compile pass
 
 ``--batches`` then decodes that many answers together, one batch after another (prompts of distinct lengths,
 ``--answers`` tokens each, 16 by default): what a server meets as its answer concurrency changes.
@@ -47,6 +48,9 @@ def parse():
     p.add_argument("--warm-up", nargs="?", const="server", choices=("server", "image"),
                    help="first the server's warm-up as omni-run serve runs it (server: the default request, then "
                         "for an Instruct flavour a short answer; image: the default request only, as before)")
+    p.add_argument("--compile-first", action="store_true",
+                   help="serving.compile_first: the warm-up's requests first run once with the Triton kernels "
+                        "compiled, not run (omni/compile_pass.py); run once with and once without for the A/B")
     p.add_argument("--answers", type=int, default=0, metavar="TOKENS",
                    help="after the warm-up, two text answers of TOKENS greedy tokens, timed apart (Instruct recipes)")
     p.add_argument("--batches", default="", metavar="N,N,...",
@@ -92,9 +96,11 @@ def warm_up(engine, deployment, before: int, kind: str) -> dict:
 
     requests = warm_up_requests(deployment)
     requests = requests[:1] if kind == "image" else requests
-    seconds = once(lambda: serving_scheduler(engine, deployment.recipe, requests))
+    made = []
+    seconds = once(lambda: made.append(serving_scheduler(engine, deployment.recipe, requests)))
     return {"kind": kind, "seconds": seconds, "requests": [type(r).__name__ for r in requests],
-            "steps": requests[0].steps if requests else None, "compiled": compiled() - before}
+            "steps": requests[0].steps if requests else None, "compiled": compiled() - before,
+            "compile_first": deployment.recipe.serving.compile_first, "compile_pass_s": made[0].compile_pass_s}
 
 
 def answer_s(engine, tokens: int, seed: int) -> dict:
@@ -150,14 +156,16 @@ def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
 @torch.inference_mode()
 def main() -> int:
     a = parse()
-    deployment = prepare(a.recipe, overrides={"device.memory_gib": 139}, random_weights=True)
+    deployment = prepare(a.recipe, overrides={"device.memory_gib": 139, "serving.compile_first": a.compile_first},
+                         random_weights=True)
     t0 = time.perf_counter()
     engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
     before = compiled()
     print(f"built in {time.perf_counter() - t0:.1f} s; {before} Triton kernels compiled while building", flush=True)
     warm = warm_up(engine, deployment, before, a.warm_up) if a.warm_up else None
     if warm:
-        print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled", flush=True)
+        print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled; "
+              f"compile pass {warm['compile_pass_s']} s", flush=True)
     answers = [answer_s(engine, a.answers, seed=i) for i in range(2)] if a.answers else []
     for i, row in enumerate(answers):
         print(f"answer {i + 1}: {row['seconds']:.2f} s for {row['tokens']} tokens, {row['compiled']} compiled "

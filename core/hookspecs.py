@@ -22,6 +22,7 @@ Call sequence of one deployment::
     omni_glue_impl                (once per distinct spec while the model is built)
     omni_communicator_impl        (once per mesh axis)
     omni_graph_runner_impl        (once per captured region)
+    omni_compile_scope            (a server's warm-up, once, when ``serving.compile_first`` asks for it)
     ... requests run: no hook is called per op or per step ...
     omni_platform_shutdown        (once per worker at exit)
 
@@ -51,6 +52,8 @@ K kv heads, H head dim, I in features, O out features, E experts, P pages,
 G tokens per page, B sequences.
 """
 from __future__ import annotations
+
+from contextlib import AbstractContextManager
 
 import pluggy
 
@@ -566,6 +569,30 @@ def omni_graph_runner_impl(spec: CaptureSpec, reject: Reject) -> GraphRunner | N
     Default implementation: rejects ("the reference platform runs eagerly");
     a recipe that asks for capture on such a platform fails at startup.
     Versions: 0.2 (``spec.collectives``).
+    """
+
+
+# ============================================================== warm-up
+
+
+@hookspec(firstresult=True)
+def omni_compile_scope(info: PlatformInfo) -> AbstractContextManager | None:
+    """Return a context manager inside which the platform's just-in-time kernels are compiled, not run.
+
+    When called: once per worker, by a server's warm-up under ``serving.compile_first``
+    (``omni.compile_pass``): the warm-up requests run once inside the scope (the compile pass), then once for
+    real. On a multi-rank replica every rank enters it around the same calls.
+    Result: first non-None wins; None means this platform compiles nothing at first launch worth gathering
+    (no compile pass runs). Inside the scope a kernel launch that would compile first hands the compile to the
+    platform's pool and returns without running, so one pass meets every kernel signature the warm-up
+    launches and the compiles run together; leaving the scope waits for them (and raises the first compile
+    error). Outputs of kernels that did not run are undefined; the platform must keep every output that
+    later ops index with defined inside the scope (the cuda platform computes the router's choices and the
+    expert sort with the reference's torch ops there), and may run ops that need no compile for real.
+    Nothing is captured inside it (``StepGraphs`` runs eagerly during the pass).
+    Capture safety: never entered while capturing.
+    Default implementation: none (the reference runs torch ops, which compile nothing).
+    Versions: 0.1.
     """
 
 

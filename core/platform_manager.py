@@ -280,5 +280,9 @@ class Platform:
     def plan_patches(self, recipe) -> list:
         return [p for p in self.pm.hook.omni_adjust_plan(recipe=recipe, info=self.info) if p is not None]
 
+    def compile_scope(self):
+        """The platform's compile scope (``omni_compile_scope``: a context manager), or None where it has none."""
+        return self.pm.hook.omni_compile_scope(info=self.info)
+
     def shutdown(self) -> None:
         self.pm.hook.omni_platform_shutdown(info=self.info)

@@ -66,6 +66,7 @@ import threading
 import time
 from typing import Callable
 
+from . import compile_pass
 from .kv_pool import KVPoolExhausted
 from .request import ImageRequest, ImageResult, TextRequest
 from .scheduler_errors import QueueFull, RequestCancelled, RequestInvalid, RequestTooLarge
@@ -88,7 +89,8 @@ class Scheduler:
 
     def __init__(self, pipeline, *, max_running: int = 8, max_queue: int | None = None,
                  max_batch_tokens: int | None = None, pack_prefill: bool = False, decode_thread: bool = False,
-                 text_tokens_per_image_step: int = 1, clock: Callable[[], float] = time.perf_counter):
+                 text_tokens_per_image_step: int = 1, compile_first: bool = False,
+                 clock: Callable[[], float] = time.perf_counter):
         self.pipeline, self.pool = pipeline, pipeline.pool
         self.max_running, self.max_queue = max_running, max_queue
         self.max_batch_tokens, self.pack_prefill, self.clock = max_batch_tokens, pack_prefill, clock
@@ -101,6 +103,8 @@ class Scheduler:
         self.stats = collections.Counter()  # steps, step_tokens, admitted, finished, failed, cancelled, rejected
         self._service_s: float | None = None  # moving average of admitted -> finished seconds
         self.warm_up_s: float | None = None  # what ``warm_up`` took (None: no warm-up ran)
+        self.compile_first = compile_first  # ``warm_up`` runs its requests in a compile pass first
+        self.compile_pass_s: float | None = None  # what that pass took (None: none ran)
         threaded = decode_thread and getattr(pipeline, "concurrent_decode", False)
         self._decoder = concurrent.futures.ThreadPoolExecutor(1, "omni-decode") if threaded else None
         self._decoded: collections.deque[Ticket] = collections.deque()  # settled on the decode thread
@@ -110,7 +114,8 @@ class Scheduler:
         """The scheduler ``recipe.serving`` describes (max_running, max_queue, max_batch_tokens)."""
         s = recipe.serving
         kw = dict(max_running=s.max_running, max_queue=s.max_queue, max_batch_tokens=s.max_batch_tokens,
-                  decode_thread=True, text_tokens_per_image_step=s.text_tokens_per_image_step)
+                  decode_thread=True, text_tokens_per_image_step=s.text_tokens_per_image_step,
+                  compile_first=s.compile_first)
         sched = cls(pipeline, **(kw | overrides))
         w, h = recipe.defaults.width_height
         need = sched.cost(default_request(recipe)).step_tokens
@@ -123,18 +128,42 @@ class Scheduler:
     def warm_up(self, *requests) -> float:
         """Run ``requests`` to completion, one after another, before serving (engine thread, nothing else
         submitted yet): the JIT compiles, autotuning and graph captures of their shapes happen here instead of
-        in the first users' requests. Raises what a request raised; the counters start from zero afterwards.
+        in the first users' requests. With ``compile_first`` they run once inside the pipeline's compile pass
+        first (``omni.compile_pass``). Raises what a request raised; the counters start from zero afterwards.
         Returns seconds."""
         t0 = time.perf_counter()
+        if self.compile_first:
+            self.compile_pass_s = self._compile_pass(requests)
         for request in requests:
-            ticket = self.submit(request)
-            while not ticket.future.done():
-                self.step()
-            ticket.result()
+            self._run_to_end(request)
         self.stats.clear()
         self._service_s = None
         self.warm_up_s = time.perf_counter() - t0
         return self.warm_up_s
+
+    def _run_to_end(self, request) -> None:
+        ticket = self.submit(request)
+        while not ticket.future.done():
+            self.step()
+        ticket.result()
+
+    def _compile_pass(self, requests) -> float | None:
+        """``requests`` run once inside the pipeline's compile pass, their results dropped; seconds, or None
+        where the pipeline has no pass. A failure is logged, not raised: the warm-up then compiles as it runs."""
+        scope = getattr(self.pipeline, "compile_pass", lambda: None)()
+        if scope is None:
+            log.info("serving.compile_first: the platform compiles nothing at first launch; no compile pass")
+            return None
+        t0 = time.perf_counter()
+        try:
+            with scope:
+                for request in requests:
+                    self._run_to_end(request)
+        except Exception as e:  # undefined outputs may trip a check; the real warm-up runs either way
+            log.warning("compile pass failed, the warm-up compiles as it runs: %s: %s", type(e).__name__, e)
+        seconds = time.perf_counter() - t0
+        log.info("compile pass: %.1f s", seconds)
+        return seconds
 
     # ------------------------------------------------------------ any thread
 
@@ -334,7 +363,7 @@ class Scheduler:
                 self._finish_text(t)
                 finished.append(t)
                 continue
-            if self._decoder is None:
+            if self._decoder is None or compile_pass.active():  # the pass's scope is this thread's
                 if self._try(t, finished, "decode", lambda: self._decode(t)):
                     finished.append(t)
                 continue

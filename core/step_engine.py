@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from . import text_steps
+from .compile_pass import compile_pass
 from .kv_pool import KVPool, PoolContext, Run
 from .request import ImageRequest, TextRequest
 from .step_cache import StepCache, after_step, plan_skips
@@ -60,6 +61,8 @@ class StepEngine:
     ``omni.offload.LayerOffloader`` objects (their hooks do the work; kept here for their stats).
     ``on_velocity(state, v_BChw)``: called with every row's velocity of a request after each step (tests
     record them).
+    ``compile_scope()``: the platform's compile scope (``Platform.compile_scope``: a context manager, or None
+    where the platform has none), which ``compile_pass`` wraps for a server's warm-up.
     """
 
     def __init__(self, model: StepModel, *, pool: KVPool, runtime: Runtime, device, paged: bool,
@@ -68,7 +71,7 @@ class StepEngine:
                  vae_tiles: tuple[int, int] | None = None, vae_lanes: TileLanes | None = None, offloaders=(),
                  on_velocity: Callable[[RequestState, torch.Tensor], None] | None = None,
                  synchronize: Callable[[], None] | None = None, to_host: Callable | None = None,
-                 memory_stats: Callable[[], dict] | None = None):
+                 memory_stats: Callable[[], dict] | None = None, compile_scope: Callable | None = None):
         self.model, self.pool, self.runtime = model, pool, runtime
         self.memory_stats = memory_stats or dict  # the device's byte counts, read by /metrics at scrape time
         self.synchronize = synchronize or (lambda: None)  # stage times are the device's, not the launch queue's
@@ -79,6 +82,13 @@ class StepEngine:
         self.text_row_buckets = True  # decode graphs per row and key bucket; off: per exact count (benchmarks)
         self.vae_tiles, self.vae_lanes = vae_tiles, vae_lanes or TileLanes()  # lanes: tiles on several streams
         self.offloaders, self.on_velocity = list(offloaders), on_velocity
+        self.compile_scope = compile_scope or (lambda: None)
+
+    def compile_pass(self):
+        """A context for the warm-up's compile pass (``omni.compile_pass``), or None where the platform has no
+        compile scope (nothing would be gathered: no pass runs)."""
+        scope = self.compile_scope()
+        return None if scope is None else compile_pass(scope)
 
     @property
     def concurrent_decode(self) -> bool:

@@ -51,6 +51,7 @@ from typing import Callable
 
 import torch
 
+from . import compile_pass
 from .platform_manager import NoImplementationError, PlatformError
 from .specs import CaptureSpec
 
@@ -166,7 +167,7 @@ class StepGraphs:
 
     def run(self, key: tuple, x_TD: torch.Tensor, forward: Callable, make_args: Callable[[], tuple]):
         """``forward(x_TD, *make_args())``, replayed from the graph of ``key``'s signature."""
-        if not self.enabled:
+        if not self.enabled or compile_pass.active():  # a compile pass's kernels do not run: nothing to record
             return forward(x_TD, *make_args())
         signature, binding = key
         entry = self._graphs.get(signature)

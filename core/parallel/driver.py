@@ -8,7 +8,8 @@ broadcasts the call over the replica's host-side control group (gloo), and
 pipeline, so all ranks enter the same forwards with the same requests in
 the same order. Pure queries (``pages_needed``, ``step_tokens``) stay local;
 ``decode`` (VAE) runs on the driver only, unless VAE tiling spreads the
-tiles over the replica, in which case every rank decodes its tiles.
+tiles over the replica, in which case every rank decodes its tiles. A
+warm-up's compile pass (``compile_pass``) is entered and left on every rank.
 
 A request without a seed gets one on the driver before the broadcast, so
 every rank draws the same noise.
@@ -35,10 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from contextlib import ExitStack, contextmanager
 
 from omni.ticket import restore_state, snapshot_state
 
 STOP = "stop"
+COMPILE_PASS = "compile_pass"  # payload True: enter this rank's compile pass; False: leave it
 MEMORY_OPS = ("admit", "release")  # once per request each: the gathers that carry every rank's memory
 
 
@@ -131,6 +134,21 @@ class DriverPipeline:
             return self._mirrored("decode", state.request.request_id, lambda: self.pipeline.decode(state))
         return self.pipeline.decode(state)
 
+    def compile_pass(self):
+        """The warm-up's compile pass (``omni.compile_pass``) on every rank of the replica: the followers enter
+        theirs when it is entered here and leave it when it is left, so every rank's kernels compile, not run,
+        in the same calls. None where this rank's platform has no compile scope (nor, then, the others')."""
+        local = self.pipeline.compile_pass()
+        return None if local is None else self._pass_everywhere(local)
+
+    @contextmanager
+    def _pass_everywhere(self, local):
+        self._mirrored(COMPILE_PASS, True, local.__enter__)
+        try:
+            yield
+        finally:  # leaving waits for the compiles and raises the first compile error, on every rank
+            self._mirrored(COMPILE_PASS, False, lambda: local.__exit__(None, None, None))
+
     def close(self) -> None:
         """Let the followers return from ``follow``."""
         self._send(STOP)
@@ -144,17 +162,20 @@ def follow(pipeline, control) -> int:
     """Replay the driver's calls on this rank until it closes; returns the number of calls replayed."""
     states: dict[str, object] = {}
     calls = 0
-    while True:
-        op, payload = control.broadcast_object(None, src=0)
-        if op == STOP:
-            return calls
-        calls += 1
-        _, error = _outcome(lambda: _replay(pipeline, states, op, payload))
-        agree(control, op, error, rank_memory(pipeline, op))  # a failure on every rank: the driver isolates it
+    with ExitStack() as passes:  # the compile pass this rank is in, entered and left on the driver's word
+        while True:
+            op, payload = control.broadcast_object(None, src=0)
+            if op == STOP:
+                return calls
+            calls += 1
+            _, error = _outcome(lambda: _replay(pipeline, states, op, payload, passes))
+            agree(control, op, error, rank_memory(pipeline, op))  # failed on every rank: the driver isolates it
 
 
-def _replay(pipeline, states: dict, op: str, payload) -> None:
-    if op == "admit":
+def _replay(pipeline, states: dict, op: str, payload, passes: ExitStack) -> None:
+    if op == COMPILE_PASS:
+        _enter_or_leave(pipeline, payload, passes)
+    elif op == "admit":
         states[payload.request_id] = pipeline.admit(payload)
     elif op == "release":
         pipeline.release(states.pop(payload))
@@ -169,3 +190,13 @@ def _replay(pipeline, states: dict, op: str, payload) -> None:
             for s, before in zip(rows, saved):  # as the driver's scheduler restores its own
                 restore_state(s, before)
             raise
+
+
+def _enter_or_leave(pipeline, enter: bool, passes: ExitStack) -> None:
+    """The driver's ``COMPILE_PASS`` word on a follower: enter this rank's compile pass, or leave it (waits for
+    its compiles)."""
+    scope = pipeline.compile_pass() if enter else None
+    if scope is not None:
+        passes.enter_context(scope)
+    elif not enter:
+        passes.close()

@@ -304,4 +304,5 @@ def _step_engine(recipe, platform, t2i, pool: KVPool, runtime, services, offload
         vae_graphs=StepGraphs(platform, device_type, name="vae_decode",
                               max_graphs=2 * recipe.vae.streams) if capture else None,
         text_graphs=text_graphs(platform, device_type, model, runtime) if capture and writes_text else None,
-        vae_tiles=_vae_tiles(recipe), vae_lanes=TileLanes(services, recipe.vae.streams), offloaders=offloaders)
+        vae_tiles=_vae_tiles(recipe), vae_lanes=TileLanes(services, recipe.vae.streams), offloaders=offloaders,
+        compile_scope=platform.compile_scope)

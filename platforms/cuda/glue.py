@@ -27,6 +27,7 @@ from omni.specs import GlueSpec, RowQuantized
 
 from .capabilities import Caps
 from .moe import memory_kernels, triton_found
+from .triton_compile import compile_only
 
 
 def _pow2(n: int) -> bool:
@@ -103,7 +104,9 @@ class TritonGlue:
     def route(self, logits_TE):
         if not logits_TE.is_cuda:
             return self.host.route(logits_TE)
-        x = logits_TE.contiguous()
+        return self._route(logits_TE.contiguous())
+
+    def _route(self, x):
         T, E = x.shape
         k, extra = self.spec.topk, self.spec.always_on
         w = torch.empty(T, k + extra, dtype=torch.float32, device=x.device)
@@ -114,6 +117,8 @@ class TritonGlue:
                 self.k.route_kernel, (self.triton.cdiv(T, tile.rows),), self.pdl, T,
                 x, w, ids, T, E, TOPK=k, BLOCK_T=tile.rows, BLOCK_E=self.triton.next_power_of_2(E),
                 KPAD=self.triton.next_power_of_2(k + extra), ALWAYS=extra, num_warps=tile.warps)
+        if compile_only():  # the kernel did not run: ids that index experts must hold real ones (the reference's)
+            return self.host.route(x)
         return w, ids
 
     def group_norm(self, x, num_groups, weight, bias, eps, **chain):

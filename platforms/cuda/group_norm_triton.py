@@ -24,6 +24,7 @@ import triton.language as tl
 from omni.group_norm import channels_last, group_norm_act as reference_act
 
 from .glue import _pow2
+from .triton_compile import run_or_compile
 
 TILE = 8192  # values per program per loop trip (stats) or per program (apply)
 PROGRAMS = 1024  # stats programs to aim for: several per SM, few enough chunks for one finalize block
@@ -216,11 +217,11 @@ def _moments(x, G: int, eps: float, cl: bool):
         chunk, K = _chunks(C // G * S, TILE, triton.cdiv(PROGRAMS, B * G))
     part = torch.empty(3, B * G * K, dtype=torch.float32, device=x.device)
     if cl:
-        stats_cl_kernel[(K, B)](x, part[0], part[1], part[2], S, chunk, K, C=C, G=G, ROWS=rows, num_warps=8)
+        run_or_compile(stats_cl_kernel, (K, B), x, *part, S, chunk, K, C=C, G=G, ROWS=rows, num_warps=8)
     else:
-        stats_rows_kernel[(K, B * G)](x, part[0], part[1], part[2], C // G * S, chunk, K, BLOCK=TILE, num_warps=8)
+        run_or_compile(stats_rows_kernel, (K, B * G), x, *part, C // G * S, chunk, K, BLOCK=TILE, num_warps=8)
     mu, rstd = torch.empty(2, B * G, dtype=torch.float32, device=x.device)
-    finalize_kernel[(B * G,)](part[0], part[1], part[2], mu, rstd, K, eps, BLOCK_K=triton.next_power_of_2(K))
+    run_or_compile(finalize_kernel, (B * G,), *part, mu, rstd, K, eps, BLOCK_K=triton.next_power_of_2(K))
     return mu, rstd
 
 
@@ -234,9 +235,9 @@ def _apply(x, y, mu, rstd, weight, bias, G: int, cl: bool, norm_dtype, silu: boo
     flags = dict(NORM_DT=_DTYPES[norm_dtype], FILM=film, SILU=silu, num_warps=8)
     if cl:
         rows = max(1, TILE // C)
-        apply_cl_kernel[(triton.cdiv(S, rows), B)](x, y, mu, rstd, weight, bias, scale, shift, S, C=C, G=G,
-                                                   ROWS=rows, **flags)
+        run_or_compile(apply_cl_kernel, (triton.cdiv(S, rows), B), x, y, mu, rstd, weight, bias, scale, shift, S,
+                       C=C, G=G, ROWS=rows, **flags)
     else:
         block = min(2048, triton.next_power_of_2(S))
-        apply_rows_kernel[(triton.cdiv(S, block), B * C)](x, y, mu, rstd, weight, bias, scale, shift, S, C, G,
-                                                          BLOCK=block, **flags)
+        run_or_compile(apply_rows_kernel, (triton.cdiv(S, block), B * C), x, y, mu, rstd, weight, bias, scale,
+                       shift, S, C, G, BLOCK=block, **flags)

@@ -27,7 +27,7 @@ from .route_launch import (CHUNK_BLOCK, MAX_BLOCKS, MAX_EXPERTS, ONE_BLOCK_ROWS,
                            PLACE_BLOCKS, ROUTE_PLANS, SMALL_CHUNK, SMALL_ROWS, SORT_BLOCK, SORT_CHUNK, route_chunk,
                            route_plan, route_variants)
 from .pdl_triton import HAS_GDC, launch, wait_for_predecessor
-from .triton_compile import compiling
+from .triton_compile import compile_only, compiling
 
 from .moe import torch_route_rows  # moe.py imports this module only from a function: no cycle
 
@@ -194,6 +194,13 @@ def _route_one_block_kernel(ids_ptr, token_ptr, inverse_ptr, ends_ptr, R, E, K, 
 
 
 
+def _defined(token_R, inverse_R, ends_E, ids_Tk, num_experts: int) -> tuple:
+    """The sort's outputs, or inside ``compiling()``, where its kernels did not run, the torch sort's: the grouped
+    GEMMs and gathers after it index with them, and the torch sort bounds every group by the rows whatever the
+    ids (a compile pass feeds it ids of rows no kernel wrote)."""
+    return torch_route_rows(ids_Tk, num_experts) if compile_only() else (token_R, inverse_R, ends_E)
+
+
 def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
@@ -333,11 +340,11 @@ class TritonKernels:
         if plan == "one launch":  # siblings=False: compile_routes compiles each launch's classes (route_variants)
             launch(_route_one_block_kernel, (1,), self.pdl, R, ids, token_R, inverse_R, ends_E, R, num_experts, k,
                    EB=eb, RB=max(chunk, triton.next_power_of_2(R)), CHUNK=chunk, num_warps=warps, siblings=False)
-            return token_R, inverse_R, ends_E
+            return _defined(token_R, inverse_R, ends_E, ids_Tk, num_experts)
         counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
         launch(_count_kernel, (nb,), self.pdl, R, ids, counts, R, EB=eb, BLOCK=block, num_warps=8, siblings=False)
         launch(_place_kernel, (nb,), self.pdl, R, ids, counts, token_R, inverse_R, ends_E, R, num_experts, k, nb,
                EB=eb, NBT=PLACE_BLOCKS[plan], BLOCK=block, CHUNK=chunk, num_warps=warps, siblings=False)
-        return token_R, inverse_R, ends_E
+        return _defined(token_R, inverse_R, ends_E, ids_Tk, num_experts)
 
 

@@ -4,7 +4,8 @@ May assume: ``torch`` imports. Importing this module does nothing else: no
 device query, no vendor import, no torch flag. Detection reads device count
 and properties only; ``omni_platform_configure`` is the one hook with a
 process-wide effect (``torch.cuda.set_device``; ``TRITON_CACHE_DIR`` set under
-``OMNI_KERNEL_CACHE`` where only that is set: ``triton_compile``). Every
+``OMNI_KERNEL_CACHE`` where only that is set: ``triton_compile``). A server's
+warm-up may first run its requests inside ``triton_compile.compiling()`` (``omni_compile_scope``). Every
 factory returns a plain object the model stores, and refuses with a reason (``reject``) when a spec
 does not fit, so the reference answers it and the trace says why. Regions
 are captured as CUDA graphs (``torch.cuda.CUDAGraph``).
@@ -16,7 +17,8 @@ from omni.platforms.common.graphs import GraphApi
 from omni.platforms.common.plugin import DevicePlatform
 
 from . import attention, capabilities, gemm, glue, moe
-from .triton_compile import keep_binaries_with_ours
+from .moe import triton_found
+from .triton_compile import compiling, keep_binaries_with_ours
 
 
 class CudaPlatform(DevicePlatform):
@@ -37,6 +39,12 @@ class CudaPlatform(DevicePlatform):
     def omni_platform_configure(self, info, local_rank: int) -> bool:
         keep_binaries_with_ours()  # before any kernel factory compiles: Triton's binaries kept beside ours
         return super().omni_platform_configure(info, local_rank)
+
+    @hookimpl
+    def omni_compile_scope(self, info):
+        """``triton_compile.compiling()``: the Triton kernels' launches compile in its pool instead of running
+        (the glue's router and the MoE's sort answer with the torch ops there); None without Triton."""
+        return compiling() if triton_found() else None
 
 
 plugin = CudaPlatform()

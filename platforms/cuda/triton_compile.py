@@ -73,6 +73,16 @@ def compile_only() -> bool:
     return _COMPILE_ONLY.get()
 
 
+def run_or_compile(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, or inside ``compiling()`` its compile only (Triton's ``warmup``, handed to
+    the pool): the launch of the kernels without PDL classes (GroupNorm, Winograd), so that a compile pass
+    compiles them with the others instead of one at a time as they run."""
+    if compile_only():
+        kernel.warmup(*args, grid=grid, **kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
 @contextmanager
 def compiling():
     """The scope in which ``launch`` compiles (see the module docstring); nested scopes join the outer one."""

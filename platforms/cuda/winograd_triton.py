@@ -26,6 +26,8 @@ import triton.language as tl
 
 from omni.winograd import TAPS, tiles, winograd_weights
 
+from .triton_compile import run_or_compile
+
 MIN_PRODUCT = 4096 * 1024  # in x out channels from which F(2x2, 3x3) gained (see above)
 TILE_ROWS, TILE_CHANNELS, WARPS = 32, 64, 4
 
@@ -164,9 +166,9 @@ def input_transform(x_BCHW: torch.Tensor) -> torch.Tensor:
     T = B * th * tw
     v_KTI = torch.empty(TAPS, T, C, dtype=x_BCHW.dtype, device=x_BCHW.device)
     if T:
-        input_kernel[(triton.cdiv(T, TILE_ROWS), triton.cdiv(C, TILE_CHANNELS))](
-            x_BCHW, v_KTI, T, C, H, W, tw, th * tw, *x_BCHW.stride(), BT=TILE_ROWS, BC=TILE_CHANNELS,
-            num_warps=WARPS)
+        run_or_compile(input_kernel, (triton.cdiv(T, TILE_ROWS), triton.cdiv(C, TILE_CHANNELS)),
+                       x_BCHW, v_KTI, T, C, H, W, tw, th * tw, *x_BCHW.stride(), BT=TILE_ROWS, BC=TILE_CHANNELS,
+                       num_warps=WARPS)
     return v_KTI
 
 
@@ -179,10 +181,10 @@ def output_transform(m_KTO: torch.Tensor, bias_O: torch.Tensor | None, addend_BO
     y = torch.empty(B, H, W, O, dtype=dtype, device=m_KTO.device).permute(0, 3, 1, 2)
     if T:
         add = addend_BOHW if addend_BOHW is not None else y
-        output_kernel[(triton.cdiv(T, TILE_ROWS), triton.cdiv(O, TILE_CHANNELS))](
-            m_KTO, bias_O if bias_O is not None else m_KTO, add, y, T, O, H, W, tw, th * tw, *y.stride(),
-            *add.stride(), HAS_BIAS=bias_O is not None, HAS_ADD=addend_BOHW is not None, BT=TILE_ROWS,
-            BC=TILE_CHANNELS, num_warps=WARPS)
+        run_or_compile(output_kernel, (triton.cdiv(T, TILE_ROWS), triton.cdiv(O, TILE_CHANNELS)),
+                       m_KTO, bias_O if bias_O is not None else m_KTO, add, y, T, O, H, W, tw, th * tw, *y.stride(),
+                       *add.stride(), HAS_BIAS=bias_O is not None, HAS_ADD=addend_BOHW is not None, BT=TILE_ROWS,
+                       BC=TILE_CHANNELS, num_warps=WARPS)
     return y
 
 

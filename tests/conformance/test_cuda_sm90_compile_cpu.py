@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-CHILD = r"""
+STUB = r"""
 import json, sys
 import torch
 from triton.backends.compiler import GPUTarget
@@ -34,6 +34,13 @@ class StubDriver:  # what JITFunction.run reads before it compiles; nothing laun
 
 
 driver.set_active(StubDriver())
+
+
+def binaries(kernel):
+    return len(kernel.device_caches[0][0]) if 0 in kernel.device_caches else 0
+"""
+
+CHILD = STUB + r"""
 from omni.platforms.cuda import glue_triton as gt, moe_triton as mt
 from omni.platforms.cuda.glue import TritonGlue
 from omni.platforms.cuda.pdl import Pdl
@@ -57,10 +64,10 @@ calls = {
 added = {}
 for name, (kernel, call) in calls.items():
     for round in range(2):
-        before = len(kernel.device_caches[0][0]) if 0 in kernel.device_caches else 0
+        before = binaries(kernel)
         with compiling():
             call()
-        added.setdefault(name, []).append(len(kernel.device_caches[0][0]) - before)
+        added.setdefault(name, []).append(binaries(kernel) - before)
 print(json.dumps({"classes": len(kernels.pdl.classes()), "added": added}))
 """
 
@@ -79,3 +86,68 @@ def test_each_pdl_class_compiles_once_for_sm90_inside_the_compile_scope(threads,
     assert got["classes"] == 3  # no PDL, the wait, the wait with the early launch
     assert got["added"] == {name: [3, 0] for name in got["added"]} and len(got["added"]) == 5
     assert len(list(tmp_path.rglob("*.cubin"))) == 15  # compiled here, not found in an older cache
+
+
+PASS_CHILD = STUB + r"""
+import pluggy
+from omni import hookspecs
+from omni.platforms.cuda import group_norm_triton as gn, moe_triton as mt, winograd_triton as wg
+from omni.platforms.cuda.glue import TritonGlue
+from omni.platforms.cuda.moe import torch_route_rows
+from omni.platforms.cuda.pdl import Pdl
+from omni.platforms.cuda.plugin import CudaPlatform
+from omni.platforms.cuda.triton_compile import compile_only
+from omni.reference_glue import ReferenceGlue
+from omni.specs import GlueSpec
+
+pm = pluggy.PluginManager(hookspecs.PROJECT)
+pm.add_hookspecs(hookspecs)
+pm.register(CudaPlatform())
+T, E, k = 16, 64, 8
+spec = GlueSpec(hidden=256, head_dim=64, eps=1e-6, dtype=torch.bfloat16, topk=k, pdl_rows=64, always_on=1)
+kernels = mt.TritonKernels(Pdl(64))
+glue = TritonGlue(spec, kernels)
+logits = torch.randn(T, E, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+x = torch.randn(2, 32, 8, 8, dtype=torch.bfloat16)
+m, count_before = torch.zeros(16, 2 * 4 * 4, 32), {}
+watched = {"route": glue.k.route_kernel, "count": mt._count_kernel, "place": mt._place_kernel,
+           "gn_stats": gn.stats_rows_kernel, "gn_finalize": gn.finalize_kernel, "gn_apply": gn.apply_rows_kernel,
+           "wino_in": wg.input_kernel, "wino_out": wg.output_kernel}
+before = {name: binaries(kern) for name, kern in watched.items()}
+with pm.hook.omni_compile_scope(info=None):  # the platform's scope, through pluggy
+    inside = compile_only()
+    w, ids = glue._route(logits)
+    routes = kernels.route_rows(ids[:, :k], E)
+    y = gn.group_norm_act(x, 8, torch.ones(32), torch.zeros(32), 1e-6, norm_dtype=torch.float32,
+                          out_dtype=torch.bfloat16)
+    v = wg.input_transform(x)
+    out = wg.output_transform(m, None, None, (2, 32, 8, 8), torch.bfloat16)
+ref_w, ref_ids = ReferenceGlue(spec).route(logits)
+ref_routes = torch_route_rows(ids[:, :k], E)
+print(json.dumps({
+    "inside": inside, "after": compile_only(),
+    "route_is_the_reference": bool(torch.equal(w, ref_w) and torch.equal(ids, ref_ids)),
+    "sort_is_torchs": all(bool(torch.equal(a, b)) for a, b in zip(routes, ref_routes)),
+    "shapes": [list(y.shape), list(v.shape), list(out.shape)],
+    "added": {name: binaries(kern) - before[name] for name, kern in watched.items()}}))
+"""
+
+
+def test_the_platforms_compile_scope_compiles_every_kernel_of_a_pass_and_keeps_the_routes_defined(tmp_path):
+    """``omni_compile_scope`` (the warm-up's compile pass) on the cuda platform: inside it the router and the
+    expert sort compile their kernels and answer with the reference's torch ops (the experts' GEMMs index with
+    them), and the GroupNorm and Winograd kernels, launched without PDL classes, compile instead of running."""
+    pytest.importorskip("triton")
+    from omni.platforms.cuda.pdl_triton import HAS_GDC
+
+    env = {**os.environ, "OMNI_COMPILE_WORKERS": "3", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", PASS_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["inside"] is True and got["after"] is False
+    assert got["route_is_the_reference"] and got["sort_is_torchs"]
+    assert got["shapes"] == [[2, 32, 8, 8], [16, 32, 32], [2, 32, 8, 8]]
+    route_classes = 3 if HAS_GDC else 1  # a first launch compiles its PDL classes together
+    assert got["added"] == {"route": route_classes, "count": 1, "place": 1, "gn_stats": 1, "gn_finalize": 1,
+                            "gn_apply": 1, "wino_in": 1, "wino_out": 1}
+    assert len(list(tmp_path.rglob("*.cubin"))) == route_classes + 7

@@ -203,6 +203,18 @@ def test_a_cfg2_replica_warms_up_in_lock_step_then_serves(checkpoint, single, tm
     assert not router.job.is_alive()
 
 
+def test_a_cfg2_replicas_compile_pass_runs_on_both_ranks_then_it_serves(checkpoint, single):
+    """``serving.compile_first`` on a replica: the driver's warm-up enters the compile pass on every rank (the
+    followers on its word), both ranks run the warm-up's steps inside it, then again outside, and the replica then
+    serves the single-process image."""
+    driver, follower = launch(workers.compile_pass_driver_job, Degrees(cfg=2), args=(checkpoint, PROMPTS[0]),
+                              timeout_s=120)
+    for rank in (driver, follower):
+        assert rank["scope"] == (1, 1), "entered and left once on each rank"
+        assert rank["steps"] == [True, True, False, False, False, False, False], "2 steps in the pass, 2 + 3 after"
+    same_image(driver["image"], single["r0"], "after the compile pass")
+
+
 def test_replicas_that_fail_to_load_report_why_and_the_router_goes_dead(checkpoint, tmp_path):
     """The first ranks connect before they load, so the server can answer 503 "starting" meanwhile. A load that
     fails (a weights file that is not safetensors, which only reading finds) reaches the router with its reason:

@@ -158,3 +158,69 @@ def sharing_report(ctx) -> tuple:
     import os
 
     return ctx.info.shares_device, os.environ.get("OMNI_TEST_SHARED")
+
+
+class PassScope:
+    """A compile scope double (what a just-in-time platform's ``omni_compile_scope`` returns): counts entries and
+    exits."""
+
+    def __init__(self):
+        self.entered = self.left = 0
+
+    def __enter__(self):
+        self.entered += 1
+
+    def __exit__(self, *exc):
+        self.left += 1
+        return False
+
+
+def compile_pass_driver_job(ctx, checkpoint: str, prompt: str):
+    """A cfg2 replica whose driver warms up with ``compile_first`` on a platform with a (double) compile scope,
+    then serves ``prompt``. Each rank returns its scope's entries and exits and, per model call it ran, whether a
+    compile pass was on; the driver also the image."""
+    from omni import compile_pass
+    from omni.parallel.driver import DriverPipeline, follow
+    from omni.parallel.runtime import ParallelRuntime
+    from omni.recipe import load_recipe
+    from omni.request import ImageRequest
+    from omni.scheduler import Scheduler, default_request
+    from omni.models.hunyuan_image3.build import build_pipeline
+
+    scope, seen = PassScope(), []
+    ctx.platform.pm.register(_jit_double(scope), name="jit-double")
+    recipe = load_recipe("cpu_tiny")
+    pipe = build_pipeline(recipe, ctx.platform, model_path=checkpoint, progress=False,
+                          parallel=ParallelRuntime(ctx.mesh, ctx.platform))
+    step = pipe.denoise_step
+
+    def watched_step(states):
+        seen.append(compile_pass.active())
+        step(states)
+
+    pipe.denoise_step = watched_step
+    control = ctx.mesh.control("replica")
+    if control.rank != 0:
+        return {"followed": follow(pipe, control), "scope": (scope.entered, scope.left), "steps": seen}
+    driver = DriverPipeline(pipe, control)
+    try:
+        sched = Scheduler(driver, compile_first=True)
+        sched.warm_up(default_request(recipe, steps=2))
+        ticket = sched.submit(ImageRequest(prompt=prompt, steps=3, seed=7, request_id="r0"))
+        while not ticket.future.done():
+            sched.step()
+    finally:
+        driver.close()
+    return {"image": ticket.result().image_HW3, "scope": (scope.entered, scope.left), "steps": seen}
+
+
+def _jit_double(scope: PassScope):
+    """A plugin answering ``omni_compile_scope`` with ``scope``."""
+    from omni.hookspecs import hookimpl
+
+    class Jit:
+        @hookimpl
+        def omni_compile_scope(self, info):
+            return scope
+
+    return Jit()

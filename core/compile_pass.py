@@ -1,0 +1,39 @@
+"""The warm-up's compile pass (``serving.compile_first``): its requests run once with the platform's kernels
+compiled instead of run, so that the compiles of every kernel they meet run together.
+
+Why: a kernel compiled just in time compiles when a step first launches it, one after another as the step
+reaches them. On the H200 the image warm-up's first forward compiled 10 Triton binaries that way (6.6 s), the
+Instruct server's warm-up 65 (17.3 s; BENCHMARKS.md, "Thirty-first session"), while the build's own compiles
+ran 16 at a time. A pass of the same requests inside the platform's compile scope (``omni_compile_scope``)
+meets every signature first and hands each compile to the platform's pool; the real warm-up then finds them
+compiled.
+
+What the pass keeps: requests run as usual (pages allocated and freed, no captured graph: ``StepGraphs`` runs
+eagerly while ``active()``, the decode stays on the engine thread), but their outputs are undefined, since the
+kernels that did not run left their buffers as they were; the results are dropped. The platform keeps every
+output that later ops index with defined (hookspec). A request of the pass that raises is logged and the real
+warm-up runs anyway: the pass only moves compiles earlier.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+_ACTIVE: ContextVar[bool] = ContextVar("omni_compile_pass", default=False)
+
+
+def active() -> bool:
+    """Whether this thread runs inside a compile pass (its outputs undefined; nothing to capture)."""
+    return _ACTIVE.get()
+
+
+@contextmanager
+def compile_pass(platform_scope):
+    """The pass: ``platform_scope`` (the platform's ``omni_compile_scope`` context) entered and ``active()``
+    true for its duration."""
+    token = _ACTIVE.set(True)
+    try:
+        with platform_scope:
+            yield
+    finally:
+        _ACTIVE.reset(token)

@@ -1,0 +1,198 @@
+"""The warm-up's compile pass (``serving.compile_first``, ``omni.compile_pass``) over the real tiny pipeline.
+
+The CPU platform compiles nothing just in time, so a recording double of a platform's compile scope
+(``omni_compile_scope``, registered on the platform's own pluggy manager) stands in for the cuda platform's
+``triton_compile.compiling()``; what is checked is what core does around it: the warm-up requests run once
+inside the scope (eagerly, decoded on the engine thread, pages returned) and then for real, a failed pass does
+not stop the warm-up, and the pass leaves nothing behind that changes a later image. The cuda side (kernels
+compiled, not run; the router and the sort defined) is checked by ``tests/conformance/test_cuda_sm90_compile_cpu.py``
+and, on a GPU, ``tests/gpu/test_gpu_compile_pass.py``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+
+from omni import compile_pass
+from omni.hookspecs import hookimpl
+from omni.platform_manager import select
+from omni.recipe import load_recipe
+from omni.request import ImageRequest
+from omni.scheduler import Scheduler, default_request
+from omni.specs import CaptureSpec
+from omni.step_graphs import StepGraphs
+
+
+class RecordingScope:
+    """A compile scope that counts its entries and exits; ``fail``: raised on exit (a compile error)."""
+
+    def __init__(self, fail: Exception | None = None):
+        self.entered = self.left = 0
+        self.fail = fail
+
+    def __enter__(self):
+        self.entered += 1
+
+    def __exit__(self, *exc):
+        self.left += 1
+        if self.fail is not None:
+            raise self.fail
+        return False
+
+
+class CompilingPlatform:
+    """The hook a just-in-time platform implements, answering with ``scope``."""
+
+    def __init__(self, scope):
+        self.scope = scope
+
+    @hookimpl
+    def omni_compile_scope(self, info):
+        return self.scope
+
+
+class Watched:
+    """The real pipeline; records each model call with whether a compile pass was on and which thread ran it;
+    ``fail_in_pass``: the step that raises inside the pass (undefined outputs tripping a check)."""
+
+    def __init__(self, pipeline, fail_in_pass: str = ""):
+        self.pipeline, self.fail_in_pass, self.calls = pipeline, fail_in_pass, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.pipeline, name)
+        if name not in ("prefill", "denoise_step", "decode"):
+            return attr
+
+        def call(*args):
+            self.calls.append((name, compile_pass.active(), threading.current_thread() is threading.main_thread()))
+            if compile_pass.active() and name == self.fail_in_pass:
+                raise ValueError(f"{name} read an output no kernel wrote")
+            return attr(*args)
+
+        return call
+
+
+RECIPE = load_recipe("cpu_tiny")
+
+
+def pipeline_on(scope=None, fail_in_pass: str = ""):
+    from omni.models.hunyuan_image3.build import build_pipeline
+
+    platform = select("cpu")
+    if scope is not None:
+        platform.pm.register(CompilingPlatform(scope), name="jit-double")
+    return Watched(build_pipeline(RECIPE, platform, progress=False), fail_in_pass)
+
+
+def warmed(pipeline, compile_first: bool = True) -> Scheduler:
+    sched = Scheduler.from_recipe(pipeline, RECIPE.replace_paths({"serving.compile_first": compile_first}))
+    assert sched._decoder is not None, "the CPU pipeline decodes on the scheduler's thread outside a pass"
+    sched.warm_up(default_request(RECIPE, steps=2))
+    return sched
+
+
+def image_after(sched: Scheduler) -> np.ndarray:
+    ticket = sched.submit(ImageRequest(prompt="a green door", steps=2, seed=11, request_id="after"))
+    while not ticket.future.done():
+        sched.step()
+    return ticket.result().image_HW3
+
+
+def test_the_warm_up_runs_inside_the_scope_first_then_for_real():
+    scope = RecordingScope()
+    pipeline = pipeline_on(scope)
+    free = pipeline.pool.free_pages
+    sched = warmed(pipeline)
+    assert (scope.entered, scope.left) == (1, 1)
+    ops = [(name, on) for name, on, _ in pipeline.calls]
+    once = [("prefill", True), ("denoise_step", True), ("denoise_step", True), ("decode", True)]
+    assert ops == once + [(name, False) for name, _ in once], "the request in the pass, then for real"
+    decoded_here = [here for name, on, here in pipeline.calls if name == "decode"]
+    assert decoded_here == [True, False], "the pass decodes on its own thread (its scope is that thread's)"
+    assert pipeline.pool.free_pages == free and not sched.has_work() and sum(sched.stats.values()) == 0
+    assert 0 < sched.compile_pass_s < sched.warm_up_s
+
+
+def test_without_a_platform_scope_no_pass_runs(caplog):
+    pipeline = pipeline_on()
+    with caplog.at_level(logging.INFO, logger="omni.scheduler"):
+        sched = warmed(pipeline)
+    assert [(name, on) for name, on, _ in pipeline.calls] == [
+        ("prefill", False), ("denoise_step", False), ("denoise_step", False), ("decode", False)]
+    assert sched.compile_pass_s is None and "no compile pass" in caplog.text
+
+
+def test_compile_first_off_never_asks_the_platform():
+    scope = RecordingScope()
+    pipeline = pipeline_on(scope)
+    warmed(pipeline, compile_first=False)
+    assert scope.entered == 0 and not any(on for _, on, _ in pipeline.calls)
+    assert Scheduler.from_recipe(pipeline, RECIPE).compile_first is False, "off unless the recipe asks"
+
+
+@pytest.mark.parametrize("failure", ["compile error on exit", "a request of the pass fails"])
+def test_a_failed_pass_is_logged_and_the_warm_up_still_runs(failure, caplog):
+    exit_error = RuntimeError("ptxas: out of resources") if failure.startswith("compile") else None
+    scope = RecordingScope(fail=exit_error)
+    pipeline = pipeline_on(scope, fail_in_pass="" if exit_error else "denoise_step")
+    free = pipeline.pool.free_pages
+    with caplog.at_level(logging.WARNING, logger="omni.scheduler"):
+        sched = warmed(pipeline)
+    expected = "ptxas: out of resources" if exit_error else "read an output no kernel wrote"
+    assert "compile pass failed" in caplog.text and expected in caplog.text
+    assert scope.left == 1, "the scope is left (its compiles awaited) whatever failed inside"
+    assert [name for name, on, _ in pipeline.calls if not on] == ["prefill", "denoise_step", "denoise_step",
+                                                                  "decode"], "the real warm-up ran whole"
+    assert pipeline.pool.free_pages == free and not sched.has_work()
+
+
+def test_the_pass_leaves_nothing_that_changes_a_later_image():
+    with_pass = image_after(warmed(pipeline_on(RecordingScope())))
+    without = image_after(warmed(pipeline_on(), compile_first=False))
+    assert with_pass.shape == without.shape and np.array_equal(with_pass, without)
+
+
+class RecordingRunner:
+    """A graph runner double: counts captures and replays (``fn`` runs once at capture, as a warm-up would)."""
+
+    def __init__(self, counts: dict):
+        self.counts = counts
+
+    def capture(self, fn):
+        self.counts["captures"] += 1
+        self.out = fn()
+        return self.out
+
+    def replay(self):
+        self.counts["replays"] += 1
+
+
+class CapturingPlatform:
+    def __init__(self):
+        self.counts = {"captures": 0, "replays": 0}
+
+    def graph_runner(self, spec: CaptureSpec):
+        return RecordingRunner(self.counts)
+
+
+def test_step_graphs_run_eagerly_during_a_pass_and_capture_after_it():
+    platform = CapturingPlatform()
+    graphs = StepGraphs(platform, "cpu")
+    x, calls = torch.ones(4, 2), []
+
+    def forward(x_TD, w):
+        calls.append(compile_pass.active())
+        return x_TD * w
+
+    key = (("sig",), ("binding",))
+    with compile_pass.compile_pass(nullcontext()):
+        out = graphs.run(key, x, forward, lambda: (torch.full((2,), 3.0),))
+    assert torch.equal(out, x * 3) and calls == [True]
+    assert platform.counts == {"captures": 0, "replays": 0} and graphs.captures == 0, "nothing recorded in the pass"
+    graphs.run(key, x, forward, lambda: (torch.full((2,), 3.0),))
+    assert platform.counts == {"captures": 1, "replays": 1} and calls == [True, False]
