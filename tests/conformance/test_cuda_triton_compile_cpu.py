@@ -99,6 +99,29 @@ def test_the_cuda_platform_sets_triton_s_cache_when_a_worker_is_configured(tmp_p
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
 
 
+def test_the_cuda_platform_answers_the_compile_scope_hook_where_triton_is(monkeypatch):
+    """``omni_compile_scope`` through pluggy: the compile scope where Triton is installed (inside it ``launch``
+    compiles), None where it is not (no compile pass runs: nothing would compile)."""
+    import pluggy
+
+    from omni import hookspecs
+    from omni.platforms.cuda import plugin as cuda_plugin
+
+    monkeypatch.setenv("OMNI_COMPILE_WORKERS", "1")  # no pool: the scope's flag alone
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(cuda_plugin.CudaPlatform())
+    for found in (True, False):
+        monkeypatch.setattr(cuda_plugin, "triton_found", lambda found=found: found)
+        scope = pm.hook.omni_compile_scope(info=None)
+        if not found:
+            assert scope is None
+            continue
+        with scope:
+            assert tc.compile_only()
+        assert not tc.compile_only()
+
+
 COMPILE_ONE = """
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
