@@ -148,22 +148,10 @@ class Scheduler:
         ticket.result()
 
     def _compile_pass(self, requests) -> float | None:
-        """``requests`` run once inside the pipeline's compile pass, their results dropped; seconds, or None
-        where the pipeline has no pass. A failure is logged, not raised: the warm-up then compiles as it runs."""
+        """``requests`` run once inside the pipeline's compile pass (``compile_pass.run``); seconds, or None
+        where the pipeline has none."""
         scope = getattr(self.pipeline, "compile_pass", lambda: None)()
-        if scope is None:
-            log.info("serving.compile_first: the platform compiles nothing at first launch; no compile pass")
-            return None
-        t0 = time.perf_counter()
-        try:
-            with scope:
-                for request in requests:
-                    self._run_to_end(request)
-        except Exception as e:  # undefined outputs may trip a check; the real warm-up runs either way
-            log.warning("compile pass failed, the warm-up compiles as it runs: %s: %s", type(e).__name__, e)
-        seconds = time.perf_counter() - t0
-        log.info("compile pass: %.1f s", seconds)
-        return seconds
+        return compile_pass.run(scope, requests, self._run_to_end)
 
     # ------------------------------------------------------------ any thread
 

@@ -120,7 +120,7 @@ def test_the_warm_up_runs_inside_the_scope_first_then_for_real():
 
 def test_without_a_platform_scope_no_pass_runs(caplog):
     pipeline = pipeline_on()
-    with caplog.at_level(logging.INFO, logger="omni.scheduler"):
+    with caplog.at_level(logging.INFO, logger="omni.compile_pass"):
         sched = warmed(pipeline)
     assert [(name, on) for name, on, _ in pipeline.calls] == [
         ("prefill", False), ("denoise_step", False), ("denoise_step", False), ("decode", False)]
@@ -141,7 +141,7 @@ def test_a_failed_pass_is_logged_and_the_warm_up_still_runs(failure, caplog):
     scope = RecordingScope(fail=exit_error)
     pipeline = pipeline_on(scope, fail_in_pass="" if exit_error else "denoise_step")
     free = pipeline.pool.free_pages
-    with caplog.at_level(logging.WARNING, logger="omni.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="omni.compile_pass"):
         sched = warmed(pipeline)
     expected = "ptxas: out of resources" if exit_error else "read an output no kernel wrote"
     assert "compile pass failed" in caplog.text and expected in caplog.text
