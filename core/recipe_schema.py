@@ -268,6 +268,11 @@ class Serving(_Validated):
                                             "byte limit); false = data: URIs only. True lets clients make the server "
                                             "request any URL it can reach")
 
+    def _rules(self) -> None:
+        if self.compile_first and not self.warmup_steps:
+            raise RecipeError("true runs the warm-up's requests in a compile pass first, but serving.warmup_steps "
+                              "is 0 (no warm-up); set warmup_steps >= 1 or compile_first: false", "compile_first")
+
 
 _REPLICAS = _Rule(">= 1 or null", lambda v: v is None or v >= 1)
 

@@ -170,6 +170,9 @@ def test_type_errors(tmp_path, text, expected):
     ("serving: {port: 70000}\n", "serving.port: must be in 1..65535, got 70000"),
     ("serving: {png_compress_level: 10}\n", "serving.png_compress_level: must be in 0..9, got 10"),
     ("serving: {api_key_env: 'my key'}\n", "serving.api_key_env: must be an environment variable name"),
+    ("serving: {compile_first: true, warmup_steps: 0}\n",
+     "serving.compile_first: true runs the warm-up's requests in a compile pass first, but serving.warmup_steps "
+     "is 0"),
     ("vae: {tile_latents: 8, overlap: 8}\n", "vae.overlap: must be < tile_latents (8), got 8"),
     ("vae: {streams: 2}\n", "vae.streams: vae.streams=2 decodes tiles concurrently, but vae.tiling is false"),
     ("vae: {tiling: true, streams: 0}\n", "vae.streams: must be >= 1, got 0"),
