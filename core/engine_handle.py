@@ -118,7 +118,9 @@ def serving_scheduler(pipeline, recipe, warm_up: tuple = ()):
     sched = Scheduler.from_recipe(pipeline, recipe)
     if warm_up:
         log.info("warm-up: %s (compiles and graph captures) ...", ", ".join(type(r).__name__ for r in warm_up))
-        log.info("warm-up done in %.1f s", sched.warm_up(*warm_up))
+        seconds = sched.warm_up(*warm_up)
+        within = "" if sched.compile_pass_s is None else f" (compile pass {sched.compile_pass_s:.1f} s of it)"
+        log.info("warm-up done in %.1f s%s", seconds, within)
     return sched
 
 

@@ -196,3 +196,12 @@ def test_step_graphs_run_eagerly_during_a_pass_and_capture_after_it():
     assert platform.counts == {"captures": 0, "replays": 0} and graphs.captures == 0, "nothing recorded in the pass"
     graphs.run(key, x, forward, lambda: (torch.full((2,), 3.0),))
     assert platform.counts == {"captures": 1, "replays": 1} and calls == [True, False]
+
+
+def test_the_servers_warm_up_log_says_what_the_pass_took(caplog):
+    from omni.engine_handle import serving_scheduler
+
+    recipe = RECIPE.replace_paths({"serving.compile_first": True})
+    with caplog.at_level(logging.INFO, logger="omni.engine"):
+        sched = serving_scheduler(pipeline_on(RecordingScope()), recipe, (default_request(recipe, steps=2),))
+    assert f"(compile pass {sched.compile_pass_s:.1f} s of it)" in caplog.text
