@@ -2,9 +2,9 @@
 compiled instead of run, so that the compiles of every kernel they meet run together.
 
 Why: a kernel compiled just in time compiles when a step first launches it, one after another as the step
-reaches them. On the H200 the image warm-up's first forward compiled 10 Triton binaries that way (6.6 s), the
-Instruct server's warm-up 65 (17.3 s; BENCHMARKS.md, "Thirty-first session"), while the build's own compiles
-ran 16 at a time. A pass of the same requests inside the platform's compile scope (``omni_compile_scope``)
+reaches them. On the H200 the first image request's prefill took 6.6 s while it compiled 10 Triton binaries that
+way, and the Instruct server's warm-up 17.3 s while it compiled 65, only each PDL signature's three classes
+together (BENCHMARKS.md, "Thirty-first session"); the build's own compiles ran 16 at a time. A pass of the same requests inside the platform's compile scope (``omni_compile_scope``)
 meets every signature first and hands each compile to the platform's pool; the real warm-up then finds them
 compiled.
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .pdl import Pdl
-from .triton_compile import compile_only, compiling
+from .triton_compile import compiling, run_or_compile
 
 _SIGNATURES: set = set()  # (kernel, policy, constexprs and options, tensor dtypes) whose classes are compiled
 
@@ -61,14 +61,11 @@ def launch(kernel, grid, pdl: Pdl, rows: int, *args, siblings: bool = True, **kw
     not pay it); without PDL there is one class and no check.
     Inside ``compiling()`` nothing runs: the call's binary (and, with ``siblings``, its classes') is compiled.
     """
-    chosen, only = pdl.kw(rows), compile_only()
-    every = siblings and pdl.max_rows and _first_launch(kernel, pdl, args, kwargs)  # no PDL: one class, no check
-    if every or only:
-        with compiling():  # inside an outer scope (the build's), joined to it
-            for kw in (pdl.classes() if every else (chosen,)):
+    if siblings and pdl.max_rows and _first_launch(kernel, pdl, args, kwargs):  # no PDL: one class, no check
+        with compiling():  # inside an outer scope (the build's, a compile pass), joined to it
+            for kw in pdl.classes():
                 kernel.warmup(*args, grid=grid, **kwargs, **kw)
-    if not only:
-        kernel[grid](*args, **kwargs, **chosen)
+    run_or_compile(kernel, grid, *args, **kwargs, **pdl.kw(rows))
 
 
 def _first_launch(kernel, pdl: Pdl, args: tuple, kwargs: dict) -> bool:

@@ -10,8 +10,10 @@ runs ptxas as a process, so threads overlap them: 13.8 -> 10.9 s ready on the H2
 ``compiling()`` is the scope: inside it ``pdl_triton.launch`` hands each kernel to Triton's ``warmup`` instead
 of running it, and Triton's ``AsyncCompileMode`` submits the compile to a thread pool; leaving the scope waits
 for every compile (raising the first error) and puts the binaries in the kernels' caches. Calls made inside it
-run their torch ops but no Triton kernel, so their outputs are undefined: only the compile-time paths
-(``compile_routes``, ``compile_rows``, ``launch``'s PDL classes) enter it. ``OMNI_COMPILE_WORKERS`` sets the
+run their torch ops but no Triton kernel (``launch`` and ``run_or_compile`` only compile), so their outputs are
+undefined: only the compile-time paths enter it (``compile_routes``, ``compile_rows``, ``launch``'s PDL classes,
+and a server warm-up's compile pass through ``omni_compile_scope``, in which the router and the expert sort
+answer with torch's outputs). ``OMNI_COMPILE_WORKERS`` sets the
 pool's threads (1: one compile at a time, as before); the default is the CPUs this process may use, shared
 among the ranks on its host (``LOCAL_WORLD_SIZE``), at most 16. A Triton without ``AsyncCompileMode`` (3.6 has
 it) compiles in the caller's thread.
