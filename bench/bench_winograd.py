@@ -9,14 +9,20 @@ them on cuda).
 2. The whole heads of one step (``bench_group_norm.heads``, NHWC weights, the glue's GroupNorm kernel): torch
    convolutions against the glue's ``conv3x3`` (time, and the relative L2 distance of the outputs).
 
+3. ``--launches 32x64x8,16x64x4``: the same convolutions, transforms and heads with each other launch shape of the
+   two transforms (tiles x channels x warps a program; ``winograd_triton.Launch``), against the shipped one in
+   the same rounds, and whether their outputs equal the shipped launch's bit for bit.
+
 Each figure is a CUDA-event median; the variants alternate in rounds (``bench_common.round_robin``).
 
     python bench/bench_winograd.py --json out.json
+    python bench/bench_winograd.py --launches 32x64x8,16x64x4,32x32x4 --json out.json
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,7 +45,32 @@ SHAPES = (("patch_embed in_layers 1024->4096", 1, 1024, 4096),
           ("final_layer out_layers 1024->1024", 2, 1024, 1024))
 
 
-def conv_case(wt, rows: int, c_in: int, c_out: int, grid: int, rounds: int) -> dict:
+@contextmanager
+def shipped_launch(wt, launch):
+    """``wt.LAUNCH`` (what the glue's ``conv3x3`` takes) set to ``launch`` for the block."""
+    shipped, wt.LAUNCH = wt.LAUNCH, launch
+    try:
+        yield
+    finally:
+        wt.LAUNCH = shipped
+
+
+def with_launch(wt, launch, fn):
+    def run():
+        with shipped_launch(wt, launch):
+            return fn()
+    return run
+
+
+def launch_variants(wt, fns: dict, launches, names) -> dict:
+    """``fns`` plus, for each of ``launches``, the ``names`` among them run with that launch shape (``name@RxCxW``)."""
+    out = dict(fns)
+    for launch in launches:
+        out |= {f"{n}@{'x'.join(map(str, launch))}": with_launch(wt, launch, fns[n]) for n in names}
+    return out
+
+
+def conv_case(wt, rows: int, c_in: int, c_out: int, grid: int, rounds: int, launches=()) -> dict:
     g = torch.Generator(device="cuda").manual_seed(c_in + c_out)
     x = torch.randn(rows, c_in, grid, grid, device="cuda", generator=g).bfloat16()
     x = x.contiguous(memory_format=torch.channels_last)
@@ -56,12 +87,15 @@ def conv_case(wt, rows: int, c_in: int, c_out: int, grid: int, rounds: int) -> d
         "part_gemms_fp32_out": lambda: torch.bmm(v, u.transpose(1, 2), out_dtype=torch.float32),
         "part_output_transform": lambda: wt.output_transform(m, b, None, (rows, c_out, grid, grid), x.dtype),
     }
+    fns = launch_variants(wt, fns, launches, ("winograd_fp32_m", "part_input_transform", "part_output_transform"))
     t = round_robin(fns, rounds)
     ref = F.conv2d(x.double(), w.double(), b.double(), padding=1)
     scale = float(ref.abs().max())
     outs = {k: fns[k]() for k in ("cudnn", "winograd_fp32_m", "winograd_bf16_m")}
     flops = 2 * rows * grid * grid * 9 * c_in * c_out
-    return {"ms": {k: v_ * 1e3 for k, v_ in t.items()},
+    same = {k: bool(torch.equal(f(), outs["winograd_fp32_m"])) for k, f in fns.items()
+            if k.startswith("winograd_fp32_m@")}
+    return {"ms": {k: v_ * 1e3 for k, v_ in t.items()}, "equal_to_shipped_launch": same,
             "tflops_cudnn": flops / t["cudnn"] / 1e12,
             "speedup_fp32_m": t["cudnn"] / t["winograd_fp32_m"],
             "speedup_bf16_m": t["cudnn"] / t["winograd_bf16_m"],
@@ -70,7 +104,7 @@ def conv_case(wt, rows: int, c_in: int, c_out: int, grid: int, rounds: int) -> d
                                              for k, o in outs.items()}}
 
 
-def heads_case(platform, rounds: int) -> dict:
+def heads_case(platform, rounds: int, launches=()) -> dict:
     glue = platform.glue(GlueSpec(hidden=4096, head_dim=128, eps=1e-5, dtype=torch.bfloat16))
 
     def prepare(conv: bool):
@@ -81,29 +115,37 @@ def heads_case(platform, rounds: int) -> dict:
                 use_conv3x3_kernel(glue, down, up)
         return run
 
+    from omni.platforms.cuda import winograd_triton as wt
+
     steps = {"torch_conv": heads(platform, prepare(False)), "winograd_conv": heads(platform, prepare(True))}
+    steps = launch_variants(wt, steps, launches, ("winograd_conv",))
     t = round_robin(steps, rounds)
     outs = {k: f() for k, f in steps.items()}
     return {"ms": {k: s * 1e3 for k, s in t.items()}, "speedup": t["torch_conv"] / t["winograd_conv"],
-            "rel_l2_winograd_vs_torch": relative(outs["winograd_conv"], outs["torch_conv"].double())}
+            "rel_l2_winograd_vs_torch": relative(outs["winograd_conv"], outs["torch_conv"].double()),
+            "equal_to_shipped_launch": {k: bool(torch.equal(o, outs["winograd_conv"])) for k, o in outs.items()
+                                        if k.startswith("winograd_conv@")}}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grid", type=int, default=64, help="latent grid side (64: a 1024x1024 image)")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--launches", default="", help="other launch shapes of the transforms to time, comma-separated "
+                                                  "rows x channels x warps (e.g. 32x64x8,16x64x4)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     platform = select("cuda")
     platform.device_services(0)
     from omni.platforms.cuda import winograd_triton as wt
+    launches = [wt.Launch.parse(v) for v in a.launches.split(",") if v]
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
-           "grid": a.grid, "convs": {}}
+           "grid": a.grid, "shipped_launch": list(wt.LAUNCH), "convs": {}}
     with torch.inference_mode():
         for name, rows, c_in, c_out in SHAPES:
-            out["convs"][name] = conv_case(wt, rows, c_in, c_out, a.grid, a.rounds)
+            out["convs"][name] = conv_case(wt, rows, c_in, c_out, a.grid, a.rounds, launches)
             print(name, out["convs"][name]["ms"], flush=True)
-        out["heads"] = heads_case(platform, a.rounds)
+        out["heads"] = heads_case(platform, a.rounds, launches)
     return emit(out, a.json)
 
 

@@ -20,6 +20,8 @@ May assume: 16 x tiles x channels < 2^31 (int32 offsets; the heads' rows of abou
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +31,25 @@ from omni.winograd import TAPS, tiles, winograd_weights
 from .triton_compile import run_or_compile
 
 MIN_PRODUCT = 4096 * 1024  # in x out channels from which F(2x2, 3x3) gained (see above)
-TILE_ROWS, TILE_CHANNELS, WARPS = 32, 64, 4
+
+
+class Launch(NamedTuple):
+    """A transform's program: ``rows`` tiles x ``channels`` channels over ``warps`` warps. Each thread holds
+    16 fp32 window values per (tile, channel) it owns: at 16 owned (32 x 64 over 4 warps) ptxas gives both
+    transforms 255 registers and spills (192 / 100 bytes a thread, ``bench/kernel_resources.py``); at 8 they fit
+    in about 160. Which runs faster is ``bench/bench_winograd.py --launches``'s to say."""
+
+    rows: int
+    channels: int
+    warps: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Launch":
+        """``"32x64x4"``: rows x channels x warps."""
+        return cls(*(int(v) for v in text.split("x")))
+
+
+LAUNCH = Launch(32, 64, 4)
 
 
 @triton.jit
@@ -159,38 +179,43 @@ def prepare(w_OI33: torch.Tensor) -> torch.Tensor | None:
     return winograd_weights(w_OI33, w_OI33.dtype) if worth_it(w_OI33) else None
 
 
-def input_transform(x_BCHW: torch.Tensor) -> torch.Tensor:
-    """``V [16, tiles, C]`` in x's dtype (``omni.winograd.input_transform``), one launch."""
+def input_transform(x_BCHW: torch.Tensor, launch: Launch | None = None) -> torch.Tensor:
+    """``V [16, tiles, C]`` in x's dtype (``omni.winograd.input_transform``), one launch (``LAUNCH`` by default)."""
     B, C, H, W = x_BCHW.shape
+    launch = launch or LAUNCH
     th, tw = tiles(H, W)
     T = B * th * tw
     v_KTI = torch.empty(TAPS, T, C, dtype=x_BCHW.dtype, device=x_BCHW.device)
     if T:
-        run_or_compile(input_kernel, (triton.cdiv(T, TILE_ROWS), triton.cdiv(C, TILE_CHANNELS)),
-                       x_BCHW, v_KTI, T, C, H, W, tw, th * tw, *x_BCHW.stride(), BT=TILE_ROWS, BC=TILE_CHANNELS,
-                       num_warps=WARPS)
+        run_or_compile(input_kernel, (triton.cdiv(T, launch.rows), triton.cdiv(C, launch.channels)),
+                       x_BCHW, v_KTI, T, C, H, W, tw, th * tw, *x_BCHW.stride(), BT=launch.rows, BC=launch.channels,
+                       num_warps=launch.warps)
     return v_KTI
 
 
 def output_transform(m_KTO: torch.Tensor, bias_O: torch.Tensor | None, addend_BOHW: torch.Tensor | None,
-                     shape_BOHW: tuple[int, int, int, int], dtype: torch.dtype) -> torch.Tensor:
-    """``addend + round(A^T M A + bias)``, channels-last ``[B, O, H, W]`` in ``dtype``, one launch."""
+                     shape_BOHW: tuple[int, int, int, int], dtype: torch.dtype,
+                     launch: Launch | None = None) -> torch.Tensor:
+    """``addend + round(A^T M A + bias)``, channels-last ``[B, O, H, W]`` in ``dtype``, one launch (``LAUNCH`` by
+    default)."""
     B, O, H, W = shape_BOHW
+    launch = launch or LAUNCH
     th, tw = tiles(H, W)
     T = B * th * tw
     y = torch.empty(B, H, W, O, dtype=dtype, device=m_KTO.device).permute(0, 3, 1, 2)
     if T:
         add = addend_BOHW if addend_BOHW is not None else y
-        run_or_compile(output_kernel, (triton.cdiv(T, TILE_ROWS), triton.cdiv(O, TILE_CHANNELS)),
+        run_or_compile(output_kernel, (triton.cdiv(T, launch.rows), triton.cdiv(O, launch.channels)),
                        m_KTO, bias_O if bias_O is not None else m_KTO, add, y, T, O, H, W, tw, th * tw, *y.stride(),
-                       *add.stride(), HAS_BIAS=bias_O is not None, HAS_ADD=addend_BOHW is not None, BT=TILE_ROWS,
-                       BC=TILE_CHANNELS, num_warps=WARPS)
+                       *add.stride(), HAS_BIAS=bias_O is not None, HAS_ADD=addend_BOHW is not None, BT=launch.rows,
+                       BC=launch.channels, num_warps=launch.warps)
     return y
 
 
 def conv3x3(x_BCHW: torch.Tensor, u_KOI: torch.Tensor, bias_O: torch.Tensor | None,
-            addend_BOHW: torch.Tensor | None = None, *, m_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            addend_BOHW: torch.Tensor | None = None, *, m_dtype: torch.dtype = torch.float32,
+            launch: Launch | None = None) -> torch.Tensor:
     """``addend + conv2d(x, w, bias, padding=1)`` with ``u_KOI = prepare(w)``; the result is channels-last."""
     B, _, H, W = x_BCHW.shape
-    m_KTO = torch.bmm(input_transform(x_BCHW), u_KOI.transpose(1, 2), out_dtype=m_dtype)
-    return output_transform(m_KTO, bias_O, addend_BOHW, (B, u_KOI.shape[1], H, W), x_BCHW.dtype)
+    m_KTO = torch.bmm(input_transform(x_BCHW, launch), u_KOI.transpose(1, 2), out_dtype=m_dtype)
+    return output_transform(m_KTO, bias_O, addend_BOHW, (B, u_KOI.shape[1], H, W), x_BCHW.dtype, launch)

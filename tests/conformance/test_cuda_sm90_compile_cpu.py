@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +155,27 @@ def test_the_platforms_compile_scope_compiles_every_kernel_of_a_pass_and_keeps_t
     assert got["added"] == {"route": route_classes, "count": 1, "place": 1, "gn_stats": 1, "gn_finalize": 1,
                             "gn_apply": 1, "wino_in": 1, "wino_out": 1}
     assert len(list(tmp_path.rglob("*.cubin"))) == route_classes + 7
+
+
+STEP_KERNELS = {"norm_kernel", "rope_norm_kernel", "route_kernel", "_count_kernel", "_place_kernel",
+                "_scatter_rows_kernel", "_quant_kernel", "_swiglu_kernel", "_combine_kernel", "kv_kernel",
+                "_skinny_fp8_kernel", "_grouped_skinny_fp8_kernel", "stats_cl_kernel", "finalize_kernel",
+                "apply_cl_kernel", "input_kernel", "output_kernel"}
+
+
+def test_no_kernel_of_a_step_spills_registers_at_the_released_shapes(tmp_path):
+    """``bench/kernel_resources.py``: every Triton kernel an image step, a decode step and the image heads launch,
+    compiled for sm_90 at the released shapes, fits its registers (ptxas: no spill stores). The Winograd
+    transforms are compiled with 8 values of a tile a thread (32 x 64 over 8 warps): the shipped 32 x 64 over 4
+    spills (BENCHMARKS.md, "Thirty-fourth session"), pending the device's timing of the two."""
+    pytest.importorskip("triton")
+    tool = Path(__file__).resolve().parents[2] / "bench" / "kernel_resources.py"
+    env = {**os.environ, "OMNI_COMPILE_WORKERS": "2", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    out = tmp_path / "res.json"
+    done = subprocess.run([sys.executable, str(tool), "--winograd-launch", "32x64x8", "--json", str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["binaries"]
+    assert {r["kernel"] for r in rows} == STEP_KERNELS
+    assert [r for r in rows if r["spill_stores"] or r["spill_loads"]] == []
+    assert all(0 < r["regs"] <= 255 for r in rows)

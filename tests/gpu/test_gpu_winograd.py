@@ -71,3 +71,23 @@ def test_one_steps_heads_agree_with_cudnn_eager_and_captured(platform):
             out = step(down, up)
         graph.replay()
         assert torch.equal(out[0], tokens) and torch.equal(out[1], velocity)
+
+
+@pytest.mark.parametrize("launch", [(32, 64, 8), (16, 64, 4), (16, 32, 4)])
+def test_each_launch_shape_of_the_transforms_gives_the_shipped_ones_bits(launch):
+    """The launch shapes ``bench_winograd.py --launches`` times against the shipped one: a program's tiles,
+    channels and warps change which thread computes an element, not its arithmetic."""
+    from omni.platforms.cuda import winograd_triton as wt
+    from omni.winograd import winograd_weights
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2, 1024, 64, 64, device="cuda", generator=g).bfloat16().contiguous(
+        memory_format=torch.channels_last)
+    w = (torch.randn(4096, 1024, 3, 3, device="cuda", generator=g) / 96).bfloat16()
+    b = torch.randn(4096, device="cuda", generator=g).bfloat16()
+    add = torch.randn(2, 4096, 64, 64, device="cuda", generator=g).bfloat16()  # the ResBlock's skip
+    u = winograd_weights(w, torch.bfloat16)
+    other = wt.Launch(*launch)
+    assert other != wt.LAUNCH
+    assert torch.equal(wt.input_transform(x, other), wt.input_transform(x))
+    assert torch.equal(wt.conv3x3(x, u, b, add, launch=other), wt.conv3x3(x, u, b, add))

@@ -1,0 +1,228 @@
+"""Registers, spills and shared memory of the cuda platform's Triton kernels at the released shapes, as ptxas
+reports them for the sm_90 binaries (``ptxas -v``, the run Triton makes): a check that needs no GPU.
+
+Why: a kernel that spills registers to local memory, or holds so many that few warps fit on an SM, loses its rate
+to that, which a timing on the GPU shows only as "slow". Triton's compiler picks registers per binary; this lists
+them for every launch class an image step (8194 packed tokens: two CFG rows of 4097), a decode step's few rows
+and the image heads make, so a change to a tile or a block size can be checked before device time is spent.
+
+How: each kernel is launched inside ``triton_compile.compiling()`` (compiled, not run) on the shapes the engine
+gives it; on a CPU box under a stub driver (device 0, an sm_90 target), with tensors that say they are on CUDA so
+the glue takes its Triton path. Every binary lands in an empty ``TRITON_CACHE_DIR``; Triton's own ptxas is
+run again on each one's PTX with ``-v`` (Triton drops that log). On a GPU host it compiles for that GPU.
+
+    PYTHONPATH=/tmp/tri python bench/kernel_resources.py --json out.json   # Triton added to a CPU box's path
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+TOKENS = 8194  # an image step at 1024x1024 with CFG: two rows of 4097 (prefix + 4096 image tokens)
+
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor the glue's ``is_cuda`` checks take for a device one (nothing runs inside the compile scope)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def stub_driver() -> None:
+    """Triton's active driver replaced by one that reports device 0 with an sm_90 target (no GPU here)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class Stub:  # what JITFunction.run reads before it compiles
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(Stub())
+
+
+def dev(*shape, dtype=torch.bfloat16, fill=0) -> torch.Tensor:
+    t = torch.full(shape, fill, dtype=torch.float32).to(dtype) if dtype.is_floating_point else torch.full(
+        shape, fill, dtype=dtype)
+    return t.as_subclass(OnDevice)
+
+
+def step_calls(cfg, tokens: int, fused_shared: bool):
+    """(label, call) for each memory-bound kernel a decoder layer launches on ``tokens`` packed rows."""
+    from omni.platforms.cuda.glue import TritonGlue
+    from omni.platforms.cuda.moe_triton import TritonKernels
+    from omni.platforms.cuda.pdl import Pdl
+    from omni.specs import GlueSpec
+
+    D, H, E, k = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_topk[0]
+    N, K, inner = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.moe_intermediate_size[0]
+    extra = 1 if fused_shared else 0
+    kernels = TritonKernels(Pdl(64))
+    glue = TritonGlue(GlueSpec(hidden=D, head_dim=H, eps=cfg.rms_norm_eps, dtype=torch.bfloat16, topk=k,
+                               pdl_rows=64, always_on=extra), kernels)
+    T, R = tokens, tokens * (k + extra)
+    x, w = dev(T, D), dev(D, fill=1)
+    inverse = torch.arange(R).as_subclass(OnDevice)
+    return [
+        ("rms_norm + e4m3", lambda: glue.rms_norm(x, w, True)),
+        ("add + rms_norm + e4m3", lambda: glue.add_rms_norm(x, x, w, True)),
+        ("rope + qk-norm", lambda: glue.rope_qk_norm(dev(T, (N + 2 * K) * H), dev(T, H), dev(T, H), dev(H), dev(H),
+                                                    (N, K))),
+        ("router", lambda: glue.route(dev(T, E))),
+        ("sort by expert", lambda: kernels.route_rows(
+            (torch.arange(T * (k + extra)) % (E + extra)).reshape(T, k + extra).as_subclass(OnDevice), E + extra)),
+        ("scatter e4m3 rows", lambda: kernels.scatter_rows(dev(T, D, dtype=torch.float8_e4m3fn), dev(T, 1), inverse)),
+        ("e4m3 rows of h", lambda: kernels.quant_rows(dev(R, inner))),
+        ("e4m3 rows of o_proj's input", lambda: kernels.quant_rows(dev(T, N * H))),
+        ("shared SwiGLU + e4m3", lambda: glue.swiglu(dev(T, 2 * inner), True)),
+        ("combine + 2 residuals", lambda: kernels.combine(dev(R, D), inverse, dev(T, k + extra), torch.bfloat16,
+                                                          (x, x))),
+        ("KV store + gather", lambda: glue.store_gather_kv(
+            dev(2 * T, K, H), dev(2 * T, K, H), dev(T, K, H), dev(T, K, H), torch.arange(T).as_subclass(OnDevice),
+            torch.arange(T).as_subclass(OnDevice), torch.full((T,), -1).as_subclass(OnDevice))),
+    ]
+
+
+def few_row_calls(cfg):
+    """The dense and grouped e4m3 GEMMs for a decode step's few rows: one call per binary (row class)."""
+    from omni.platforms.cuda.grouped_skinny_triton import GroupedSkinnyFp8
+    from omni.platforms.cuda.pdl import Pdl
+    from omni.platforms.cuda.skinny_triton import SkinnyFp8
+
+    D, E, inner = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size[0]
+    dense = SkinnyFp8(64, pdl=Pdl(64))
+    e4m3 = torch.float8_e4m3fn
+    calls = [(f"few-row dense e4m3 GEMM, {m} rows", lambda m=m: dense(
+        dev(m, D, dtype=e4m3), dev(m, 1), dev(D, D, dtype=e4m3), dev(D), torch.bfloat16))
+        for m in dense.launches().values()]
+    for swiglu, (n, kk) in ((True, (2 * inner, D)), (False, (D, inner))):
+        grouped = GroupedSkinnyFp8(64, swiglu, pdl=Pdl(64))
+        for limit, _ in grouped.tiles:
+            rows = min(limit, 64)
+            calls.append((f"few-row grouped e4m3 GEMM{' + SwiGLU' if swiglu else ''}, groups <= {rows} rows",
+                          lambda g=grouped, r=rows, n=n, kk=kk: g(
+                              dev(r, kk, dtype=e4m3), dev(r), dev(E, n, kk, dtype=e4m3), dev(E, n),
+                              torch.full((E,), r, dtype=torch.int32).as_subclass(OnDevice))))
+    return calls
+
+
+def head_calls(launch=None):
+    """GroupNorm (+ SiLU) and the Winograd transforms (``launch``: their launch shape, the shipped one by default)
+    at the image heads' and the VAE decoder's shapes."""
+    from omni.platforms.cuda import group_norm_triton as gn, winograd_triton as wg
+
+    def gnorm(c, hw):
+        x = dev(1, c, hw, hw).contiguous(memory_format=torch.channels_last).as_subclass(OnDevice)
+        return lambda: gn.group_norm_act(x, 32, dev(c, fill=1), dev(c), 1e-6, norm_dtype=torch.float32,
+                                         out_dtype=torch.bfloat16, silu=True)
+
+    calls = [(f"GroupNorm + SiLU, {c} channels at {hw}x{hw}", gnorm(c, hw))
+             for c, hw in ((1024, 64), (512, 128), (512, 256), (256, 512), (128, 1024))]
+    for ci, co in ((1024, 4096), (4096, 1024)):
+        calls.append((f"Winograd input transform, {ci} channels",
+                      lambda ci=ci: wg.input_transform(dev(2, ci, 64, 64), launch)))
+        calls.append((f"Winograd output transform, {co} channels", lambda co=co: wg.output_transform(
+            dev(16, 2 * 32 * 32, co, dtype=torch.float32), dev(co), None, (2, co, 64, 64), torch.bfloat16, launch)))
+    return calls
+
+
+def ptxas() -> str:
+    """The ptxas Triton compiles with (its bundled one, or ``TRITON_PTXAS_PATH``)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).path
+
+
+def usage(ptx: Path, tool: str, arch: str) -> dict:
+    """Registers, stack frame and spill bytes a thread of the PTX's kernel gets (``ptxas -v``, as Triton runs it)."""
+    log = subprocess.run([tool, "-v", f"--gpu-name={arch}", str(ptx), "-o", os.devnull], capture_output=True,
+                         text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"regs": int(regs.group(1)), "stack": int(frame.group(1)), "spill_stores": int(frame.group(2)),
+            "spill_loads": int(frame.group(3))}
+
+
+def pdl_class(ptx_text: str) -> str:
+    """Which of a kernel's PDL classes the binary is: no PDL, waits, or waits and lets the next kernel launch."""
+    if "griddepcontrol.launch_dependents" in ptx_text:
+        return "wait+trigger"
+    return "wait" if "griddepcontrol.wait" in ptx_text else "-"
+
+
+def compile_each(calls, cache: Path, tool: str) -> list[dict]:
+    """Each call compiled inside the scope; the binaries it added and their resources."""
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
+
+    from omni.platforms.cuda.triton_compile import compiling
+
+    rows, seen = [], set()
+    for label, call in calls:
+        with compiling():
+            call()
+        new = sorted(p for p in cache.rglob("*.ptx") if p not in seen)
+        seen.update(new)
+        for ptx in new:
+            meta = json.loads(ptx.with_suffix(".json").read_text())
+            rows.append({"call": label, "kernel": meta["name"], "warps": meta["num_warps"],
+                         "pdl": pdl_class(ptx.read_text()), "shared": meta["shared"]}
+                        | usage(ptx, tool, sm_arch_from_capability(meta["target"]["arch"])))
+        print(f"{label}: {len(new)} binaries", file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=TOKENS, help="packed rows of the image step (default %(default)s)")
+    p.add_argument("--no-fused-shared", action="store_true", help="the shared expert outside the routed groups")
+    p.add_argument("--winograd-launch", default=None, metavar="RxCxW",
+                   help="the Winograd transforms' launch shape: tiles x channels x warps (default: the shipped one)")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="omni-res-")  # empty: every binary compiles here
+    if not torch.cuda.is_available():
+        stub_driver()
+    from omni.memory_estimate import released_config
+
+    cfg, tool = released_config(), ptxas()
+    from omni.platforms.cuda.winograd_triton import Launch
+
+    launch = Launch.parse(a.winograd_launch) if a.winograd_launch else None
+    calls = step_calls(cfg, a.tokens, not a.no_fused_shared) + few_row_calls(cfg) + head_calls(launch)
+    rows = compile_each(calls, Path(os.environ["TRITON_CACHE_DIR"]), tool)
+    for r in rows:
+        print(f"{r['call']:<56} {r['kernel']:<28} {r['pdl']:<12} warps {r['warps']:>2} regs {r['regs']:>3} "
+              f"spill stores {r['spill_stores']:>4} B  shared {r['shared']:>6} B")
+    spilled = [r for r in rows if r["spill_stores"]]
+    print(f"{len(rows)} binaries, {len(spilled)} spill registers: "
+          f"{sorted({r['kernel'] for r in spilled}) or 'none'}", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"tokens": a.tokens, "target": _target(), "winograd_launch": a.winograd_launch,
+                                      "binaries": rows}, indent=1))
+    return 0
+
+
+def _target() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "sm_90 (stub driver, no GPU)"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
