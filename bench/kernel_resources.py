@@ -62,6 +62,12 @@ def dev(*shape, dtype=torch.bfloat16, fill=0) -> torch.Tensor:
     return t.as_subclass(OnDevice)
 
 
+def channels_last(*shape) -> torch.Tensor:
+    """``[B, C, H, W]`` bf16 in the layout the model keeps the heads' and the VAE's activations on cuda (a unit
+    channel stride, which Triton specializes: the loads along channels vectorize)."""
+    return dev(*shape).contiguous(memory_format=torch.channels_last).as_subclass(OnDevice)
+
+
 def step_calls(cfg, tokens: int, fused_shared: bool):
     """(label, call) for each memory-bound kernel a decoder layer launches on ``tokens`` packed rows."""
     from omni.platforms.cuda.glue import TritonGlue
@@ -127,7 +133,7 @@ def head_calls(launch=None):
     from omni.platforms.cuda import group_norm_triton as gn, winograd_triton as wg
 
     def gnorm(c, hw):
-        x = dev(1, c, hw, hw).contiguous(memory_format=torch.channels_last).as_subclass(OnDevice)
+        x = channels_last(1, c, hw, hw)
         return lambda: gn.group_norm_act(x, 32, dev(c, fill=1), dev(c), 1e-6, norm_dtype=torch.float32,
                                          out_dtype=torch.bfloat16, silu=True)
 
@@ -135,7 +141,7 @@ def head_calls(launch=None):
              for c, hw in ((1024, 64), (512, 128), (512, 256), (256, 512), (128, 1024))]
     for ci, co in ((1024, 4096), (4096, 1024)):
         calls.append((f"Winograd input transform, {ci} channels",
-                      lambda ci=ci: wg.input_transform(dev(2, ci, 64, 64), launch)))
+                      lambda ci=ci: wg.input_transform(channels_last(2, ci, 64, 64), launch)))
         calls.append((f"Winograd output transform, {co} channels", lambda co=co: wg.output_transform(
             dev(16, 2 * 32 * 32, co, dtype=torch.float32), dev(co), None, (2, co, 64, 64), torch.bfloat16, launch)))
     return calls

@@ -36,8 +36,8 @@ MIN_PRODUCT = 4096 * 1024  # in x out channels from which F(2x2, 3x3) gained (se
 class Launch(NamedTuple):
     """A transform's program: ``rows`` tiles x ``channels`` channels over ``warps`` warps. Each thread holds
     16 fp32 window values per (tile, channel) it owns: at 16 owned (32 x 64 over 4 warps) ptxas gives both
-    transforms 255 registers and spills (192 / 100 bytes a thread, ``bench/kernel_resources.py``); at 8 they fit
-    in about 160. Which runs faster is ``bench/bench_winograd.py --launches``'s to say."""
+    transforms 255 registers and spills (52 / 100 bytes a thread, ``bench/kernel_resources.py``); at 8 they fit
+    in 106 / 138. Which runs faster is ``bench/bench_winograd.py --launches``'s to say."""
 
     rows: int
     channels: int
