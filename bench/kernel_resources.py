@@ -127,24 +127,52 @@ def few_row_calls(cfg):
     return calls
 
 
-def head_calls(launch=None):
+VAE_LEVELS = ((1024, 1), (1024, 2), (512, 4), (256, 8), (128, 16))  # decoder (channels, grid scale) of a level
+
+
+def head_calls(launch=None, grid=(64, 64)):
     """GroupNorm (+ SiLU) and the Winograd transforms (``launch``: their launch shape, the shipped one by default)
-    at the image heads' and the VAE decoder's shapes."""
+    as the image heads and the VAE decoder make them for an image of latent ``grid`` (64 x 64: 1024 x 1024)."""
     from omni.platforms.cuda import group_norm_triton as gn, winograd_triton as wg
 
-    def gnorm(c, hw):
-        x = channels_last(1, c, hw, hw)
+    h, w = grid
+    th, tw = wg.tiles(h, w)
+
+    def gnorm(c, hh, ww):
+        x = channels_last(1, c, hh, ww)
         return lambda: gn.group_norm_act(x, 32, dev(c, fill=1), dev(c), 1e-6, norm_dtype=torch.float32,
                                          out_dtype=torch.bfloat16, silu=True)
 
-    calls = [(f"GroupNorm + SiLU, {c} channels at {hw}x{hw}", gnorm(c, hw))
-             for c, hw in ((1024, 64), (512, 128), (512, 256), (256, 512), (128, 1024))]
-    for ci, co in ((1024, 4096), (4096, 1024)):
-        calls.append((f"Winograd input transform, {ci} channels",
-                      lambda ci=ci: wg.input_transform(channels_last(2, ci, 64, 64), launch)))
-        calls.append((f"Winograd output transform, {co} channels", lambda co=co: wg.output_transform(
-            dev(16, 2 * 32 * 32, co, dtype=torch.float32), dev(co), None, (2, co, 64, 64), torch.bfloat16, launch)))
+    calls = [(f"GroupNorm + SiLU, {c} channels at {h * f}x{w * f}", gnorm(c, h * f, w * f)) for c, f in VAE_LEVELS]
+    calls.append((f"GroupNorm + SiLU, 4096 channels at {h}x{w}", gnorm(4096, h, w)))
+    for rows, ci, co, skip in ((1, 1024, 4096, False), (1, 4096, 4096, True), (2, 4096, 1024, False)):
+        calls.append((f"Winograd input transform, {rows} x {ci} channels",
+                      lambda r=rows, ci=ci: wg.input_transform(channels_last(r, ci, h, w), launch)))
+        calls.append((f"Winograd output transform, {rows} x {co} channels{' + skip' if skip else ''}",
+                      lambda r=rows, co=co, skip=skip: wg.output_transform(
+                          dev(16, r * th * tw, co, dtype=torch.float32), dev(co),
+                          channels_last(r, co, h, w) if skip else None, (r, co, h, w), torch.bfloat16, launch)))
     return calls
+
+
+def size_sweep(cache: Path, launch=None) -> list[dict]:
+    """The heads' and the VAE's kernels at each size of the Instruct ratio table (``resolution.ratio_table``), in
+    its order: the binaries each size compiled that no size before it had (a server meets them in the first
+    request of that size)."""
+    from omni.models.hunyuan_image3.resolution import ratio_table
+    from omni.platforms.cuda.triton_compile import compiling
+
+    seen, out = set(cache.rglob("*.ptx")), []
+    for height, width in ratio_table():
+        with compiling():
+            for _, call in head_calls(launch, (height // 16, width // 16)):
+                call()
+        new = [p for p in cache.rglob("*.ptx") if p not in seen]
+        seen.update(new)
+        out.append({"size": [height, width], "new_binaries": len(new),
+                    "kernels": sorted(json.loads(p.with_suffix(".json").read_text())["name"] for p in new)})
+        print(f"{height}x{width}: {len(new)} new binaries {out[-1]['kernels']}", file=sys.stderr, flush=True)
+    return out
 
 
 def ptxas() -> str:
@@ -198,6 +226,8 @@ def main() -> int:
     p.add_argument("--no-fused-shared", action="store_true", help="the shared expert outside the routed groups")
     p.add_argument("--winograd-launch", default=None, metavar="RxCxW",
                    help="the Winograd transforms' launch shape: tiles x channels x warps (default: the shipped one)")
+    p.add_argument("--sizes", action="store_true",
+                   help="instead: the heads' and the VAE's binaries compiled at each size of the ratio table")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     if not os.environ.get("TRITON_CACHE_DIR"):
@@ -210,6 +240,8 @@ def main() -> int:
     from omni.platforms.cuda.winograd_triton import Launch
 
     launch = Launch.parse(a.winograd_launch) if a.winograd_launch else None
+    if a.sizes:
+        return sweep_main(a, launch)
     calls = step_calls(cfg, a.tokens, not a.no_fused_shared) + few_row_calls(cfg) + head_calls(launch)
     rows = compile_each(calls, Path(os.environ["TRITON_CACHE_DIR"]), tool)
     for r in rows:
@@ -221,6 +253,17 @@ def main() -> int:
     if a.json:
         a.json.write_text(json.dumps({"tokens": a.tokens, "target": _target(), "winograd_launch": a.winograd_launch,
                                       "binaries": rows}, indent=1))
+    return 0
+
+
+def sweep_main(a, launch) -> int:
+    sizes = size_sweep(Path(os.environ["TRITON_CACHE_DIR"]), launch)
+    total = sum(r["new_binaries"] for r in sizes)
+    print(f"{len(sizes)} sizes: {total} binaries, {sizes[0]['new_binaries']} at the first; "
+          f"{sum(1 for r in sizes[1:] if r['new_binaries'])} later sizes compiled more", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"target": _target(), "winograd_launch": a.winograd_launch, "sizes": sizes,
+                                      "binaries": total}, indent=1))
     return 0
 
 

@@ -63,7 +63,7 @@ def stats_rows_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, L, CHUNK, K, BLOCK: tl.c
     tl.store(cnt_ptr + out, n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "CHUNK", "K"])  # the image size: one binary for all (winograd_triton)
 def stats_cl_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, S, CHUNK, K, C: tl.constexpr, G: tl.constexpr,
                     ROWS: tl.constexpr):
     """Channels-last layout: sample b is S positions of C values; program (k, b) summarises positions
@@ -91,7 +91,7 @@ def stats_cl_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, S, CHUNK, K, C: tl.constex
     tl.store(cnt_ptr + out, n)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def finalize_kernel(mean_ptr, m2_ptr, cnt_ptr, mu_ptr, rstd_ptr, K, eps, BLOCK_K: tl.constexpr):
     """Per (sample, group): merge its K chunk summaries; mean and 1/sqrt(biased var + eps)."""
     r = tl.program_id(0)
@@ -155,7 +155,7 @@ def apply_rows_kernel(x_ptr, y_ptr, mu_ptr, rstd_ptr, w_ptr, bias_ptr, scale_ptr
     tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])
 def apply_cl_kernel(x_ptr, y_ptr, mu_ptr, rstd_ptr, w_ptr, bias_ptr, scale_ptr, shift_ptr, S,
                     C: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, NORM_DT: tl.constexpr,
                     FILM: tl.constexpr, SILU: tl.constexpr):

@@ -31,6 +31,12 @@ from omni.winograd import TAPS, tiles, winograd_weights
 from .triton_compile import run_or_compile
 
 MIN_PRODUCT = 4096 * 1024  # in x out channels from which F(2x2, 3x3) gained (see above)
+# The image's sizes (tiles, grid): one binary serves every image size. Triton would otherwise compile another
+# binary wherever one of them changes between a multiple of 16 and not. Over the 33 sizes of the Instruct ratio
+# table the heads' and the VAE's kernels compiled 39 binaries instead of 15, 7 later sizes 1-8 each, in the first
+# request of that size (``bench/kernel_resources.py --sizes``, sm_90). The channel counts and strides stay
+# specialized: they make the 16-byte vector loads and stores (the SASS at 64 x 64 is the same).
+SHAPE_ARGS = ["T", "H", "W", "TW", "TILES_PER_IMAGE"]
 
 
 class Launch(NamedTuple):
@@ -87,7 +93,7 @@ def _store_row(v_ptr, k0, plane, offs, a0, a1, a2, a3, mask):
     tl.store(v_ptr + (k0 + 3) * plane + offs, a3.to(ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SHAPE_ARGS)
 def input_kernel(x_ptr, v_ptr, T, C, H, W, TW, TILES_PER_IMAGE, sb, sc, sh, sw,
                  BT: tl.constexpr, BC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -138,7 +144,7 @@ def _emit(y_ptr, add_ptr, val, bias, b, h, w, o, H, W, ysb, ysc, ysh, ysw, asb, 
     tl.store(y_ptr + (b * ysb + h * ysh + w * ysw)[:, None] + (o * ysc)[None, :], y, mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SHAPE_ARGS)
 def output_kernel(m_ptr, bias_ptr, add_ptr, y_ptr, T, O, H, W, TW, TILES_PER_IMAGE,
                   ysb, ysc, ysh, ysw, asb, asc, ash, asw,
                   HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
