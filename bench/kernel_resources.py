@@ -3,8 +3,9 @@ reports them for the sm_90 binaries (``ptxas -v``, the run Triton makes): a chec
 
 Why: a kernel that spills registers to local memory, or holds so many that few warps fit on an SM, loses its rate
 to that, which a timing on the GPU shows only as "slow". Triton's compiler picks registers per binary; this lists
-them for every launch class an image step (8194 packed tokens: two CFG rows of 4097), a decode step's few rows
-and the image heads make, so a change to a tile or a block size can be checked before device time is spent.
+them for every launch class an image step (8194 packed tokens: two CFG rows of 4097), a decode step (8 answers:
+its row kernels, its sort and its few-row GEMMs) and the image heads make, so a change to a tile or a block size
+can be checked before device time is spent.
 
 How: each kernel is launched inside ``triton_compile.compiling()`` (compiled, not run) on the shapes the engine
 gives it; on a CPU box under a stub driver (device 0, an sm_90 target), with tensors that say they are on CUDA so
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 
 TOKENS = 8194  # an image step at 1024x1024 with CFG: two rows of 4097 (prefix + 4096 image tokens)
+DECODE_TOKENS = 8  # a decode step of 8 answers: the row kernels' and the sort's classes launched under PDL
+PDL_ROWS = 512  # kernels.pdl_rows of the Instruct recipes (h200_instruct_fp8): calls of up to 512 rows wait
 
 
 class OnDevice(torch.Tensor):
@@ -78,9 +81,9 @@ def step_calls(cfg, tokens: int, fused_shared: bool):
     D, H, E, k = cfg.hidden_size, cfg.head_dim, cfg.num_experts, cfg.moe_topk[0]
     N, K, inner = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.moe_intermediate_size[0]
     extra = 1 if fused_shared else 0
-    kernels = TritonKernels(Pdl(64))
+    kernels = TritonKernels(Pdl(PDL_ROWS))
     glue = TritonGlue(GlueSpec(hidden=D, head_dim=H, eps=cfg.rms_norm_eps, dtype=torch.bfloat16, topk=k,
-                               pdl_rows=64, always_on=extra), kernels)
+                               pdl_rows=PDL_ROWS, always_on=extra), kernels)
     T, R = tokens, tokens * (k + extra)
     x, w = dev(T, D), dev(D, fill=1)
     inverse = torch.arange(R).as_subclass(OnDevice)
@@ -111,13 +114,13 @@ def few_row_calls(cfg):
     from omni.platforms.cuda.skinny_triton import SkinnyFp8
 
     D, E, inner = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size[0]
-    dense = SkinnyFp8(64, pdl=Pdl(64))
+    dense = SkinnyFp8(64, pdl=Pdl(PDL_ROWS))
     e4m3 = torch.float8_e4m3fn
     calls = [(f"few-row dense e4m3 GEMM, {m} rows", lambda m=m: dense(
         dev(m, D, dtype=e4m3), dev(m, 1), dev(D, D, dtype=e4m3), dev(D), torch.bfloat16))
         for m in dense.launches().values()]
     for swiglu, (n, kk) in ((True, (2 * inner, D)), (False, (D, inner))):
-        grouped = GroupedSkinnyFp8(64, swiglu, pdl=Pdl(64))
+        grouped = GroupedSkinnyFp8(64, swiglu, pdl=Pdl(PDL_ROWS))
         for limit, _ in grouped.tiles:
             rows = min(limit, 64)
             calls.append((f"few-row grouped e4m3 GEMM{' + SwiGLU' if swiglu else ''}, groups <= {rows} rows",
@@ -192,6 +195,21 @@ def usage(ptx: Path, tool: str, arch: str) -> dict:
             "spill_loads": int(frame.group(3))}
 
 
+GLOBAL_MEMORY = re.compile(r"\b(LDG|STG|ATOMG|ATOM|RED|LDGSTS|UTMALDG|UTMASTG|UBLKCP)\b")
+
+
+def reads_before_wait(cubin: Path) -> int:
+    """Global loads, stores and atomics the SASS lists before its first ``ACQBULK`` (``griddepcontrol.wait``).
+    PDL's rule (``pdl_triton``): a kernel waits before it touches memory an earlier kernel writes or reads; in
+    the straight-line prologue where the wait sits, listing order is program order."""
+    from triton import knobs
+
+    sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    before = sass.split("ACQBULK", 1)[0]
+    return len(GLOBAL_MEMORY.findall(before))
+
+
 def pdl_class(ptx_text: str) -> str:
     """Which of a kernel's PDL classes the binary is: no PDL, waits, or waits and lets the next kernel launch."""
     if "griddepcontrol.launch_dependents" in ptx_text:
@@ -213,8 +231,10 @@ def compile_each(calls, cache: Path, tool: str) -> list[dict]:
         seen.update(new)
         for ptx in new:
             meta = json.loads(ptx.with_suffix(".json").read_text())
-            rows.append({"call": label, "kernel": meta["name"], "warps": meta["num_warps"],
-                         "pdl": pdl_class(ptx.read_text()), "shared": meta["shared"]}
+            pdl = pdl_class(ptx.read_text())
+            rows.append({"call": label, "kernel": meta["name"], "warps": meta["num_warps"], "pdl": pdl,
+                         "shared": meta["shared"],
+                         "memory_before_wait": reads_before_wait(ptx.with_suffix(".cubin")) if pdl != "-" else None}
                         | usage(ptx, tool, sm_arch_from_capability(meta["target"]["arch"])))
         print(f"{label}: {len(new)} binaries", file=sys.stderr, flush=True)
     return rows
@@ -242,14 +262,19 @@ def main() -> int:
     launch = Launch.parse(a.winograd_launch) if a.winograd_launch else None
     if a.sizes:
         return sweep_main(a, launch)
-    calls = step_calls(cfg, a.tokens, not a.no_fused_shared) + few_row_calls(cfg) + head_calls(launch)
+    fused = not a.no_fused_shared
+    calls = (step_calls(cfg, a.tokens, fused) + [(f"{label}, {DECODE_TOKENS} tokens", call) for label, call in
+                                                  step_calls(cfg, DECODE_TOKENS, fused)]
+             + few_row_calls(cfg) + head_calls(launch))
     rows = compile_each(calls, Path(os.environ["TRITON_CACHE_DIR"]), tool)
     for r in rows:
         print(f"{r['call']:<56} {r['kernel']:<28} {r['pdl']:<12} warps {r['warps']:>2} regs {r['regs']:>3} "
               f"spill stores {r['spill_stores']:>4} B  shared {r['shared']:>6} B")
     spilled = [r for r in rows if r["spill_stores"]]
-    print(f"{len(rows)} binaries, {len(spilled)} spill registers: "
-          f"{sorted({r['kernel'] for r in spilled}) or 'none'}", flush=True)
+    early = [r for r in rows if r["memory_before_wait"]]
+    print(f"{len(rows)} binaries, {len(spilled)} spill registers: {sorted({r['kernel'] for r in spilled}) or 'none'}; "
+          f"{sum(r['pdl'] != '-' for r in rows)} wait under PDL, {len(early)} touch memory before the wait: "
+          f"{sorted({r['kernel'] for r in early}) or 'none'}", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"tokens": a.tokens, "target": _target(), "winograd_launch": a.winograd_launch,
                                       "binaries": rows}, indent=1))

@@ -163,11 +163,13 @@ STEP_KERNELS = {"norm_kernel", "rope_norm_kernel", "route_kernel", "_count_kerne
                 "apply_cl_kernel", "input_kernel", "output_kernel"}
 
 
-def test_no_kernel_of_a_step_spills_registers_at_the_released_shapes(tmp_path):
+def test_no_kernel_of_a_step_spills_registers_or_touches_memory_before_its_pdl_wait(tmp_path):
     """``bench/kernel_resources.py``: every Triton kernel an image step, a decode step and the image heads launch,
-    compiled for sm_90 at the released shapes, fits its registers (ptxas: no spill stores). The Winograd
-    transforms are compiled with 8 values of a tile a thread (32 x 64 over 8 warps): the shipped 32 x 64 over 4
-    spills (BENCHMARKS.md, "Thirty-fourth session"), pending the device's timing of the two."""
+    compiled for sm_90 at the released shapes, fits its registers (ptxas: no spill stores), and every binary of a
+    PDL class lists no global load, store or atomic before its wait (SASS ``ACQBULK``): PDL's rule, whose breach
+    would be a race a GPU run shows only now and then. The Winograd transforms are compiled with 8 values of a
+    tile a thread (32 x 64 over 8 warps): the shipped 32 x 64 over 4 spills (BENCHMARKS.md, "Thirty-fourth
+    session"), pending the device's timing of the two."""
     pytest.importorskip("triton")
     tool = Path(__file__).resolve().parents[2] / "bench" / "kernel_resources.py"
     env = {**os.environ, "OMNI_COMPILE_WORKERS": "2", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
@@ -179,6 +181,9 @@ def test_no_kernel_of_a_step_spills_registers_at_the_released_shapes(tmp_path):
     assert {r["kernel"] for r in rows} == STEP_KERNELS
     assert [r for r in rows if r["spill_stores"] or r["spill_loads"]] == []
     assert all(0 < r["regs"] <= 255 for r in rows)
+    waits = [r for r in rows if r["pdl"] != "-"]
+    assert {r["kernel"] for r in waits} >= {"norm_kernel", "_quant_kernel", "_combine_kernel", "kv_kernel"}
+    assert [(r["kernel"], r["memory_before_wait"]) for r in waits if r["memory_before_wait"]] == []
 
 
 def test_every_image_size_runs_the_heads_and_vae_kernels_of_the_first(tmp_path):
