@@ -15,6 +15,11 @@ and how many kernel binaries Triton compiled meanwhile.
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --layers 32 --warm-up image --answers 16 --words 3
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --warm-up --batches 2,8,17,64 --words 3
     python bench/profile_first_use.py --recipe h200_fp8 --layers 32 --warm-up --compile-first   # the compile pass
+    python bench/profile_first_use.py --recipe h200_instruct_fp8 --warm-up --words 3 --sizes 576x1472,512x1984
+
+``--sizes`` then runs one request of each image size (height x width; the Instruct ratio table's sizes): prefill,
+two steps and the VAE decode, and what each compiled. The image heads' and the VAE's kernels take the size
+unspecialized (``winograd_triton.SHAPE_ARGS``), so a size after the first should compile nothing.
 
 ``--batches`` then decodes that many answers together, one batch after another (prompts of distinct lengths,
 ``--answers`` tokens each, 16 by default): what a server meets as its answer concurrency changes.
@@ -55,6 +60,9 @@ def parse():
                    help="after the warm-up, two text answers of TOKENS greedy tokens, timed apart (Instruct recipes)")
     p.add_argument("--batches", default="", metavar="N,N,...",
                    help="after the answers, batches of N text answers decoded together (Instruct recipes)")
+    p.add_argument("--sizes", default="", metavar="HxW,...",
+                   help="after the prompts, one request of each image size, height x width (prefill, two steps, "
+                        "VAE decode), timed with what it compiled")
     p.add_argument("--json", type=Path)
     return p.parse_args()
 
@@ -153,6 +161,19 @@ def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
     return row
 
 
+def size_first_use(engine, recipe, height: int, width: int, seed: int) -> dict:
+    """One request of a ``height`` x ``width`` image: prefill, two steps and the VAE decode, and what each
+    compiled (the image heads' and the VAE's kernels meet the size there)."""
+    s = engine.admit(default_request(recipe, height=height, width=width, steps=3, seed=seed))
+    row, b = {"size": f"{height}x{width}"}, binaries()
+    for part, fn in (("prefill", lambda: engine.prefill([s])), ("step1", lambda: engine.denoise_step([s])),
+                     ("step2", lambda: engine.denoise_step([s])), ("decode", lambda: engine.decode(s))):
+        row[f"{part}_s"] = once(fn)
+        row[f"compiled_in_{part}"], b = len(binaries() - b), binaries()
+    engine.release(s)
+    return row
+
+
 @torch.inference_mode()
 def main() -> int:
     a = parse()
@@ -178,9 +199,14 @@ def main() -> int:
     for i, n in enumerate(int(w) for w in a.words.split(",")):
         rows.append(first_use(engine, deployment.recipe, n, a.size, seed=i))
         print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+    sizes = []
+    for i, hw in enumerate(v for v in a.sizes.split(",") if v):
+        sizes.append(size_first_use(engine, deployment.recipe, *(int(x) for x in hw.split("x")), seed=100 + i))
+        print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in sizes[-1].items()),
+              flush=True)
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": "empty at start",
            "compiled_while_building": before, "warm_up": warm, "answers": answers, "batches": batches,
-           "requests": rows,
+           "requests": rows, "sizes": sizes,
            "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
