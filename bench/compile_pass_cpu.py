@@ -23,7 +23,7 @@ TEST = Path(__file__).resolve().parents[1] / "tests" / "conformance" / "test_cud
 
 def child() -> str:
     """The conformance test's compile-pass child (it reports the scope's seconds as ``scope_s``)."""
-    ns: dict = {}
+    ns: dict = {"__file__": str(TEST)}
     exec(compile(TEST.read_text(), str(TEST), "exec"), ns)  # its module body only defines strings and tests
     return ns["PASS_CHILD"]
 

@@ -16,30 +16,20 @@ from pathlib import Path
 
 import pytest
 
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 STUB = r"""
 import json, sys
+sys.path.insert(0, {bench!r})
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
+from kernel_resources import stub_driver  # what JITFunction.run reads before it compiles: device 0, an sm_90 target
 
-
-class StubDriver:  # what JITFunction.run reads before it compiles; nothing launches inside compiling()
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(StubDriver())
+stub_driver()  # nothing launches inside compiling()
 
 
 def binaries(kernel):
     return len(kernel.device_caches[0][0]) if 0 in kernel.device_caches else 0
-"""
+""".format(bench=str(BENCH))
+
 
 CHILD = STUB + r"""
 from omni.platforms.cuda import glue_triton as gt, moe_triton as mt
@@ -171,7 +161,7 @@ def test_no_kernel_of_a_step_spills_registers_or_touches_memory_before_its_pdl_w
     tile a thread (32 x 64 over 8 warps): the shipped 32 x 64 over 4 spills (BENCHMARKS.md, "Thirty-fourth
     session"), pending the device's timing of the two."""
     pytest.importorskip("triton")
-    tool = Path(__file__).resolve().parents[2] / "bench" / "kernel_resources.py"
+    tool = BENCH / "kernel_resources.py"
     env = {**os.environ, "OMNI_COMPILE_WORKERS": "2", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     out = tmp_path / "res.json"
     done = subprocess.run([sys.executable, str(tool), "--winograd-launch", "32x64x8", "--json", str(out)], env=env,
@@ -192,7 +182,7 @@ def test_every_image_size_runs_the_heads_and_vae_kernels_of_the_first(tmp_path):
     size only. Their image-size arguments are not specialized; with them specialized, 7 later sizes compiled 1-8
     binaries each (39 in all against 15), every one in the first request of its size."""
     pytest.importorskip("triton")
-    tool = Path(__file__).resolve().parents[2] / "bench" / "kernel_resources.py"
+    tool = BENCH / "kernel_resources.py"
     env = {**os.environ, "OMNI_COMPILE_WORKERS": "2", "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     out = tmp_path / "sizes.json"
     done = subprocess.run([sys.executable, str(tool), "--sizes", "--json", str(out)], env=env, capture_output=True,
