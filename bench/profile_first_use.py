@@ -21,6 +21,10 @@ and how many kernel binaries Triton compiled meanwhile.
 two steps and the VAE decode, and what each compiled. The image heads' and the VAE's kernels take the size
 unspecialized (``winograd_triton.SHAPE_ARGS``), so a size after the first should compile nothing.
 
+``OMNI_PROFILE_START_CACHE=DIR`` starts from a copy of the Triton cache ``DIR`` instead of an empty one: for
+example one compiled for the GPU's target on a CPU box (``bench/kernel_resources.py`` leaves its binaries in
+``TRITON_CACHE_DIR``), to see which compiles it saves.
+
 ``--batches`` then decodes that many answers together, one batch after another (prompts of distinct lengths,
 ``--answers`` tokens each, 16 by default): what a server meets as its answer concurrency changes.
 """
@@ -29,12 +33,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 CACHE = tempfile.mkdtemp(prefix="omni-triton-")
 os.environ["TRITON_CACHE_DIR"] = CACHE  # before triton is imported: every compile of this run lands here
+START_CACHE = os.environ.get("OMNI_PROFILE_START_CACHE")  # a Triton cache copied in first (see the docstring)
+if START_CACHE:
+    shutil.copytree(START_CACHE, CACHE, dirs_exist_ok=True)
 
 import torch  # noqa: E402
 
@@ -204,7 +212,8 @@ def main() -> int:
         sizes.append(size_first_use(engine, deployment.recipe, *(int(x) for x in hw.split("x")), seed=100 + i))
         print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in sizes[-1].items()),
               flush=True)
-    out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": "empty at start",
+    start = START_CACHE and f"a copy of {START_CACHE} ({len(list(Path(START_CACHE).rglob('*.cubin')))} binaries)"
+    out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": start or "empty at start",
            "compiled_while_building": before, "warm_up": warm, "answers": answers, "batches": batches,
            "requests": rows, "sizes": sizes,
            "torch": torch.__version__, "device": torch.cuda.get_device_name()}
