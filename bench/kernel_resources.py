@@ -60,6 +60,9 @@ def stub_driver() -> None:
 
 
 def dev(*shape, dtype=torch.bfloat16, fill=0) -> torch.Tensor:
+    """``fill`` everywhere; past 64 MiB uninitialized (a compile reads shapes, dtypes and alignment only)."""
+    if torch.Size(shape).numel() * dtype.itemsize > 1 << 26:
+        return torch.empty(shape, dtype=dtype).as_subclass(OnDevice)
     t = torch.full(shape, fill, dtype=torch.float32).to(dtype) if dtype.is_floating_point else torch.full(
         shape, fill, dtype=dtype)
     return t.as_subclass(OnDevice)
@@ -131,11 +134,15 @@ def few_row_calls(cfg):
 
 
 VAE_LEVELS = ((1024, 1), (1024, 2), (512, 4), (256, 8), (128, 16))  # decoder (channels, grid scale) of a level
+# the encoder's levels (channels, frames, downsampling): a reference image as 4 frames, halved twice in time; its
+# activations stay [B, C, T, H, W] contiguous (only the decoder goes channels-last)
+ENCODER_LEVELS = ((128, 4, 1), (256, 4, 2), (512, 4, 4), (1024, 2, 8), (1024, 1, 16))
 
 
 def head_calls(launch=None, grid=(64, 64)):
     """GroupNorm (+ SiLU) and the Winograd transforms (``launch``: their launch shape, the shipped one by default)
-    as the image heads and the VAE decoder make them for an image of latent ``grid`` (64 x 64: 1024 x 1024)."""
+    as the image heads and the VAE (decoder; encoder, for a reference image of an edit) make them for an image of
+    latent ``grid`` (64 x 64: 1024 x 1024)."""
     from omni.platforms.cuda import group_norm_triton as gn, winograd_triton as wg
 
     h, w = grid
@@ -146,7 +153,14 @@ def head_calls(launch=None, grid=(64, 64)):
         return lambda: gn.group_norm_act(x, 32, dev(c, fill=1), dev(c), 1e-6, norm_dtype=torch.float32,
                                          out_dtype=torch.bfloat16, silu=True)
 
+    def gnorm_encoder(c, t, hh, ww):
+        x = dev(1, c, t, hh, ww)
+        return lambda: gn.group_norm_act(x, 32, dev(c, fill=1), dev(c), 1e-6, norm_dtype=torch.float32,
+                                         out_dtype=torch.bfloat16, silu=True)
+
     calls = [(f"GroupNorm + SiLU, {c} channels at {h * f}x{w * f}", gnorm(c, h * f, w * f)) for c, f in VAE_LEVELS]
+    calls += [(f"VAE encoder GroupNorm + SiLU, {c} channels, {t} frames at {h * 16 // f}x{w * 16 // f}",
+               gnorm_encoder(c, t, h * 16 // f, w * 16 // f)) for c, t, f in ENCODER_LEVELS]
     calls.append((f"GroupNorm + SiLU, 4096 channels at {h}x{w}", gnorm(4096, h, w)))
     for rows, ci, co, skip in ((1, 1024, 4096, False), (1, 4096, 4096, True), (2, 4096, 1024, False)):
         calls.append((f"Winograd input transform, {rows} x {ci} channels",

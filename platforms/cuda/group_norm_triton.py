@@ -39,7 +39,7 @@ def _merge(n, mean, m2, n_t, mean_t, m2_t):
     return tot, mean + delta * frac, m2 + m2_t + delta * delta * n * frac
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])  # the chunk count follows the image size; stored one value at a time
 def stats_rows_kernel(x_ptr, mean_ptr, m2_ptr, cnt_ptr, L, CHUNK, K, BLOCK: tl.constexpr):
     """Contiguous layout: row r = (sample, group) of L values; program (k, r) summarises chunk k of it."""
     k, r = tl.program_id(0), tl.program_id(1)

@@ -33,7 +33,7 @@ from .triton_compile import run_or_compile
 MIN_PRODUCT = 4096 * 1024  # in x out channels from which F(2x2, 3x3) gained (see above)
 # The image's sizes (tiles, grid): one binary serves every image size. Triton would otherwise compile another
 # binary wherever one of them changes between a multiple of 16 and not. Over the 33 sizes of the Instruct ratio
-# table the heads' and the VAE's kernels compiled 39 binaries instead of 15, 7 later sizes 1-8 each, in the first
+# table the heads' and the VAE's kernels compiled 46 binaries instead of 19, 8 later sizes 1-8 each, in the first
 # request of that size (``bench/kernel_resources.py --sizes``, sm_90). The channel counts and strides stay
 # specialized: they make the 16-byte vector loads and stores (the SASS at 64 x 64 is the same).
 SHAPE_ARGS = ["T", "H", "W", "TW", "TILES_PER_IMAGE"]
