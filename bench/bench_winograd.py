@@ -138,7 +138,10 @@ def main() -> int:
     platform = select("cuda")
     platform.device_services(0)
     from omni.platforms.cuda import winograd_triton as wt
-    launches = [wt.Launch.parse(v) for v in a.launches.split(",") if v]
+    try:
+        launches = [wt.Launch.parse(v) for v in a.launches.split(",") if v]
+    except ValueError as e:
+        p.error(f"--launches: {e}")
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(),
            "grid": a.grid, "shipped_launch": list(wt.LAUNCH), "convs": {}}
     with torch.inference_mode():

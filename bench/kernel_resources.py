@@ -273,7 +273,10 @@ def main() -> int:
     cfg, tool = released_config(), ptxas()
     from omni.platforms.cuda.winograd_triton import Launch
 
-    launch = Launch.parse(a.winograd_launch) if a.winograd_launch else None
+    try:
+        launch = Launch.parse(a.winograd_launch) if a.winograd_launch else None
+    except ValueError as e:
+        p.error(f"--winograd-launch: {e}")
     if a.sizes:
         return sweep_main(a, launch)
     fused = not a.no_fused_shared

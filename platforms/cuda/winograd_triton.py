@@ -51,8 +51,12 @@ class Launch(NamedTuple):
 
     @classmethod
     def parse(cls, text: str) -> "Launch":
-        """``"32x64x4"``: rows x channels x warps."""
-        return cls(*(int(v) for v in text.split("x")))
+        """``"32x64x4"``: rows x channels x warps (powers of two: Triton's block shapes)."""
+        parts = text.split("x")
+        if len(parts) != 3 or not all(v.isdigit() and int(v) > 0 and int(v) & (int(v) - 1) == 0 for v in parts):
+            raise ValueError(f"a Winograd launch is rows x channels x warps, each a power of two, e.g. 32x64x4; "
+                             f"got {text!r}")
+        return cls(*(int(v) for v in parts))
 
 
 LAUNCH = Launch(32, 64, 4)
