@@ -279,11 +279,22 @@ def main() -> int:
         p.error(f"--winograd-launch: {e}")
     if a.sizes:
         return sweep_main(a, launch)
+    rows = compile_each(every_call(cfg, a, launch), Path(os.environ["TRITON_CACHE_DIR"]), tool)
+    report(rows)
+    if a.json:
+        a.json.write_text(json.dumps({"tokens": a.tokens, "target": _target(), "winograd_launch": a.winograd_launch,
+                                      "binaries": rows}, indent=1))
+    return 0
+
+
+def every_call(cfg, a, launch) -> list:
+    """The image step's calls, the decode step's, the few-row GEMMs' and the heads' and VAE's."""
     fused = not a.no_fused_shared
-    calls = (step_calls(cfg, a.tokens, fused) + [(f"{label}, {DECODE_TOKENS} tokens", call) for label, call in
-                                                  step_calls(cfg, DECODE_TOKENS, fused)]
-             + few_row_calls(cfg) + head_calls(launch))
-    rows = compile_each(calls, Path(os.environ["TRITON_CACHE_DIR"]), tool)
+    decode = [(f"{label}, {DECODE_TOKENS} tokens", call) for label, call in step_calls(cfg, DECODE_TOKENS, fused)]
+    return step_calls(cfg, a.tokens, fused) + decode + few_row_calls(cfg) + head_calls(launch)
+
+
+def report(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['call']:<56} {r['kernel']:<28} {r['pdl']:<12} warps {r['warps']:>2} regs {r['regs']:>3} "
               f"spill stores {r['spill_stores']:>4} B  shared {r['shared']:>6} B")
@@ -292,10 +303,6 @@ def main() -> int:
     print(f"{len(rows)} binaries, {len(spilled)} spill registers: {sorted({r['kernel'] for r in spilled}) or 'none'}; "
           f"{sum(r['pdl'] != '-' for r in rows)} wait under PDL, {len(early)} touch memory before the wait: "
           f"{sorted({r['kernel'] for r in early}) or 'none'}", flush=True)
-    if a.json:
-        a.json.write_text(json.dumps({"tokens": a.tokens, "target": _target(), "winograd_launch": a.winograd_launch,
-                                      "binaries": rows}, indent=1))
-    return 0
 
 
 def sweep_main(a, launch) -> int:
