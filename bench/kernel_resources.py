@@ -203,8 +203,15 @@ def usage(ptx: Path, tool: str, arch: str) -> dict:
     """Registers, stack frame and spill bytes a thread of the PTX's kernel gets (``ptxas -v``, as Triton runs it)."""
     log = subprocess.run([tool, "-v", f"--gpu-name={arch}", str(ptx), "-o", os.devnull], capture_output=True,
                          text=True, check=True).stderr
+    return parse_ptxas(log)
+
+
+def parse_ptxas(log: str) -> dict:
+    """``{"regs", "stack", "spill_stores", "spill_loads"}`` from ``ptxas -v``'s report of one function."""
     regs = re.search(r"Used (\d+) registers", log)
     frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if not (regs and frame):
+        raise ValueError(f"no register report in ptxas's output: {log[-500:]!r}")
     return {"regs": int(regs.group(1)), "stack": int(frame.group(1)), "spill_stores": int(frame.group(2)),
             "spill_loads": int(frame.group(3))}
 
@@ -220,8 +227,12 @@ def reads_before_wait(cubin: Path) -> int:
 
     sass = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
-    before = sass.split("ACQBULK", 1)[0]
-    return len(GLOBAL_MEMORY.findall(before))
+    return memory_before_wait(sass)
+
+
+def memory_before_wait(sass: str) -> int:
+    """Global memory instructions listed before the first ``ACQBULK`` of a SASS listing (all of them if none)."""
+    return len(GLOBAL_MEMORY.findall(sass.split("ACQBULK", 1)[0]))
 
 
 def pdl_class(ptx_text: str) -> str:
