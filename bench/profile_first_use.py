@@ -23,7 +23,8 @@ unspecialized (``winograd_triton.SHAPE_ARGS``), so a size after the first should
 
 ``OMNI_PROFILE_START_CACHE=DIR`` starts from a copy of the Triton cache ``DIR`` instead of an empty one: for
 example one compiled for the GPU's target on a CPU box (``bench/kernel_resources.py`` leaves its binaries in
-``TRITON_CACHE_DIR``), to see which compiles it saves.
+``TRITON_CACHE_DIR``), to see which compiles it saves. Measured on the H200 (thirty-fourth session): none, the
+cache keys did not match; only a cache the GPU host wrote is found.
 
 ``--batches`` then decodes that many answers together, one batch after another (prompts of distinct lengths,
 ``--answers`` tokens each, 16 by default): what a server meets as its answer concurrency changes.

@@ -43,7 +43,8 @@ class Launch(NamedTuple):
     """A transform's program: ``rows`` tiles x ``channels`` channels over ``warps`` warps. Each thread holds
     16 fp32 window values per (tile, channel) it owns: at 16 owned (32 x 64 over 4 warps) ptxas gives both
     transforms 255 registers and spills (52 / 100-196 bytes a thread, ``bench/kernel_resources.py``); at 8 they
-    fit in 106 / 138-161. Which runs faster is ``bench/bench_winograd.py --launches``'s to say."""
+    fit in 106 / 138-161. On the H200 no spill-free launch was faster on every convolution
+    (``bench/bench_winograd.py --launches``, BENCHMARKS.md "Thirty-fourth session"), so the shipped one stays."""
 
     rows: int
     channels: int
