@@ -160,12 +160,14 @@ def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
     """One request whose prompt has ``words`` words: its prefill and first two steps, and what they compiled."""
     prompt = " ".join((WORDS * (words // len(WORDS) + 1))[:words])
     s = engine.admit(default_request(recipe, prompt=prompt, height=size, width=size, steps=3, seed=seed))
-    k0 = compiled()
+    b0 = binaries()
     prefill = once(lambda: engine.prefill([s]))
-    k1 = compiled()
+    b1 = binaries()
     step1, step2 = once(lambda: engine.denoise_step([s])), once(lambda: engine.denoise_step([s]))
+    b2 = binaries()
     row = {"words": words, "prefix_tokens": s.rows[0].seq.prefix_len, "prefill_s": prefill, "step1_s": step1,
-           "step2_s": step2, "compiled_in_prefill": k1 - k0, "compiled_in_steps": compiled() - k1}
+           "step2_s": step2, "compiled_in_prefill": len(b1 - b0), "compiled_in_steps": len(b2 - b1),
+           "kernels_in_prefill": names(b1 - b0), "kernels_in_steps": names(b2 - b1)}
     engine.release(s)
     return row
 

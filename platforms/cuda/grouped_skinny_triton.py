@@ -45,6 +45,9 @@ import triton.language as tl
 from .pdl import OFF, Pdl
 from .pdl_triton import launch, wait_for_predecessor
 from .skinny_triton import SkinnyTile
+from .triton_compile import compiling
+
+_COMPILED: set = set()  # (device, config, Pdl, experts) whose binaries compile_rows made
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,40 @@ class GroupedSkinnyFp8:
     def tile_for(self, most: int) -> GroupedSkinnyTile | None:
         """The tile for groups of at most ``most`` rows; None past the largest."""
         return next((t for limit, t in self.tiles if most <= limit), None)
+
+    def launches(self) -> list[int]:
+        """One row count per binary up to ``max_rows`` rows (a row count each tile takes): the tile's constexprs
+        change with the rows; ``R``, ``N``, ``K`` and ``E`` are arguments, and each launch compiles the PDL classes
+        of its signature together (``pdl_triton.launch``)."""
+        rows, below = [], 0
+        for limit, _ in self.tiles:
+            if below < self.max_rows:
+                rows.append(min(limit, self.max_rows))
+            below = limit
+        return rows
+
+    def compile_rows(self, num_experts: int, device: str | torch.device = "cuda") -> int:
+        """One call per binary (``launches``) on small zero operands of the real dtypes over ``num_experts``
+        groups (the MoE's stack: ``E`` sizes the constexpr ``BLOCK_E``), so Triton compiles them at build time and
+        not in the first prompt of at most ``max_rows`` tokens: after an image server's warm-up, whose prompt is
+        longer, a 3-word prompt (7 tokens a row, 14 with CFG) compiled these two (SwiGLU and plain) in its prefill,
+        0.79-0.91 s on the H200 against 0.05-0.08 s for a longer one (BENCHMARKS.md, "Thirty-fourth session").
+        ``N`` and ``K`` are one tile's, multiples of 16 like the model's, so the same binaries serve it. Once per
+        device, kernel, PDL policy and expert count in a process; returns the calls."""
+        device = torch.device(device)
+        index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+        key = (device.type, index, self.config, self.pdl, num_experts)
+        if key in _COMPILED:
+            return 0
+        N, K = max(t.block_n for _, t in self.tiles), max(t.block_k for _, t in self.tiles)
+        e4m3, rows = torch.float8_e4m3fn, self.launches()
+        w, ws = torch.zeros(num_experts, N, K, device=device).to(e4m3), torch.ones(num_experts, N, device=device)
+        with compiling():  # compiled in parallel, not run
+            for r in rows:
+                offs = torch.full((num_experts,), r, dtype=torch.int32, device=device)  # every row in group 0
+                self(torch.zeros(r, K, device=device).to(e4m3), torch.ones(r, device=device), w, ws, offs, group_rows=r)
+        _COMPILED.add(key)
+        return len(rows)
 
     def fits(self, xq_RK: torch.Tensor, wq_ENK: torch.Tensor, group_rows: int | None = None, **_) -> bool:
         """Whether this kernel takes the call: CUDA rows, no group over ``max_rows`` (``group_rows`` bounds them,

@@ -217,4 +217,8 @@ def with_few_rows(kernel, spec: MoESpec, kernels):
     if kernel is None or spec.quant != "fp8_row" or not spec.fast_accum or not spec.skinny_rows:
         return kernel
     few = kernels.grouped_skinny_fp8(spec.skinny_rows, kernel.swiglu)
-    return kernel if few is None else BySize(kernel, few, few.max_rows)
+    if few is None:
+        return kernel
+    if hasattr(few, "compile_rows") and torch.cuda.is_available():
+        few.compile_rows(spec.num_experts)  # its binaries now, not in the first prompt of a few tokens
+    return BySize(kernel, few, few.max_rows)

@@ -192,3 +192,48 @@ def test_every_image_size_runs_the_heads_and_vae_kernels_of_the_first(tmp_path):
     sizes = json.loads(out.read_text())["sizes"]
     assert len(sizes) == 33 and sizes[0]["new_binaries"] > 0
     assert {tuple(r["size"]): r["kernels"] for r in sizes[1:] if r["new_binaries"]} == {}
+
+
+FEW_ROWS_CHILD = STUB + r"""
+from omni.platforms.cuda.grouped_skinny_triton import GroupedSkinnyFp8, _grouped_skinny_fp8_kernel as kern
+from omni.platforms.cuda.pdl import Pdl
+from omni.platforms.cuda.triton_compile import compiling
+
+E4M3 = torch.float8_e4m3fn
+pdl_rows, experts = int(sys.argv[1]), int(sys.argv[2])
+built, added = {}, {}
+for swiglu, (N, K) in ((True, (6144, 4096)), (False, (4096, 3072))):  # the released expert GEMMs
+    few = GroupedSkinnyFp8(16, swiglu, pdl=Pdl(pdl_rows))
+    before = binaries(kern)
+    calls = few.compile_rows(experts, device="cpu")
+    built[str(swiglu)] = [calls, binaries(kern) - before, few.compile_rows(experts, device="cpu")]
+    w, ws = torch.empty(experts, N, K, dtype=E4M3), torch.ones(experts, N)  # uninitialised: only shapes compile
+    before = binaries(kern)
+    with compiling():  # every prompt of 1-16 tokens, routed to one expert or spread over several
+        for R in range(1, 17):
+            for offs in (torch.full((experts,), R), torch.arange(experts).clamp(max=R)):
+                few(torch.zeros(R, K, dtype=E4M3), torch.ones(R), w, ws, offs.to(torch.int32), group_rows=R)
+    added[str(swiglu)] = binaries(kern) - before
+print(json.dumps({"built": built, "added": added}))
+"""
+
+
+@pytest.mark.parametrize("pdl_rows,experts", [(0, 64), (512, 64), (512, 65)])
+def test_the_few_row_grouped_gemm_compiles_at_build_and_no_prompt_of_a_few_tokens_compiles_it_again(
+        pdl_rows, experts, tmp_path):
+    """``GroupedSkinnyFp8.compile_rows`` (the cuda MoE's build, ``moe.with_few_rows``) compiles the few-row
+    grouped GEMM's binaries on small operands; then no call at the released expert shapes with 1-16 tokens compiles
+    another. Before it, after an image server's warm-up, the first 3-word prompt compiled two binaries in its
+    prefill (0.79-0.91 s on the H200). Without PDL (the image recipes), with it (Instruct: three classes a
+    binary), and over 65 groups (``kernels.fuse_shared_expert``)."""
+    pytest.importorskip("triton")
+    from omni.platforms.cuda.pdl_triton import HAS_GDC
+
+    env = {**os.environ, "OMNI_COMPILE_WORKERS": "2", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", FEW_ROWS_CHILD, str(pdl_rows), str(experts)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    classes = 3 if pdl_rows and HAS_GDC else 1
+    assert got["built"] == {"True": [1, classes, 0], "False": [1, classes, 0]}
+    assert got["added"] == {"True": 0, "False": 0}

@@ -4,12 +4,16 @@
   over one row block, every row in one expert) and at its measured tile, against the fp64 product: every row
   written, no further from fp64 than our CUTLASS 64-row build on the same operands where that builds here;
 - which shapes it takes (``fits``) and its tile bound over the (expert, row block) tiles;
+- after ``compile_rows`` (the MoE's build) no call of 1-16 tokens at the released shapes compiles a binary;
 - the platform's fused MoE puts it in front of the CUTLASS builds for few rows per expert and replays it from a
   CUDA graph on new routing.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -146,3 +150,41 @@ def test_the_platform_moe_runs_it_for_few_rows_and_replays_it(platform):
     assert not isinstance(cutlass.gemm2.kernel.small, GroupedSkinnyFp8)
     y_cutlass = cutlass(x, w, ids, cutlass.prepare_weights(w13, w2))
     assert _rel(captured, y_cutlass.double()) < 0.01  # one function: other summation orders, e4m3 steps apart
+
+
+COMPILE_THEN_RUN = """
+import os, sys
+from pathlib import Path
+os.environ["TRITON_CACHE_DIR"] = sys.argv[1]  # empty: every compile of this process lands here
+import torch
+from omni.platforms.cuda.grouped_skinny_triton import GroupedSkinnyFp8
+from omni.platforms.cuda.pdl import Pdl
+
+binaries = lambda: (torch.cuda.synchronize(), sum(1 for _ in Path(sys.argv[1]).rglob("*.cubin")))[1]
+E, out = 64, []
+for swiglu, (N, K) in ((True, (6144, 4096)), (False, (4096, 3072))):  # the released expert GEMMs
+    few = GroupedSkinnyFp8(16, swiglu, pdl=Pdl(int(sys.argv[2])))
+    before = binaries()
+    calls = few.compile_rows(E)
+    built = binaries()
+    w, ws = torch.zeros(E, N, K, device="cuda").to(torch.float8_e4m3fn), torch.ones(E, N, device="cuda")
+    for R in range(1, 17):
+        offs = torch.arange(E, device="cuda").clamp(max=R).to(torch.int32)
+        few(torch.zeros(R, K, device="cuda").to(torch.float8_e4m3fn), torch.ones(R, device="cuda"), w, ws, offs,
+            group_rows=R)
+    out += [calls, built - before, binaries() - built]
+print(*out)
+"""
+
+
+@pytest.mark.parametrize("pdl_rows", [0, 512])
+def test_after_compile_rows_no_prompt_of_a_few_tokens_compiles_it(tmp_path, pdl_rows):
+    """The first 3-word prompt after an image server's warm-up compiled this kernel's two binaries in its prefill
+    (0.79-0.91 s, BENCHMARKS.md "Thirty-fourth session"); the build's ``compile_rows`` compiles them first."""
+    from omni.platforms.cuda.pdl_triton import HAS_GDC
+
+    run = subprocess.run([sys.executable, "-c", COMPILE_THEN_RUN, str(tmp_path), str(pdl_rows)], capture_output=True,
+                         text=True, env=dict(os.environ))
+    assert run.returncode == 0, run.stderr[-3000:]
+    classes = 3 if pdl_rows and HAS_GDC else 1
+    assert list(map(int, run.stdout.split())) == [1, classes, 0] * 2
