@@ -16,6 +16,12 @@ and how many kernel binaries Triton compiled meanwhile.
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --warm-up --batches 2,8,17,64 --words 3
     python bench/profile_first_use.py --recipe h200_fp8 --layers 32 --warm-up --compile-first   # the compile pass
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --warm-up --words 3 --sizes 576x1472,512x1984
+    python bench/profile_first_use.py --recipe h200_instruct_fp8 --layers 32 --warm-up --words 3 --edits 2
+
+``--edits N`` then runs N edits of one reference image each (``--edit-size``: their sizes, height x width, taken
+in turn): the prefill encodes the reference (VAE encoder, ViT), so the first edit meets the encoder's kernels,
+which no warm-up request launches. Timed as ``--sizes`` is, with what each part compiled. On a machine without
+CUDA (the tiny CPU recipes) the script runs unsynchronised, compiling nothing: a check of its requests only.
 
 ``--sizes`` then runs one request of each image size (height x width; the Instruct ratio table's sizes): prefill,
 two steps and the VAE decode, and what each compiled. The image heads' and the VAE's kernels take the size
@@ -72,6 +78,11 @@ def parse():
     p.add_argument("--sizes", default="", metavar="HxW,...",
                    help="after the prompts, one request of each image size, height x width (prefill, two steps, "
                         "VAE decode), timed with what it compiled")
+    p.add_argument("--edits", type=int, default=0, metavar="N",
+                   help="after the sizes, N edits of one reference image each (Instruct recipes): prefill (the "
+                        "reference's encode), two steps, VAE decode, timed with what each compiled")
+    p.add_argument("--edit-size", default="1024x1024,768x1280", metavar="HxW,...",
+                   help="the reference images' sizes, height x width, in turn (default: a square, then another)")
     p.add_argument("--json", type=Path)
     return p.parse_args()
 
@@ -99,11 +110,16 @@ def names(paths: set[Path]) -> list[str]:
 
 def once(fn) -> float:
     """Seconds of one call of ``fn``, device synchronised; no warm-up call (the first use is what is measured)."""
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def warm_up(engine, deployment, before: int, kind: str) -> dict:
@@ -175,20 +191,49 @@ def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
 def size_first_use(engine, recipe, height: int, width: int, seed: int) -> dict:
     """One request of a ``height`` x ``width`` image: prefill, two steps and the VAE decode, and what each
     compiled (the image heads' and the VAE's kernels meet the size there)."""
-    s = engine.admit(default_request(recipe, height=height, width=width, steps=3, seed=seed))
-    row, b = {"size": f"{height}x{width}"}, binaries()
+    req = default_request(recipe, height=height, width=width, steps=3, seed=seed)
+    return {"size": f"{height}x{width}"} | parts_first_use(engine, req)
+
+
+def edit_first_use(engine, recipe, height: int, width: int, seed: int) -> dict:
+    """One edit of a ``height`` x ``width`` reference (a smooth colour ramp): the prefill encodes it (VAE
+    encoder, ViT), then two steps and the VAE decode, and what each part compiled."""
+    import numpy as np
+
+    ramp = np.linspace(0, 255, height * width * 3, dtype=np.float32).reshape(height, width, 3)
+    req = default_request(recipe, prompt="make the sky orange", images=(ramp.astype(np.uint8),), steps=3, seed=seed)
+    return {"reference": f"{height}x{width}"} | parts_first_use(engine, req)
+
+
+def parts_first_use(engine, req) -> dict:
+    """``req`` admitted, then its prefill, two steps and its VAE decode, each timed alone with the binaries it
+    compiled (count and kernels); released after."""
+    s = engine.admit(req)
+    row, b = {"prefix_tokens": s.rows[0].seq.prefix_len}, binaries()
     for part, fn in (("prefill", lambda: engine.prefill([s])), ("step1", lambda: engine.denoise_step([s])),
                      ("step2", lambda: engine.denoise_step([s])), ("decode", lambda: engine.decode(s))):
         row[f"{part}_s"] = once(fn)
-        row[f"compiled_in_{part}"], b = len(binaries() - b), binaries()
+        new = binaries() - b
+        row[f"compiled_in_{part}"], row[f"kernels_in_{part}"], b = len(new), names(new), b | new
     engine.release(s)
     return row
+
+
+def hw_of(text: str) -> tuple[int, int]:
+    """``"HxW"`` -> (H, W)."""
+    h, w = text.lower().split("x")
+    return int(h), int(w)
+
+
+def report(row: dict) -> None:
+    print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
 
 
 @torch.inference_mode()
 def main() -> int:
     a = parse()
-    deployment = prepare(a.recipe, overrides={"device.memory_gib": 139, "serving.compile_first": a.compile_first},
+    memory = {"device.memory_gib": 139} if torch.cuda.is_available() else {}  # the H200's; a CPU recipe's own
+    deployment = prepare(a.recipe, overrides=memory | {"serving.compile_first": a.compile_first},
                          random_weights=True)
     t0 = time.perf_counter()
     engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
@@ -209,17 +254,21 @@ def main() -> int:
     rows = []
     for i, n in enumerate(int(w) for w in a.words.split(",")):
         rows.append(first_use(engine, deployment.recipe, n, a.size, seed=i))
-        print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()), flush=True)
+        report(rows[-1])
     sizes = []
     for i, hw in enumerate(v for v in a.sizes.split(",") if v):
-        sizes.append(size_first_use(engine, deployment.recipe, *(int(x) for x in hw.split("x")), seed=100 + i))
-        print(" ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in sizes[-1].items()),
-              flush=True)
+        sizes.append(size_first_use(engine, deployment.recipe, *hw_of(hw), seed=100 + i))
+        report(sizes[-1])
+    edits, edit_sizes = [], [v for v in a.edit_size.split(",") if v]
+    for i in range(a.edits):
+        edits.append(edit_first_use(engine, deployment.recipe, *hw_of(edit_sizes[i % len(edit_sizes)]), seed=200 + i))
+        report(edits[-1])
     start = START_CACHE and f"a copy of {START_CACHE} ({len(list(Path(START_CACHE).rglob('*.cubin')))} binaries)"
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": start or "empty at start",
            "compiled_while_building": before, "warm_up": warm, "answers": answers, "batches": batches,
-           "requests": rows, "sizes": sizes,
-           "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+           "requests": rows, "sizes": sizes, "edits": edits,
+           "torch": torch.__version__,
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     return 0

@@ -1,0 +1,28 @@
+"""``bench/profile_first_use.py`` end to end on the embedded Instruct model (CPU, no Triton): the warm-up, a
+prompt, and edits whose prefill encodes a reference image. On the GPU the same rows name the Triton kernels each
+part compiled; here nothing compiles, which the rows must say rather than leave out."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "profile_first_use.py"
+
+
+def test_the_first_use_profile_runs_its_prompts_and_edits_on_the_cpu(tmp_path):
+    out = tmp_path / "first_use.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--recipe", "cpu_tiny_instruct", "--layers", "0",
+                           "--words", "3", "--warm-up", "--edits", "2", "--edit-size", "256x256,192x320",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["device"] == "cpu" and got["warm_up"]["requests"] == ["ImageRequest", "TextRequest"]
+    (prompt,) = got["requests"]
+    assert prompt["words"] == 3 and prompt["kernels_in_prefill"] == [] and prompt["compiled_in_prefill"] == 0
+    assert [e["reference"] for e in got["edits"]] == ["256x256", "192x320"]
+    for edit in got["edits"]:
+        assert edit["prefix_tokens"] > prompt["prefix_tokens"] + 64  # the reference's VAE and ViT tokens
+        assert all(edit[f"compiled_in_{part}"] == 0 and edit[f"kernels_in_{part}"] == []
+                   for part in ("prefill", "step1", "step2", "decode"))
