@@ -51,6 +51,7 @@ from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, Ro
 from .capabilities import Caps
 from .cutlass_grouped import BySize
 from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8_grouped_choice, grouped_swiglu_kernel
+from .triton_compile import compiling
 
 FP8 = ("fp8_row", "fp8_tensor")
 
@@ -203,10 +204,25 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
     kernels = memory_kernels(spec.memory_bound, reject, spec.pdl_rows, caps.sm)
     if kernels is None:
         return None
-    if hasattr(kernels, "compile_routes") and torch.cuda.is_available():
-        kernels.compile_routes(spec.num_experts, spec.topk)  # every binary of the sort now, not in a request
     paired = grouped_swiglu_kernel(spec, caps) if grouped_kernel is not None and spec.quant == "fp8_row" else None
-    return CudaMoE(spec, kernels, with_few_rows(grouped_kernel, spec, kernels), with_few_rows(paired, spec, kernels))
+    gemm, paired = with_few_rows(grouped_kernel, spec, kernels), with_few_rows(paired, spec, kernels)
+    if torch.cuda.is_available():
+        compile_at_build(spec, kernels, gemm, paired)
+    return CudaMoE(spec, kernels, gemm, paired)
+
+
+def compile_at_build(spec: MoESpec, kernels, *gemms) -> None:
+    """Every binary the sort (``compile_routes``) and the few-row grouped GEMMs (``compile_rows``) can launch,
+    compiled now, together on the compile pool (one ``compiling()`` scope), not in the first request of each row
+    class: the sort's classes cost a 17-token prompt 1.1 s of its prefill on the H200, the few-row GEMM's two
+    binaries the first prompt of at most 16 tokens (BENCHMARKS.md, "Twenty-ninth" and "Thirty-fifth session")."""
+    with compiling():  # nothing runs inside: only compiles
+        if hasattr(kernels, "compile_routes"):
+            kernels.compile_routes(spec.num_experts, spec.topk)
+        for gemm in gemms:
+            few = getattr(gemm, "small", None)  # with_few_rows puts the few-row kernel in front
+            if hasattr(few, "compile_rows"):
+                few.compile_rows(spec.num_experts)
 
 
 def with_few_rows(kernel, spec: MoESpec, kernels):
@@ -217,8 +233,4 @@ def with_few_rows(kernel, spec: MoESpec, kernels):
     if kernel is None or spec.quant != "fp8_row" or not spec.fast_accum or not spec.skinny_rows:
         return kernel
     few = kernels.grouped_skinny_fp8(spec.skinny_rows, kernel.swiglu)
-    if few is None:
-        return kernel
-    if hasattr(few, "compile_rows") and torch.cuda.is_available():
-        few.compile_rows(spec.num_experts)  # its binaries now, not in the first prompt of a few tokens
-    return BySize(kernel, few, few.max_rows)
+    return kernel if few is None else BySize(kernel, few, few.max_rows)
