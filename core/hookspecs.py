@@ -231,10 +231,10 @@ def omni_shared_device_env(info: PlatformInfo, rank: int, backend: str) -> dict 
 
 # ============================================================== build time: kernel factories
 # A factory may compile what its callable will launch (the cuda platform's CUTLASS objects, its Triton kernels'
-# row classes: TritonKernels.compile_routes, SkinnyFp8.compile_rows), so that no request pays a JIT compile: a
-# callable whose launches change with a shape should compile each class here, not at its first call. Where
-# the variants are too many to compile blind, a callable may compile a launch's siblings at its first call
-# (the cuda kernels' PDL classes: pdl_triton.launch), which a server's warm-up then reaches.
+# row classes: TritonKernels.compile_routes, SkinnyFp8 / GroupedSkinnyFp8.compile_rows), so that no request pays
+# a JIT compile: a callable whose launches change with a shape should compile each class here, not at its first
+# call. Where the variants are too many to compile blind, a callable may compile a launch's siblings at its first
+# call (the cuda kernels' PDL classes: pdl_triton.launch), which a server's warm-up then reaches.
 
 
 @hookspec(firstresult=True)
