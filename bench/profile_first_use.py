@@ -65,9 +65,10 @@ def parse():
     p.add_argument("--layers", type=int, default=8, help="decoder layers (released: 32)")
     p.add_argument("--words", default="3,7,8,12,16,23,31,40", help="prompt lengths in words, one request each")
     p.add_argument("--size", type=int, default=1024)
-    p.add_argument("--warm-up", nargs="?", const="server", choices=("server", "image"),
+    p.add_argument("--warm-up", nargs="?", const="server", choices=("server", "no-edit", "image"),
                    help="first the server's warm-up as omni-run serve runs it (server: the default request, then "
-                        "for an Instruct flavour a short answer; image: the default request only, as before)")
+                        "for an Instruct flavour an edit of one reference and a short answer; no-edit: without "
+                        "the edit, as before the thirty-sixth session; image: the default request only)")
     p.add_argument("--compile-first", action="store_true",
                    help="serving.compile_first: the warm-up's requests first run once with the Triton kernels "
                         "compiled, not run (omni/compile_pass.py); run once with and once without for the A/B")
@@ -124,11 +125,12 @@ def sync() -> None:
 
 def warm_up(engine, deployment, before: int, kind: str) -> dict:
     """The server's warm-up (``omni.engine_handle``), as ``omni-run serve`` runs it before it reports ready
-    (``kind`` image: its default request only)."""
+    (``kind`` image: its default request only; no-edit: without its edit)."""
     from omni.engine_handle import serving_scheduler, warm_up_requests
 
     requests = warm_up_requests(deployment)
     requests = requests[:1] if kind == "image" else requests
+    requests = tuple(r for r in requests if not getattr(r, "images", ())) if kind == "no-edit" else requests
     made = []
     seconds = once(lambda: made.append(serving_scheduler(engine, deployment.recipe, requests)))
     return {"kind": kind, "seconds": seconds, "requests": [type(r).__name__ for r in requests],

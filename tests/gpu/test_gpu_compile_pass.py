@@ -5,7 +5,8 @@ that warmed up without the pass.
 Each server is a fresh process with an empty Triton cache (``TRITON_CACHE_DIR``): the embedded trained tiny
 Instruct model on the cuda platform in bf16 with ``graph.mode: capture`` and gathered KV (the layout of
 h200_instruct_fp8), warmed up as ``omni-run serve`` does (``warm_up_requests``: the default image of
-``serving.warmup_steps`` steps, then a short greedy answer), then one image and one answer.
+``serving.warmup_steps`` steps, an edit of one reference of the default size, then a short greedy answer), then
+one image and one answer.
 """
 from __future__ import annotations
 

@@ -89,9 +89,10 @@ def test_a_failing_warm_up_raises_its_error_and_frees_its_pages(tiny_recipe):
 
 
 @pytest.mark.parametrize("recipe_name, kinds", [("cpu_tiny", ["ImageRequest"]),
-                                                ("cpu_tiny_instruct", ["ImageRequest", "TextRequest"])])
-def test_a_flavour_that_writes_text_also_warms_up_an_answer(recipe_name, kinds):
-    """Text decode steps compile their own kernels and capture their own graphs: an Instruct server warms up a
+                                                ("cpu_tiny_instruct", ["ImageRequest", "ImageRequest", "TextRequest"])])
+def test_an_editing_flavour_also_warms_up_an_edit_and_one_that_writes_text_an_answer(recipe_name, kinds):
+    """Text decode steps compile their own kernels and capture their own graphs, and an edit's prefill runs
+    the reference encoders: an Instruct server warms up an edit of one reference of the default size and a
     short greedy answer after the image, on the real engine, and is left with nothing running."""
     from omni.deployment import prepare
     from omni.engine_handle import warm_up_requests
@@ -102,12 +103,24 @@ def test_a_flavour_that_writes_text_also_warms_up_an_answer(recipe_name, kinds):
     requests = warm_up_requests(deployment)
     assert [type(r).__name__ for r in requests] == kinds
     assert warm_up_requests(prepare(recipe.replace_paths({"serving.warmup_steps": 0}), platform="cpu")) == ()
-    if len(requests) == 2:
-        assert requests[1].max_tokens == 2 and requests[1].temperature == 0.0
+    if len(requests) == 3:
+        image, edit, answer = requests
+        assert not image.images and len(edit.images) == 1 and edit.images[0].shape == (image.height, image.width, 3)
+        assert edit.steps == image.steps == 2 and edit.system_prompt == image.system_prompt
+        assert answer.max_tokens == 2 and answer.temperature == 0.0
         pipeline = deployment.build_pipeline(progress=False)
-        answers = []
+        seen = []
         real = pipeline.denoise_step
-        pipeline.denoise_step = lambda states: (answers.extend(type(s).__name__ for s in states), real(states))
+        pipeline.denoise_step = lambda states: (seen.extend(_kind(s) for s in states), real(states))
         sched = serving_scheduler(pipeline, recipe, requests)
-        assert "TextState" in answers and sched.warm_up_s > 0 and not sched.has_work()
+        assert {"image", "edit", "TextState"} <= set(seen) and sched.warm_up_s > 0 and not sched.has_work()
         assert pipeline.pool.free_pages == pipeline.pool.num_pages
+
+
+def _kind(state) -> str:
+    """What a denoise step ran: a text answer (its state's class), an edit (references) or an image."""
+    from omni.request import ImageRequest
+
+    if not isinstance(state.request, ImageRequest):
+        return type(state).__name__
+    return "edit" if state.request.images else "image"
