@@ -54,7 +54,7 @@ if START_CACHE:
 import torch  # noqa: E402
 
 from omni.deployment import prepare  # noqa: E402
-from omni.scheduler import default_request  # noqa: E402
+from omni.engine_handle import served_request  # noqa: E402
 
 WORDS = "a watercolour of a red fox in a snowy birch forest at dawn with soft light".split()
 
@@ -174,10 +174,12 @@ def batch_s(engine, n: int, tokens: int) -> dict:
     return {"answers": n, "tokens": tokens, "seconds": seconds, **new_binaries(b0)}
 
 
-def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
-    """One request whose prompt has ``words`` words: its prefill and first two steps, and what they compiled."""
+def first_use(engine, deployment, words: int, size: int, seed: int) -> dict:
+    """One request whose prompt has ``words`` words: its prefill and first two steps, and what they compiled.
+    Every request here is built as the HTTP layer builds it (``served_request``: the system-prompt mode resolved),
+    so it meets the step graphs the warm-up captured as a user's would."""
     prompt = " ".join((WORDS * (words // len(WORDS) + 1))[:words])
-    s = engine.admit(default_request(recipe, prompt=prompt, height=size, width=size, steps=3, seed=seed))
+    s = engine.admit(served_request(deployment, prompt=prompt, height=size, width=size, steps=3, seed=seed))
     b0 = binaries()
     prefill = once(lambda: engine.prefill([s]))
     b1 = binaries()
@@ -190,20 +192,21 @@ def first_use(engine, recipe, words: int, size: int, seed: int) -> dict:
     return row
 
 
-def size_first_use(engine, recipe, height: int, width: int, seed: int) -> dict:
+def size_first_use(engine, deployment, height: int, width: int, seed: int) -> dict:
     """One request of a ``height`` x ``width`` image: prefill, two steps and the VAE decode, and what each
     compiled (the image heads' and the VAE's kernels meet the size there)."""
-    req = default_request(recipe, height=height, width=width, steps=3, seed=seed)
+    req = served_request(deployment, height=height, width=width, steps=3, seed=seed)
     return {"size": f"{height}x{width}"} | parts_first_use(engine, req)
 
 
-def edit_first_use(engine, recipe, height: int, width: int, seed: int) -> dict:
+def edit_first_use(engine, deployment, height: int, width: int, seed: int) -> dict:
     """One edit of a ``height`` x ``width`` reference (a smooth colour ramp): the prefill encodes it (VAE
     encoder, ViT), then two steps and the VAE decode, and what each part compiled."""
     import numpy as np
 
     ramp = np.linspace(0, 255, height * width * 3, dtype=np.float32).reshape(height, width, 3)
-    req = default_request(recipe, prompt="make the sky orange", images=(ramp.astype(np.uint8),), steps=3, seed=seed)
+    req = served_request(deployment, prompt="make the sky orange", images=(ramp.astype(np.uint8),), steps=3,
+                         seed=seed)
     return {"reference": f"{height}x{width}"} | parts_first_use(engine, req)
 
 
@@ -261,15 +264,15 @@ def main() -> int:
               f"{row['compiled']} compiled {row['kernels']}", flush=True)
     rows = []
     for i, n in enumerate(int(w) for w in a.words.split(",")):
-        rows.append(first_use(engine, deployment.recipe, n, a.size, seed=i))
+        rows.append(first_use(engine, deployment, n, a.size, seed=i))
         report(rows[-1])
     sizes = []
     for i, hw in enumerate(v for v in a.sizes.split(",") if v):
-        sizes.append(size_first_use(engine, deployment.recipe, *hw_of(hw), seed=100 + i))
+        sizes.append(size_first_use(engine, deployment, *hw_of(hw), seed=100 + i))
         report(sizes[-1])
     edits, edit_sizes = [], [v for v in a.edit_size.split(",") if v]
     for i in range(a.edits):
-        edits.append(edit_first_use(engine, deployment.recipe, *hw_of(edit_sizes[i % len(edit_sizes)]), seed=200 + i))
+        edits.append(edit_first_use(engine, deployment, *hw_of(edit_sizes[i % len(edit_sizes)]), seed=200 + i))
         report(edits[-1])
     start = START_CACHE and f"a copy of {START_CACHE} ({len(list(Path(START_CACHE).rglob('*.cubin')))} binaries)"
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": start or "empty at start",

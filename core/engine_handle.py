@@ -75,22 +75,22 @@ class EngineHandle(Protocol):
 
 
 def warm_up_request(deployment) -> ImageRequest | None:
-    """The request a server warms up with (None when ``serving.warmup_steps`` is 0): the recipe's default
-    request as the HTTP layer builds it (the flavour's size snapping and system-prompt modes, so its prefix
-    falls in the same captured-step bucket as the first users'), ``serving.warmup_steps`` steps."""
-    return _warm_up_image(deployment, deployment.flavor().serving_helpers())
+    """The request a server warms up with (None when ``serving.warmup_steps`` is 0): ``served_request`` of
+    ``serving.warmup_steps`` steps, so its prefix falls in the same captured-step bucket as the first users'."""
+    steps = deployment.recipe.serving.warmup_steps
+    return served_request(deployment, steps=steps) if steps else None
 
 
-def _warm_up_image(deployment, helpers) -> ImageRequest | None:
+def served_request(deployment, **changes) -> ImageRequest:
+    """The recipe's default request (with ``changes``) as the HTTP layer builds it: the size snapped by the
+    flavour and the system-prompt mode (``defaults.system_prompt``, e.g. en_unified) resolved to its text."""
     from .scheduler import default_request
 
-    recipe = deployment.recipe
-    if not recipe.serving.warmup_steps:
-        return None
+    recipe, helpers = deployment.recipe, deployment.flavor().serving_helpers()
     w, h = recipe.defaults.width_height
-    h, w = helpers.snap(h, w)
-    return default_request(recipe, steps=recipe.serving.warmup_steps, height=h, width=w,
-                           system_prompt=helpers.system_prompt(recipe.defaults.system_prompt))
+    h, w = helpers.snap(changes.pop("height", h), changes.pop("width", w))
+    served = dict(height=h, width=w, system_prompt=helpers.system_prompt(recipe.defaults.system_prompt))
+    return default_request(recipe, **(served | changes))
 
 
 def warm_up_requests(deployment) -> tuple:
@@ -102,7 +102,7 @@ def warm_up_requests(deployment) -> tuple:
     from .request import TextRequest
 
     helpers = deployment.flavor().serving_helpers()
-    image = _warm_up_image(deployment, helpers)
+    image = warm_up_request(deployment)
     if image is None:
         return ()
     edit = (_warm_up_edit(image),) if helpers.max_images else ()

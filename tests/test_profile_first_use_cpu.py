@@ -18,7 +18,7 @@ def test_the_first_use_profile_runs_its_prompts_and_edits_on_the_cpu(tmp_path):
                            "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert got["device"] == "cpu" and got["warm_up"]["requests"] == ["ImageRequest", "TextRequest"]
+    assert got["device"] == "cpu" and got["warm_up"]["requests"] == ["ImageRequest", "ImageRequest", "TextRequest"]
     (prompt,) = got["requests"]
     assert prompt["words"] == 3 and prompt["kernels_in_prefill"] == [] and prompt["compiled_in_prefill"] == 0
     assert [e["reference"] for e in got["edits"]] == ["256x256", "192x320"]
