@@ -115,8 +115,10 @@ def warm_up_requests(deployment) -> tuple:
 def _warm_up_edit(image: ImageRequest) -> ImageRequest:
     """``image`` as an edit of one reference of its own size (a colour ramp): the prefill's reference encoders
     (ViT, VAE encoder) compile their kernels and the edit's longer prefix captures its step here, not in the
-    first user's edit. Without it, on an H100 (8 layers), the first edit's prefill took 1.68 s (10 Triton
-    binaries compiled) against 0.34 s for a later one (BENCHMARKS.md, thirty-sixth session)."""
+    first user's edit. On an H100 (h200_instruct_fp8 at 8 layers, compile pass on, one run each) the first edit
+    of a 1024x1024 reference took 0.97 s of prefill (10 Triton binaries compiled) and 0.23 s of first step
+    without it, 0.27 s and 0.07 s with it; the warm-up took 7.5 s instead of 6.0 (BENCHMARKS.md, thirty-sixth
+    session). A server pays that once before it is ready; a user would pay the other."""
     import dataclasses
 
     import numpy as np
