@@ -41,12 +41,15 @@ class OnDevice(torch.Tensor):
         return True
 
 
-def stub_driver() -> None:
-    """Triton's active driver replaced by one that reports device 0 with an sm_90 target (no GPU here)."""
+def stub_driver(launchers: bool = False) -> None:
+    """Triton's active driver replaced by one that reports device 0 with an sm_90 target (no GPU here);
+    ``launchers``: with Triton's real launcher builder too (needs ``stand_in_libcuda`` first)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
 
     class Stub:  # what JITFunction.run reads before it compiles
+        if launchers:
+            from triton.backends.nvidia.driver import CudaLauncher as launcher_cls
         def get_current_device(self):
             return 0
 
@@ -57,6 +60,30 @@ def stub_driver() -> None:
             return GPUTarget("cuda", 90, 32)
 
     driver.set_active(Stub())
+
+
+STAND_IN_CALLS = ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuFuncSetAttribute",
+                  "cuGetErrorString", "cuPointerGetAttribute", "cuLaunchKernelEx", "cuTensorMapEncodeTiled")
+
+
+def stand_in_libcuda(where: Path) -> Path:
+    """A ``libcuda.so.1`` in ``where`` that defines only the driver calls Triton's launchers link to (each returns
+    0: nothing launches on a CPU box), loaded into this process, with ``TRITON_LIBCUDA_PATH`` pointing at it: Triton
+    then builds and loads kernel launchers (C, with the host's compiler) as on a GPU host. Needs a C compiler."""
+    import ctypes
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc): Triton builds its launchers with one")
+    where.mkdir(parents=True, exist_ok=True)
+    src, lib = where / "cuda.c", where / "libcuda.so.1"
+    src.write_text("".join(f"int {name}(void) {{ return 0; }}\n" for name in STAND_IN_CALLS))
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib), str(src)], check=True)
+    (where / "libcuda.so").unlink(missing_ok=True)
+    (where / "libcuda.so").symlink_to(lib.name)  # what the launcher links against (-lcuda)
+    ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)  # a launcher's libcuda.so.1 is then this one, already loaded
+    os.environ["TRITON_LIBCUDA_PATH"] = str(where)
+    return where
 
 
 def dev(*shape, dtype=torch.bfloat16, fill=0) -> torch.Tensor:

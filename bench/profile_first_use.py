@@ -72,6 +72,9 @@ def parse():
     p.add_argument("--compile-first", action="store_true",
                    help="serving.compile_first: the warm-up's requests first run once with the Triton kernels "
                         "compiled, not run (omni/compile_pass.py); run once with and once without for the A/B")
+    p.add_argument("--launchers-at-first-launch", action="store_true",
+                   help="as before the thirty-sixth session: Triton builds each kernel's host launcher at its first "
+                        "launch, not the compile scope (triton_compile.build_launchers off; the A/B)")
     p.add_argument("--answers", type=int, default=0, metavar="TOKENS",
                    help="after the warm-up, two text answers of TOKENS greedy tokens, timed apart (Instruct recipes)")
     p.add_argument("--batches", default="", metavar="N,N,...",
@@ -95,6 +98,11 @@ def compiled() -> int:
 
 def binaries() -> set[Path]:
     return set(Path(CACHE).rglob("*.cubin"))
+
+
+def launchers() -> set[Path]:
+    """Triton's host launchers in the cache (C, one per kernel signature, built by the host's C compiler)."""
+    return set(Path(CACHE).rglob("__triton_launcher*.so"))
 
 
 def new_binaries(before: set[Path]) -> dict:
@@ -131,10 +139,11 @@ def warm_up(engine, deployment, before: int, kind: str) -> dict:
     requests = warm_up_requests(deployment)
     requests = requests[:1] if kind == "image" else requests
     requests = tuple(r for r in requests if not getattr(r, "images", ())) if kind == "no-edit" else requests
-    made = []
+    made, l0 = [], len(launchers())
     seconds = once(lambda: made.append(serving_scheduler(engine, deployment.recipe, requests)))
     return {"kind": kind, "seconds": seconds, "requests": [type(r).__name__ for r in requests],
             "steps": requests[0].steps if requests else None, "compiled": compiled() - before,
+            "launchers": len(launchers()) - l0,
             "compile_first": deployment.recipe.serving.compile_first, "compile_pass_s": made[0].compile_pass_s}
 
 
@@ -180,13 +189,14 @@ def first_use(engine, deployment, words: int, size: int, seed: int) -> dict:
     so it meets the step graphs the warm-up captured as a user's would."""
     prompt = " ".join((WORDS * (words // len(WORDS) + 1))[:words])
     s = engine.admit(served_request(deployment, prompt=prompt, height=size, width=size, steps=3, seed=seed))
-    b0 = binaries()
+    b0, l0 = binaries(), launchers()
     prefill = once(lambda: engine.prefill([s]))
-    b1 = binaries()
+    b1, l1 = binaries(), launchers()
     step1, step2 = once(lambda: engine.denoise_step([s])), once(lambda: engine.denoise_step([s]))
-    b2 = binaries()
+    b2, l2 = binaries(), launchers()
     row = {"words": words, "prefix_tokens": s.rows[0].seq.prefix_len, "prefill_s": prefill, "step1_s": step1,
            "step2_s": step2, "compiled_in_prefill": len(b1 - b0), "compiled_in_steps": len(b2 - b1),
+           "launchers_in_prefill": len(l1 - l0), "launchers_in_steps": len(l2 - l1),
            "kernels_in_prefill": names(b1 - b0), "kernels_in_steps": names(b2 - b1)}
     engine.release(s)
     return row
@@ -214,12 +224,13 @@ def parts_first_use(engine, req) -> dict:
     """``req`` admitted, then its prefill, two steps and its VAE decode, each timed alone with the binaries it
     compiled (count and kernels); released after."""
     s = engine.admit(req)
-    row, b = {"prefix_tokens": s.rows[0].seq.prefix_len}, binaries()
+    row, b, lb = {"prefix_tokens": s.rows[0].seq.prefix_len}, binaries(), launchers()
     for part, fn in (("prefill", lambda: engine.prefill([s])), ("step1", lambda: engine.denoise_step([s])),
                      ("step2", lambda: engine.denoise_step([s])), ("decode", lambda: engine.decode(s))):
         row[f"{part}_s"] = once(fn)
-        new = binaries() - b
+        new, new_l = binaries() - b, launchers() - lb
         row[f"compiled_in_{part}"], row[f"kernels_in_{part}"], b = len(new), names(new), b | new
+        row[f"launchers_in_{part}"], lb = len(new_l), lb | new_l
     engine.release(s)
     return row
 
@@ -243,16 +254,22 @@ def card_gib() -> int:
 @torch.inference_mode()
 def main() -> int:
     a = parse()
+    if a.launchers_at_first_launch:
+        from omni.platforms.cuda import triton_compile
+
+        triton_compile.build_launchers = lambda kernels, pool: 0
     memory = {"device.memory_gib": card_gib()} if torch.cuda.is_available() else {}  # a CPU recipe keeps its own
     deployment = prepare(a.recipe, overrides=memory | {"serving.compile_first": a.compile_first},
                          random_weights=True)
     t0 = time.perf_counter()
     engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
-    before = compiled()
-    print(f"built in {time.perf_counter() - t0:.1f} s; {before} Triton kernels compiled while building", flush=True)
+    before, launchers_built = compiled(), len(launchers())
+    print(f"built in {time.perf_counter() - t0:.1f} s; {before} Triton kernels compiled while building, "
+          f"{len(launchers())} launchers", flush=True)
     warm = warm_up(engine, deployment, before, a.warm_up) if a.warm_up else None
     if warm:
-        print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled; "
+        print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled, "
+              f"{warm['launchers']} launchers built; "
               f"compile pass {warm['compile_pass_s']} s", flush=True)
     answers = [answer_s(engine, a.answers, seed=i) for i in range(2)] if a.answers else []
     for i, row in enumerate(answers):
@@ -276,7 +293,8 @@ def main() -> int:
         report(edits[-1])
     start = START_CACHE and f"a copy of {START_CACHE} ({len(list(Path(START_CACHE).rglob('*.cubin')))} binaries)"
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": start or "empty at start",
-           "compiled_while_building": before, "warm_up": warm, "answers": answers, "batches": batches,
+           "compiled_while_building": before, "launchers_after_build": launchers_built,
+           "launchers_at_first_launch": a.launchers_at_first_launch, "warm_up": warm, "answers": answers, "batches": batches,
            "requests": rows, "sizes": sizes, "edits": edits,
            "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

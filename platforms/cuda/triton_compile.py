@@ -9,7 +9,8 @@ runs ptxas as a process, so threads overlap them: 13.8 -> 10.9 s ready on the H2
 
 ``compiling()`` is the scope: inside it ``pdl_triton.launch`` hands each kernel to Triton's ``warmup`` instead
 of running it, and Triton's ``AsyncCompileMode`` submits the compile to a thread pool; leaving the scope waits
-for every compile (raising the first error) and puts the binaries in the kernels' caches. Calls made inside it
+for every compile (raising the first error), puts the binaries in the kernels' caches and builds their host
+launchers on the same pool (``build_launchers``; with one thread, each launch builds its own as before). Calls made inside it
 run their torch ops but no Triton kernel (``launch`` and ``run_or_compile`` only compile), so their outputs are
 undefined: only the compile-time paths enter it (``compile_routes``, ``compile_rows``, ``launch``'s PDL classes,
 and a server warm-up's compile pass through ``omni_compile_scope``, in which the router and the expert sort
@@ -26,11 +27,13 @@ This module imports Triton only inside ``compiling()``, so the CPU tests read it
 """
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+log = logging.getLogger("omni.cuda")
 MAX_WORKERS = 16  # a cap: the one host measured had 16 CPUs (BENCHMARKS.md); more threads were not measured
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("omni_compile_only", default=False)
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by thread count, made at first use
@@ -113,5 +116,41 @@ def _async_mode():
         return
     if n not in _POOLS:
         _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="omni-triton-compile")
-    with AsyncCompileMode(_POOLS[n]):
+    with AsyncCompileMode(_POOLS[n]) as mode:
         yield
+    build_launchers([f.kernel for f in mode.future_kernels.values() if f.kernel is not None], _POOLS[n])
+
+
+def build_launchers(kernels: list, pool: ThreadPoolExecutor) -> int:
+    """Build the host launcher of each of ``kernels`` (Triton ``CompiledKernel``s) on ``pool``, one per distinct
+    signature; returns how many were built.
+
+    Why: Triton builds a kernel's launcher (C source for its signature, compiled with the host's C compiler into
+    its cache) at the kernel's first launch, not when it compiles the kernel, so a binary compiled in the scope
+    still cost a C compile, one after another, when a step first ran it (0.15 s for one launcher on the 2-core
+    box; BENCHMARKS.md, thirty-sixth session). Built here, the first launch finds it in Triton's cache. Only the
+    launcher is built: loading the binary into the device's context stays with the first launch, on its device.
+    A failure is logged: the first launch then builds it again and raises what is wrong."""
+    from triton.runtime import driver
+
+    make = getattr(driver.active, "launcher_cls", None)
+    if make is None or not kernels:
+        return 0
+    distinct = {_launcher_key(k): k for k in kernels}
+
+    def one(kernel):
+        try:
+            make(kernel.src, kernel.metadata)
+        except Exception as err:  # noqa: BLE001 - the first launch builds it again and raises what is wrong
+            log.warning("building the launcher of %s ahead of its launch failed: %s: %s",
+                        getattr(kernel, "name", "?"), type(err).__name__, err)
+
+    list(pool.map(one, distinct.values()))
+    return len(distinct)
+
+
+def _launcher_key(kernel) -> str:
+    """What a launcher's source depends on (Triton 3.6's ``make_launcher``): the arguments' types and any tensor
+    descriptors, not the constexpr values; kernels of one signature share a launcher in Triton's cache."""
+    signature = getattr(kernel.src, "signature", {})
+    return repr((list(signature.items()), getattr(kernel.metadata, "tensordesc_meta", None)))
