@@ -127,8 +127,11 @@ def build_launchers(kernels: list, pool: ThreadPoolExecutor) -> int:
 
     Why: Triton builds a kernel's launcher (C source for its signature, compiled with the host's C compiler into
     its cache) at the kernel's first launch, not when it compiles the kernel, so a binary compiled in the scope
-    still cost a C compile, one after another, when a step first ran it (0.15 s for one launcher on the 2-core
-    box; BENCHMARKS.md, thirty-sixth session). Built here, the first launch finds it in Triton's cache. Only the
+    still cost a C compile, one after another, when a step first ran it. An image step, a decode step and the
+    heads need 19 launchers for their 63 binaries: 2.6 s one at a time on the 2-core box (bench/launchers_cpu.py).
+    On an H100 host (8 layers, one run each) the Instruct warm-up took 7.3 s instead of 12.8 s with them built
+    here, and h200_fp8's first 3-word prefill 0.023 s instead of 0.344 s (BENCHMARKS.md, thirty-sixth session).
+    Built here, the first launch finds its launcher in Triton's cache. Only the
     launcher is built: loading the binary into the device's context stays with the first launch, on its device.
     A failure is logged: the first launch then builds it again and raises what is wrong."""
     from triton.runtime import driver
