@@ -43,7 +43,8 @@ class CudaPlatform(DevicePlatform):
     @hookimpl
     def omni_compile_scope(self, info):
         """``triton_compile.compiling()``: the Triton kernels' launches compile in its pool instead of running
-        (the glue's router and the MoE's sort answer with the torch ops there); None without Triton."""
+        (the glue's router and the MoE's sort answer with the torch ops there), and leaving it builds their host
+        launchers there too; None without Triton."""
         return compiling() if triton_found() else None
 
 
