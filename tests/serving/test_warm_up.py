@@ -124,3 +124,20 @@ def _kind(state) -> str:
     if not isinstance(state.request, ImageRequest):
         return type(state).__name__
     return "edit" if state.request.images else "image"
+
+
+def test_served_request_snaps_the_size_asked_and_resolves_the_system_prompt_mode():
+    """``served_request`` (what the warm-up and bench/profile_first_use build their requests with): a size asked
+    for is snapped as the HTTP layer snaps it, the recipe's system-prompt mode becomes its text, and the other
+    changes pass through."""
+    from omni.deployment import prepare
+    from omni.engine_handle import served_request
+    from omni.recipe import load_recipe
+
+    recipe = load_recipe("cpu_tiny_instruct").replace_paths({"defaults.system_prompt": "en_unified"})
+    deployment = prepare(recipe, platform="cpu")
+    helpers = deployment.flavor().serving_helpers()
+    req = served_request(deployment, prompt="a fox", height=200, width=300, steps=3, seed=7)
+    assert (req.height, req.width) == helpers.snap(200, 300) != (200, 300)
+    assert req.system_prompt == helpers.system_prompt("en_unified") != "en_unified"
+    assert (req.prompt, req.steps, req.seed) == ("a fox", 3, 7)
