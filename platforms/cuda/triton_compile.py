@@ -17,7 +17,7 @@ and a server warm-up's compile pass through ``omni_compile_scope``, in which the
 answer with torch's outputs). ``OMNI_COMPILE_WORKERS`` sets the
 pool's threads (1: one compile at a time, as before); the default is the CPUs this process may use, shared
 among the ranks on its host (``LOCAL_WORLD_SIZE``), at most 16. A Triton without ``AsyncCompileMode`` (3.6 has
-it) compiles in the caller's thread.
+it) compiles in the caller's thread, and Triton builds each launcher at its kernel's first launch.
 
 ``keep_binaries_with_ours`` points Triton's cache into ``OMNI_KERNEL_CACHE`` where that is set and
 ``TRITON_CACHE_DIR`` is not, so that one kept folder holds every compiled kernel (our CUTLASS objects and
@@ -104,14 +104,15 @@ def compiling():
 
 @contextmanager
 def _async_mode():
-    """Triton's ``AsyncCompileMode`` over the pool (its exit waits for every compile), or nothing where this
-    Triton lacks it or one thread is asked for."""
+    """Triton's ``AsyncCompileMode`` over the pool (its exit waits for every compile, then the launchers are
+    built), or nothing where this Triton lacks it. One thread still goes through the pool: the compiles run one at
+    a time, and the launchers are built here too."""
     n = workers()
     try:
         from triton.runtime._async_compile import AsyncCompileMode
     except ImportError:
         AsyncCompileMode = None
-    if AsyncCompileMode is None or n == 1:
+    if AsyncCompileMode is None:
         yield
         return
     if n not in _POOLS:
@@ -134,10 +135,12 @@ def build_launchers(kernels: list, pool: ThreadPoolExecutor) -> int:
     Built here, the first launch finds its launcher in Triton's cache. Only the
     launcher is built: loading the binary into the device's context stays with the first launch, on its device.
     A failure is logged: the first launch then builds it again and raises what is wrong."""
+    if not kernels:  # nothing compiled (everything was in the cache): no driver is asked for
+        return 0
     from triton.runtime import driver
 
     make = getattr(driver.active, "launcher_cls", None)
-    if make is None or not kernels:
+    if make is None:
         return 0
     distinct = {_launcher_key(k): k for k in kernels}
 

@@ -274,7 +274,8 @@ print(json.dumps({"binaries": len(compiled), "built": len(built), "after_first_l
 """
 
 
-def test_the_compile_scope_builds_each_kernels_launcher_so_its_first_launch_compiles_nothing(tmp_path):
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_the_compile_scope_builds_each_kernels_launcher_so_its_first_launch_compiles_nothing(threads, tmp_path):
     """Triton builds a kernel's host launcher (C, with the host's compiler) at its first launch, not at its compile:
     after a compile pass the first prompt of a few tokens still spent 0.19 s more than a longer one in its
     prefill with no binary compiled (H100, BENCHMARKS.md "Thirty-sixth session"). ``compiling()`` now builds
@@ -286,7 +287,7 @@ def test_the_compile_scope_builds_each_kernels_launcher_so_its_first_launch_comp
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler: Triton builds its launchers with one")
     cache = tmp_path / "cache"
-    env = {**os.environ, "OMNI_COMPILE_WORKERS": "2", "TRITON_CACHE_DIR": str(cache)}
+    env = {**os.environ, "OMNI_COMPILE_WORKERS": threads, "TRITON_CACHE_DIR": str(cache)}
     done = subprocess.run([sys.executable, "-c", LAUNCHER_CHILD, str(cache), str(tmp_path / "libcuda")], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
