@@ -1,7 +1,7 @@
 """Triton's host launchers for the cuda platform's kernels, on this machine's CPUs, no GPU needed: how many distinct
 launchers the binaries of an image step, a decode step and the image heads need, and what building them costs one
-after another (what their first launches paid, in turn, before ``triton_compile.compiling()`` built them) against
-on the compile pool (``triton_compile.build_launchers``, each thread count asked for).
+after another (one thread: what their first launches paid, in turn, before ``triton_compile.compiling()`` built
+them) against on more threads of the compile pool (``triton_compile.build_launchers``, each thread count asked for).
 
 Why: Triton builds a kernel's launcher (C source for its signature, compiled by the host's C compiler) when the
 kernel first launches, not when it compiles. After a compile pass had compiled every binary, the first 3-word
@@ -46,15 +46,6 @@ def compiled_kernels() -> list:
     return found
 
 
-def build_serially(kernels: list) -> None:
-    """What the first launches did: each distinct launcher built in turn, on the caller's thread."""
-    from omni.platforms.cuda.triton_compile import _launcher_key
-    from triton.runtime import driver
-
-    for kernel in {_launcher_key(k): k for k in kernels}.values():
-        driver.active.launcher_cls(kernel.src, kernel.metadata)
-
-
 def timed_in_empty_cache(fn) -> float:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="omni-launchers-")  # Triton reads it at each build
     t0 = time.perf_counter()
@@ -64,7 +55,7 @@ def timed_in_empty_cache(fn) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", default="2", help="compile-pool threads to try, in turn each round")
+    p.add_argument("--workers", default="1,2", help="compile-pool threads to try, in turn each round (1: one at a time)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
@@ -84,14 +75,11 @@ def main() -> int:
     kr.stub_driver(launchers=True)
     rows = []
     for r in range(a.rounds):
-        rows.append({"round": r, "workers": 0, "seconds": timed_in_empty_cache(lambda: build_serially(kernels))})
         for n in (int(w) for w in a.workers.split(",")):
             with ThreadPoolExecutor(n) as pool:
                 rows.append({"round": r, "workers": n,
                              "seconds": timed_in_empty_cache(lambda: build_launchers(kernels, pool))})
-        for row in rows[-1 - len(a.workers.split(",")):]:
-            print(f"round {row['round']}: {'one at a time' if not row['workers'] else str(row['workers']) + ' threads'}"
-                  f" {row['seconds']:.2f} s", flush=True)
+            print(f"round {r}: {n} threads {rows[-1]['seconds']:.2f} s", flush=True)
     if a.json:
         a.json.write_text(json.dumps({"cpus": len(os.sched_getaffinity(0)), "binaries": len(kernels),
                                       "launchers": distinct, "runs": rows}, indent=1))

@@ -10,7 +10,7 @@ runs ptxas as a process, so threads overlap them: 13.8 -> 10.9 s ready on the H2
 ``compiling()`` is the scope: inside it ``pdl_triton.launch`` hands each kernel to Triton's ``warmup`` instead
 of running it, and Triton's ``AsyncCompileMode`` submits the compile to a thread pool; leaving the scope waits
 for every compile (raising the first error), puts the binaries in the kernels' caches and builds their host
-launchers on the same pool (``build_launchers``; with one thread, each launch builds its own as before). Calls made inside it
+launchers on the same pool (``build_launchers``). Calls made inside it
 run their torch ops but no Triton kernel (``launch`` and ``run_or_compile`` only compile), so their outputs are
 undefined: only the compile-time paths enter it (``compile_routes``, ``compile_rows``, ``launch``'s PDL classes,
 and a server warm-up's compile pass through ``omni_compile_scope``, in which the router and the expert sort
