@@ -265,7 +265,7 @@ def main() -> int:
     engine = deployment.build_pipeline(random_layers=a.layers, progress=False)
     before, launchers_built = compiled(), len(launchers())
     print(f"built in {time.perf_counter() - t0:.1f} s; {before} Triton kernels compiled while building, "
-          f"{len(launchers())} launchers", flush=True)
+          f"{launchers_built} launchers", flush=True)
     warm = warm_up(engine, deployment, before, a.warm_up) if a.warm_up else None
     if warm:
         print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled, "
