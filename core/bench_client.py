@@ -8,6 +8,14 @@ as soon as the previous one is answered, over the corpus (prompts cycled,
 sizes mixed, seeds distinct). Reported per level: p50/p90/p99 latency,
 images/hour, mean seconds per stage (queue, prefill, denoise, vae, encode)
 and, in-process, the peak device memory. Printed as a table, written as JSON.
+
+In-process, the engine is built as ``omni-run serve`` builds it, warm-up
+included (``serving.warmup_steps``; the compile pass first where
+``serving.compile_first``): ``time_to_ready_s`` is what a server takes to
+report ready, split in the JSON's ``ready`` into build and warm-up.
+``--full-size-layers N`` builds the released shapes with random values, layer
+by layer as a checkpoint loads (one process: parallel layouts are
+``bench/bench_parallel.py``'s).
 """
 from __future__ import annotations
 
@@ -155,23 +163,30 @@ class InProcessTarget:
         self.deployment = d = prepare(recipe, platform=args.platform, overrides=overrides,
                                       random_weights=bool(args.full_size_layers))
         self.name = f"in-process {d.recipe.name} on {d.recipe.platform}"
+        info = d.platform().info
+        self.host = {"device": info.device_name, "device_count": info.device_count, "torch": _torch_version()}
         self.services = d.platform().device_services(0) if d.world_size == 1 else None
+        if args.full_size_layers and d.world_size > 1:
+            from .cli_jobs import UsageError
+
+            raise UsageError(f"--full-size-layers builds one process's engine; recipe {d.recipe.name} has world "
+                             f"size {d.world_size}: bench/bench_parallel.py measures parallel layouts")
         t0 = time.perf_counter()
-        self.engine = self._engine(args).start()
+        # as ``omni-run serve`` builds it: load (or fill), quantize, KV pool, then the server's warm-up
+        self.engine = d.open_engine(warm_up=args.server_warm_up, random_layers=args.full_size_layers).start()
         self.engine.wait_ready()
-        self.time_to_ready_s = round(time.perf_counter() - t0, 2)  # build: load or fill, quantize, KV pool
+        self.time_to_ready_s = round(time.perf_counter() - t0, 2)
+        parts = self.ready_parts()
+        print(f"ready in {self.time_to_ready_s:.2f} s: build {parts['build_s']:.2f} s, server warm-up "
+              f"{parts['warm_up_s']:.2f} s (compile pass {_fmt(parts['compile_pass_s'])} s)", flush=True)
         self.defaults, self.png_level = d.recipe.defaults, d.recipe.serving.png_compress_level
 
-    def _engine(self, args):
-        if not args.full_size_layers:
-            return self.deployment.open_engine()
-        from omni.engine_loop import EngineLoop
-        from omni.scheduler import Scheduler
-
-        d = self.deployment
-        build = lambda: Scheduler.from_recipe(  # noqa: E731 - built on the engine thread, as open_engine does
-            d.build_pipeline(random_layers=args.full_size_layers, progress=False), d.recipe)
-        return EngineLoop(build)
+    def ready_parts(self) -> dict:
+        """``time_to_ready_s`` split: the warm-up's seconds (and its compile pass's), the rest the build's."""
+        sched = getattr(self.engine, "scheduler", None)
+        warm = getattr(sched, "warm_up_s", None) or 0.0
+        return {"build_s": round(self.time_to_ready_s - warm, 2), "warm_up_s": round(warm, 2),
+                "compile_pass_s": _round(getattr(sched, "compile_pass_s", None))}
 
     def check(self) -> None:
         if not self.engine.ready:
@@ -259,6 +274,12 @@ def summarize(samples: list[Sample], concurrency: int, wall: float, peak: int | 
             "stage_mean_s": stages, "peak_device_memory_bytes": peak}
 
 
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
@@ -301,6 +322,10 @@ def parser() -> argparse.ArgumentParser:
                        help="in-process: recipe override, e.g. --set serving.max_batch_tokens=65536 (repeatable)")
     where.add_argument("--max-running", type=int, default=0, help="in-process: serving.max_running "
                                                                    "(default: max of recipe and concurrency)")
+    where.add_argument("--no-server-warm-up", dest="server_warm_up", action="store_false",
+                       help="in-process: skip the server's warm-up (serving.warmup_steps requests, after the "
+                            "compile pass where serving.compile_first): time_to_ready_s then counts the build "
+                            "alone and the first --warmup request pays the compiles")
     load = p.add_argument_group("load")
     load.add_argument("--concurrency", default="1,2,4", help="comma list of concurrent clients (default 1,2,4)")
     load.add_argument("--requests", type=int, default=8, help="requests per level (default 8)")
@@ -340,6 +365,8 @@ def bench_main(argv_or_args=None) -> int:
     out = {"benchmark": "omni-run bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "target": target.name, "args": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
            "time_to_ready_s": getattr(target, "time_to_ready_s", None), "levels": levels}
+    if isinstance(target, InProcessTarget):
+        out |= {"ready": target.ready_parts(), "host": target.host}
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")
     return 0 if all(lv["ok"] == lv["requests"] for lv in levels) else 1

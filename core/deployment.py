@@ -69,12 +69,13 @@ class Deployment:
         return self.flavor().build_pipeline(self.recipe, platform or self.platform(), local_rank=local_rank,
                                             parallel=parallel, progress=progress, random_layers=random_layers)
 
-    def open_engine(self, *, progress: bool = False, warm_up: bool = False):
+    def open_engine(self, *, progress: bool = False, warm_up: bool = False, random_layers: int = 0):
         """The engine handle (not started): a local engine loop, or the router over launched replicas;
-        ``warm_up``: one default request runs before it is ready (``serving.warmup_steps``, servers)."""
+        ``warm_up``: the server's warm-up requests run before it is ready (``serving.warmup_steps``);
+        ``random_layers``: released shapes, random values (``omni.engine_handle.open_engine``)."""
         from .engine_handle import open_engine
 
-        return open_engine(self, progress=progress, warm_up=warm_up)
+        return open_engine(self, progress=progress, warm_up=warm_up, random_layers=random_layers)
 
 
 @dataclass(frozen=True)

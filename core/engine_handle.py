@@ -142,7 +142,8 @@ def serving_scheduler(pipeline, recipe, warm_up: tuple = ()):
     return sched
 
 
-def open_engine(deployment, *, progress: bool = False, warm_up: bool = False) -> EngineHandle:
+def open_engine(deployment, *, progress: bool = False, warm_up: bool = False,
+                random_layers: int = 0) -> EngineHandle:
     """The handle for ``deployment`` (not started): this process's engine loop, or launched replicas.
 
     World size 1: an ``EngineLoop`` whose thread builds the pipeline and the
@@ -150,8 +151,9 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False) ->
     mesh is launched on this host (``omni.parallel.dp.start_replicas``) and
     the router over its dp replicas is returned once each replica's first rank
     connected, before they load: it reports starting until they are ready.
-    ``warm_up``: the engine runs the default request first (``serving.warmup_steps``; servers ask for it), and
-    a short text answer where the flavour writes text (``warm_up_requests``).
+    ``warm_up``: the engine runs ``warm_up_requests`` before it reports ready (servers ask for it).
+    ``random_layers``: the released shapes with random values, that many layers (``omni-run bench
+    --full-size-layers``); one process only, since launched ranks load the recipe's checkpoint.
     """
     from .engine_loop import EngineLoop
     from .scheduler import Scheduler
@@ -159,10 +161,13 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False) ->
     if deployment.world_size > 1:
         from .parallel.dp import start_replicas
 
+        if random_layers:
+            raise ValueError(f"random_layers builds one process's engine; recipe {deployment.recipe.name} "
+                             f"has world size {deployment.world_size} (bench/bench_parallel.py runs layouts)")
         return start_replicas(deployment, warm_up=warm_up)
 
     def build() -> Scheduler:
-        return serving_scheduler(deployment.build_pipeline(progress=progress), deployment.recipe,
-                                 warm_up_requests(deployment) if warm_up else ())
+        pipeline = deployment.build_pipeline(progress=progress, random_layers=random_layers)
+        return serving_scheduler(pipeline, deployment.recipe, warm_up_requests(deployment) if warm_up else ())
 
     return EngineLoop(build)

@@ -125,3 +125,20 @@ def test_build_returns_the_loads_cached_memory_before_the_kv_pool(tiny_widths, m
     monkeypatch.setattr(tiny_widths, "_kv_pool", lambda *a: (events.append("kv_pool"), real_pool(*a))[1])
     tiny_widths.build_pipeline(load_recipe("cpu_tiny"), select("cpu"), random_layers=2, progress=False)
     assert events == ["empty_cache", "kv_pool"]
+
+
+def test_bench_full_size_layers_builds_random_layers_then_warms_up_as_serve(tiny_widths, tmp_path):
+    """``omni-run bench --full-size-layers N`` goes through ``open_engine`` as ``serve`` does: the random build
+    (N layers here), then the server's warm-up, both inside ``time_to_ready_s``."""
+    import json
+
+    from omni.bench_client import bench_main
+
+    asked, layers = [], tiny_widths.released_layers
+    tiny_widths.released_layers = lambda n: (asked.append(n), layers(n))[1]  # tiny_widths' monkeypatch restores
+    out = tmp_path / "bench.json"
+    assert bench_main(["--recipe", "cpu_tiny", "--full-size-layers", "2", "--concurrency", "1", "--requests", "1",
+                       "--steps", "1", "--sizes", "256x256", "--warmup", "0", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert asked == [2] and report["levels"][0]["ok"] == 1
+    assert report["ready"]["warm_up_s"] > 0 and report["ready"]["build_s"] > 0

@@ -134,9 +134,33 @@ def test_bench_in_process(tmp_path):
     rc = bench_main(["--recipe", "cpu_tiny", "--concurrency", "1", "--requests", "1", "--steps", "1",
                      "--guidance", "1", "--warmup", "0", "--json", str(out)])
     assert rc == 0
-    [level] = json.loads(out.read_text())["levels"]
+    report = json.loads(out.read_text())
+    [level] = report["levels"]
     assert level["ok"] == 1 and level["peak_device_memory_bytes"] > 0
     assert level["device_memory_reserved_bytes"] is None  # the CPU has no caching allocator to report
+    ready = report["ready"]  # built as `serve` builds it: the server's warm-up ran before ready
+    assert ready["warm_up_s"] > 0 and ready["compile_pass_s"] is None  # the reference compiles nothing
+    assert ready["build_s"] + ready["warm_up_s"] == pytest.approx(report["time_to_ready_s"], abs=0.011)
+    assert report["host"]["device"] == "CPU (reference PyTorch)" and report["host"]["torch"]
+
+
+def test_bench_in_process_without_the_server_warm_up_counts_the_build_alone(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--recipe", "cpu_tiny", "--concurrency", "1", "--requests", "1", "--steps", "1", "--warmup",
+                     "0", "--no-server-warm-up", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["ready"]["warm_up_s"] == 0
+    assert report["ready"]["build_s"] == report["time_to_ready_s"]
+
+
+def test_bench_full_size_layers_refuses_a_parallel_layout_with_exit_2_naming_the_tool(tmp_path, capsys):
+    from omni.cli import main
+
+    assert main(["bench", "--recipe", "cpu_tiny", "--full-size-layers", "1", "--set", "parallel.tp=2", "--set",
+                 "device.count=2", "--json", str(tmp_path / "b.json")]) == 2
+    assert "--full-size-layers builds one process's engine; recipe cpu_tiny has world size 2: " \
+           "bench/bench_parallel.py" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_percentile():
