@@ -205,7 +205,7 @@ def main():
     out = {"note": f"RANDOM weights, released widths, {a.layers} of 32 layers measured; per-layer times x 32 "
                    f"(+ per-step image I/O) give the 32-layer figures",
            "device": platform.info.device_name, "torch": torch.__version__, "layers": a.layers, "size": a.size,
-           "prefix": a.prefix, "rows": 2, "steps": a.steps, "cfg": 5.0,
+           "prefix": a.prefix, "rows": 2, "steps": a.steps, "cfg": 5.0, "argv": sys.argv[1:],
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
 
     def save():
