@@ -1,6 +1,6 @@
 """Stage times and Triton compiles per request through ``omni-run bench``'s in-process target (its scheduler and
 engine loop, its prompt corpus), from an empty Triton cache: the h200_fp8 recipe at 32 random full-size layers,
-the bench's warm-up request, then the corpus' first four prompts twice at concurrency 1 (``--steps`` denoising
+built as ``serve`` builds it (its warm-up included unless ``--no-server-warm-up``), the bench's warm-up request, then the corpus' first four prompts twice at concurrency 1 (``--steps`` denoising
 steps each; the prefill does not depend on them). A profiler wraps every prefill and prints where a slow one
 (over 0.12 s) spent its time. ``profile_first_use.py`` drives the engine directly; this one goes the bench's way.
 
@@ -51,11 +51,14 @@ def profiled_prefill(self, states):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--no-server-warm-up", dest="server_warm_up", action="store_false",
+                   help="build only, as the bench did before the thirty-seventh session (no server warm-up)")
     a = p.parse_args()
     step_engine.StepEngine.prefill = profiled_prefill
     args = argparse.Namespace(recipe="h200_fp8", platform="cuda", model=None, full_size_layers=32,
                               set=["device.memory_gib=139"], max_running=0, levels=[1], requests=4,
-                              sizes="1024x1024", prompts=None, steps=a.steps, guidance=5.0, seed=0)
+                              sizes="1024x1024", prompts=None, steps=a.steps, guidance=5.0, seed=0,
+                              server_warm_up=a.server_warm_up)
     t0 = time.perf_counter()
     target = InProcessTarget(args)
     print(f"ready {time.perf_counter() - t0:.1f} s, cubins {cubins()}", flush=True)
