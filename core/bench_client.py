@@ -177,16 +177,19 @@ class InProcessTarget:
         self.engine.wait_ready()
         self.time_to_ready_s = round(time.perf_counter() - t0, 2)
         parts = self.ready_parts()
-        print(f"ready in {self.time_to_ready_s:.2f} s: build {parts['build_s']:.2f} s, server warm-up "
-              f"{parts['warm_up_s']:.2f} s (compile pass {_fmt(parts['compile_pass_s'])} s)", flush=True)
+        print(f"ready in {self.time_to_ready_s:.2f} s: build {_fmt(parts['build_s'])} s, server warm-up "
+              f"{_fmt(parts['warm_up_s'])} s (compile pass {_fmt(parts['compile_pass_s'])} s)", flush=True)
         self.defaults, self.png_level = d.recipe.defaults, d.recipe.serving.png_compress_level
 
     def ready_parts(self) -> dict:
-        """``time_to_ready_s`` split: the warm-up's seconds (and its compile pass's), the rest the build's."""
-        sched = getattr(self.engine, "scheduler", None)
-        warm = getattr(sched, "warm_up_s", None) or 0.0
+        """``time_to_ready_s`` split: the warm-up's seconds (and its compile pass's), the rest the build's; all
+        None where the ranks run elsewhere (a launched layout: the router has no local scheduler)."""
+        sched = self.engine.scheduler
+        if sched is None:
+            return {"build_s": None, "warm_up_s": None, "compile_pass_s": None}
+        warm = sched.warm_up_s or 0.0
         return {"build_s": round(self.time_to_ready_s - warm, 2), "warm_up_s": round(warm, 2),
-                "compile_pass_s": _round(getattr(sched, "compile_pass_s", None))}
+                "compile_pass_s": _round(sched.compile_pass_s)}
 
     def check(self) -> None:
         if not self.engine.ready:

@@ -153,6 +153,16 @@ def test_bench_in_process_without_the_server_warm_up_counts_the_build_alone(tmp_
     assert report["ready"]["build_s"] == report["time_to_ready_s"]
 
 
+def test_bench_in_process_over_launched_ranks_leaves_the_ready_split_unknown(tmp_path):
+    """tp2 on gloo: the ranks build and warm up in their own processes, so only the total is measured here."""
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--recipe", "cpu_tiny", "--set", "parallel.tp=2", "--set", "device.count=2", "--concurrency",
+                     "1", "--requests", "1", "--steps", "1", "--sizes", "256x256", "--warmup", "0", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["levels"][0]["ok"] == 1 and report["time_to_ready_s"] > 0
+    assert report["ready"] == {"build_s": None, "warm_up_s": None, "compile_pass_s": None}
+
+
 def test_bench_full_size_layers_refuses_a_parallel_layout_with_exit_2_naming_the_tool(tmp_path, capsys):
     from omni.cli import main
 
