@@ -176,20 +176,20 @@ class InProcessTarget:
         self.engine = d.open_engine(warm_up=args.server_warm_up, random_layers=args.full_size_layers).start()
         self.engine.wait_ready()
         self.time_to_ready_s = round(time.perf_counter() - t0, 2)
-        parts = self.ready_parts()
+        self.ready = parts = self.ready_parts()  # asked now: a launched layout's replicas stop with the engine
         print(f"ready in {self.time_to_ready_s:.2f} s: build {_fmt(parts['build_s'])} s, server warm-up "
               f"{_fmt(parts['warm_up_s'])} s (compile pass {_fmt(parts['compile_pass_s'])} s)", flush=True)
         self.defaults, self.png_level = d.recipe.defaults, d.recipe.serving.png_compress_level
 
     def ready_parts(self) -> dict:
-        """``time_to_ready_s`` split: the warm-up's seconds (and its compile pass's), the rest the build's; all
-        None where the ranks run elsewhere (a launched layout: the router has no local scheduler)."""
-        sched = self.engine.scheduler
-        if sched is None:
-            return {"build_s": None, "warm_up_s": None, "compile_pass_s": None}
-        warm = sched.warm_up_s or 0.0
-        return {"build_s": round(self.time_to_ready_s - warm, 2), "warm_up_s": round(warm, 2),
-                "compile_pass_s": _round(sched.compile_pass_s)}
+        """``time_to_ready_s`` by part as the engine reports it (/metrics' ``omni_startup_seconds``): the build,
+        the server's warm-up, the compile pass within it (None: that part did not run). A launched layout's
+        replica answers over its link."""
+        from omni.scheduler_figures import STARTUP, engine_figures
+
+        found = engine_figures(self.engine, memory=False)
+        startup = found[0][1]["startup"] if found else {}
+        return {f"{part}_s": _round(startup.get(part)) for part in STARTUP}
 
     def check(self) -> None:
         if not self.engine.ready:
@@ -369,7 +369,7 @@ def bench_main(argv_or_args=None) -> int:
            "target": target.name, "args": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
            "time_to_ready_s": getattr(target, "time_to_ready_s", None), "levels": levels}
     if isinstance(target, InProcessTarget):
-        out |= {"ready": target.ready_parts(), "host": target.host}
+        out |= {"ready": target.ready, "host": target.host}
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")
     return 0 if all(lv["ok"] == lv["requests"] for lv in levels) else 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from typing import Callable, Protocol, runtime_checkable
 
 from .request import ImageRequest
@@ -128,12 +129,14 @@ def _warm_up_edit(image: ImageRequest) -> ImageRequest:
     return dataclasses.replace(image, prompt="make the sky orange", images=(ramp_HW3,), request_id="warm-up-edit")
 
 
-def serving_scheduler(pipeline, recipe, warm_up: tuple = ()):
+def serving_scheduler(pipeline, recipe, warm_up: tuple = (), *, build_s: float | None = None):
     """``recipe.serving``'s scheduler over ``pipeline``, after running the ``warm_up`` requests to the end (the
-    servers' engines: JIT compiles and graph captures happen before they report ready)."""
+    servers' engines: JIT compiles and graph captures happen before they report ready). ``build_s``: what
+    building ``pipeline`` took, kept beside the warm-up's seconds for /metrics (``omni_startup_seconds``)."""
     from .scheduler import Scheduler
 
     sched = Scheduler.from_recipe(pipeline, recipe)
+    sched.build_s = build_s
     if warm_up:
         log.info("warm-up: %s (compiles and graph captures) ...", ", ".join(type(r).__name__ for r in warm_up))
         seconds = sched.warm_up(*warm_up)
@@ -167,7 +170,9 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False,
         return start_replicas(deployment, warm_up=warm_up)
 
     def build() -> Scheduler:
+        t0 = time.perf_counter()
         pipeline = deployment.build_pipeline(progress=progress, random_layers=random_layers)
-        return serving_scheduler(pipeline, deployment.recipe, warm_up_requests(deployment) if warm_up else ())
+        return serving_scheduler(pipeline, deployment.recipe, warm_up_requests(deployment) if warm_up else (),
+                                 build_s=time.perf_counter() - t0)
 
     return EngineLoop(build)

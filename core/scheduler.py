@@ -102,6 +102,7 @@ class Scheduler:
         self.initial_free_pages = self.pool.free_pages
         self.stats = collections.Counter()  # steps, step_tokens, admitted, finished, failed, cancelled, rejected
         self._service_s: float | None = None  # moving average of admitted -> finished seconds
+        self.build_s: float | None = None  # the pipeline's build before it (set by ``serving_scheduler``)
         self.warm_up_s: float | None = None  # what ``warm_up`` took (None: no warm-up ran)
         self.compile_first = compile_first  # ``warm_up`` runs its requests in a compile pass first
         self.compile_pass_s: float | None = None  # what that pass took (None: none ran)

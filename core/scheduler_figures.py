@@ -18,6 +18,7 @@ COUNTERS = {"steps": "packed denoising steps run", "step_tokens": "tokens throug
             "admitted": "requests admitted", "finished": "requests completed",
             "failed": "requests failed inside the pipeline", "cancelled": "requests cancelled",
             "rejected": "requests refused with 429"}
+STARTUP = ("build", "warm_up", "compile_pass")  # omni_startup_seconds{part}: the scheduler's <part>_s
 MEMORY = {"allocated_bytes": "device memory held by live tensors",
           "reserved_bytes": "device memory the caching allocator holds (live tensors and its cache): what other "
                             "processes on the device cannot have",
@@ -25,16 +26,18 @@ MEMORY = {"allocated_bytes": "device memory held by live tensors",
 
 
 def scheduler_figures(sched, *, memory: bool = True) -> dict:
-    """``{"gauges": {metric: value}, "counters": {stats key: value}, "memory": [{name: bytes}, ...]}`` of
-    ``sched`` (a ``Scheduler``). Memory is one dict per rank of its pipeline, as each rank's device reports it:
-    one for a single process; a multi-rank replica's driver gives every rank's (``DriverPipeline.memory_by_rank``:
-    the followers' as of the last admit or release). Empty with ``memory=False`` (the Ray ingress's per-answer
-    figures, which do not export it)."""
+    """``{"gauges": {metric: value}, "counters": {stats key: value}, "startup": {part: seconds}, "memory":
+    [{name: bytes}, ...]}`` of ``sched`` (a ``Scheduler``). ``startup`` has the parts of ``STARTUP`` that ran
+    before it served (the build, the warm-up, the warm-up's compile pass). Memory is one dict per rank of its
+    pipeline, as each rank's device reports it: one for a single process; a multi-rank replica's driver gives
+    every rank's (``DriverPipeline.memory_by_rank``: the followers' as of the last admit or release). Empty with
+    ``memory=False`` (the Ray ingress's per-answer figures, which do not export it)."""
     pool = sched.pool
     gauges = (sched.queue_depth, sched.num_running, pool.used_pages, pool.num_pages,
               pool.used_pages / pool.num_pages, sum(t.cost.step_tokens for t in list(sched.running)))
     return {"gauges": {name: float(v) for name, v in zip(GAUGES, gauges)},
             "counters": {key: float(sched.stats[key]) for key in COUNTERS},
+            "startup": {part: s for part in STARTUP if (s := getattr(sched, f"{part}_s")) is not None},
             "memory": [{k: float(v) for k, v in rank.items()} for rank in _memory_by_rank(sched.pipeline)]
             if memory else []}
 

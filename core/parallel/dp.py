@@ -273,6 +273,7 @@ def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = Fal
     # The first rank connects before it loads: the server serves (GET /health: 503, "starting") while the
     # replicas load, and a load that fails reaches it with its reason, not as a dropped link.
     conn = Client(address, authkey=authkey) if control.rank == 0 else None
+    t0 = time.perf_counter()
     try:
         pipeline = deployment.build_pipeline(platform=ctx.platform, local_rank=ctx.info.local_device,
                                              progress=False, parallel=parallel)
@@ -284,7 +285,8 @@ def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = Fal
         return {"rank": ctx.rank, "followed": follow(pipeline, control)}
     driver = DriverPipeline(pipeline, control)
     warm = warm_up_requests(deployment) if warm_up else ()
-    engine = EngineLoop(lambda: serving_scheduler(driver, deployment.recipe, warm)).start()
+    build_s = time.perf_counter() - t0
+    engine = EngineLoop(lambda: serving_scheduler(driver, deployment.recipe, warm, build_s=build_s)).start()
     try:
         serve_replica(engine, conn)
     finally:

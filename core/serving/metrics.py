@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from omni.scheduler_figures import COUNTERS, GAUGES, MEMORY, engine_figures
+from omni.scheduler_figures import COUNTERS, GAUGES, MEMORY, STARTUP, engine_figures
 
 LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -32,6 +32,7 @@ class _EngineCollector:
             yield from gauge_families(sources, labels)
             yield from memory_families(sources, labels)
             yield from counter_families(sources, labels)
+            yield startup_family(sources, labels)
 
 
 def _sources(engine) -> tuple[list[str], list[tuple[list[str], dict]]]:
@@ -63,6 +64,18 @@ def memory_families(sources: list, labels: list[str]):
             if name in stats:
                 g.add_metric(values, stats[name])
         yield g
+
+
+def startup_family(sources: list, labels: list[str]) -> GaugeMetricFamily:
+    """``omni_startup_seconds{part}``: what the engine took to be ready, by part (``STARTUP``): the pipeline's
+    build (load or fill, quantize, KV pool), the server's warm-up, and the warm-up's compile pass within it."""
+    g = GaugeMetricFamily("omni_startup_seconds", "seconds the engine took before it served, by part (build, "
+                          "warm_up; compile_pass is part of warm_up)", labels=labels + ["part"])
+    for values, figures in sources:
+        for part in STARTUP:
+            if part in figures["startup"]:
+                g.add_metric(values + [part], figures["startup"][part])
+    return g
 
 
 def counter_families(sources: list, labels: list[str]):

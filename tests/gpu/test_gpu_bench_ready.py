@@ -37,11 +37,13 @@ def test_the_in_process_bench_is_ready_after_the_servers_warm_up_and_its_compile
     ready = report["ready"]
     assert ready["compile_pass_s"] is not None and ready["compile_pass_s"] > 0
     assert ready["warm_up_s"] > ready["compile_pass_s"] and ready["build_s"] > 0
-    assert ready["build_s"] + ready["warm_up_s"] == pytest.approx(report["time_to_ready_s"], abs=0.011)
+    assert ready["build_s"] + ready["warm_up_s"] == pytest.approx(report["time_to_ready_s"], abs=0.05)
     assert report["levels"][0]["ok"] == 2 and "NVIDIA" in report["host"]["device"]
 
 
 def test_without_the_server_warm_up_the_bench_counts_the_build_alone(tmp_path):
     report = bench(tmp_path, "--no-server-warm-up")
-    assert report["ready"] == {"build_s": report["time_to_ready_s"], "warm_up_s": 0.0, "compile_pass_s": None}
+    ready = report["ready"]
+    assert ready["warm_up_s"] is None and ready["compile_pass_s"] is None
+    assert ready["build_s"] == pytest.approx(report["time_to_ready_s"], abs=0.05)
     assert report["levels"][0]["ok"] == 2

@@ -11,6 +11,7 @@ router as a dead replica with its reason, where a rank that had not connected ye
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import httpx
@@ -45,6 +46,8 @@ def test_a_multi_rank_server_answers_503_starting_until_its_replicas_are_ready(t
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         assert 'omni_kv_pages_total{replica="0"}' in metrics and 'omni_queue_depth{replica="0"} 0.0' in metrics
         assert 'omni_scheduler_steps_total{replica="0"} 0.0' in metrics, "the warm-up's steps are not counted"
+        startup = dict(re.findall(r'omni_startup_seconds\{part="(\w+)",replica="0"\} (\S+)', metrics))
+        assert startup.keys() == {"build", "warm_up"} and float(startup["warm_up"]) > 0, startup
         for rank in "01":  # each rank's own device (on the cpu: peak RSS), the follower's gathered at the warm-up
             assert f'omni_device_memory_peak_bytes{{rank="{rank}",replica="0"}}' in metrics, rank
         ranks = rank_processes(proc.pid)

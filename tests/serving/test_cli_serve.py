@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +91,8 @@ def test_sigint_answers_the_running_request_503_and_logs_no_traceback(server_pro
 
     client = threading.Thread(target=post)
     client.start()
+    startup = dict(re.findall(r'omni_startup_seconds\{part="(\w+)"\} (\S+)', httpx.get(url + "/metrics").text))
+    assert startup.keys() == {"build", "warm_up"} and all(float(v) > 0 for v in startup.values()), startup
     deadline = time.monotonic() + 60
     while "omni_running_requests 1.0" not in httpx.get(url + "/metrics").text:
         assert time.monotonic() < deadline, "the request never started running"
@@ -140,7 +143,7 @@ def test_bench_in_process(tmp_path):
     assert level["device_memory_reserved_bytes"] is None  # the CPU has no caching allocator to report
     ready = report["ready"]  # built as `serve` builds it: the server's warm-up ran before ready
     assert ready["warm_up_s"] > 0 and ready["compile_pass_s"] is None  # the reference compiles nothing
-    assert ready["build_s"] + ready["warm_up_s"] == pytest.approx(report["time_to_ready_s"], abs=0.011)
+    assert ready["build_s"] + ready["warm_up_s"] == pytest.approx(report["time_to_ready_s"], abs=0.05)
     assert report["host"]["device"] == "CPU (reference PyTorch)" and report["host"]["torch"]
 
 
@@ -149,18 +152,21 @@ def test_bench_in_process_without_the_server_warm_up_counts_the_build_alone(tmp_
     rc = bench_main(["--recipe", "cpu_tiny", "--concurrency", "1", "--requests", "1", "--steps", "1", "--warmup",
                      "0", "--no-server-warm-up", "--json", str(out)])
     report = json.loads(out.read_text())
-    assert rc == 0 and report["ready"]["warm_up_s"] == 0
-    assert report["ready"]["build_s"] == report["time_to_ready_s"]
+    assert rc == 0 and report["ready"]["warm_up_s"] is None
+    assert report["ready"]["build_s"] == pytest.approx(report["time_to_ready_s"], abs=0.05)
 
 
-def test_bench_in_process_over_launched_ranks_leaves_the_ready_split_unknown(tmp_path):
-    """tp2 on gloo: the ranks build and warm up in their own processes, so only the total is measured here."""
+def test_bench_in_process_over_launched_ranks_reports_the_replicas_ready_split(tmp_path):
+    """tp2 on gloo: the ranks build and warm up in their own processes; the replica reports its parts over its
+    link, within the total measured here."""
     out = tmp_path / "bench.json"
     rc = bench_main(["--recipe", "cpu_tiny", "--set", "parallel.tp=2", "--set", "device.count=2", "--concurrency",
                      "1", "--requests", "1", "--steps", "1", "--sizes", "256x256", "--warmup", "0", "--json", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0 and report["levels"][0]["ok"] == 1 and report["time_to_ready_s"] > 0
-    assert report["ready"] == {"build_s": None, "warm_up_s": None, "compile_pass_s": None}
+    ready = report["ready"]
+    assert ready["build_s"] > 0 and ready["warm_up_s"] > 0 and ready["compile_pass_s"] is None
+    assert ready["build_s"] + ready["warm_up_s"] < report["time_to_ready_s"]
 
 
 def test_bench_full_size_layers_refuses_a_parallel_layout_with_exit_2_naming_the_tool(tmp_path, capsys):
