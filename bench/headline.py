@@ -105,9 +105,10 @@ def step_note(fast: dict) -> str:
 def run_note(serving: dict, fast: dict, levels: dict[int, dict]) -> str:
     c1, c2 = levels[1], levels[2]
     stages = c1["stage_mean_s"]
-    ready = serving.get("ready")
+    ready = serving.get("ready") or {}
     ready_text = f"ready {serving['time_to_ready_s']} s" + (
-        f" (build {ready['build_s']} s, server warm-up {ready['warm_up_s']} s)" if ready else " (the build only)")
+        f" (build {ready['build_s']:.2f} s, server warm-up {ready['warm_up_s']:.2f} s)"
+        if ready.get("warm_up_s") is not None else " (the build only)")
     return (f"p50 over {c1['ok']} images at c=1 after a warm-up: {c1['latency_s']['p50']:.3f} s (p90 "
             f"{c1['latency_s']['p90']:.2f}, prefill {stages['prefill']:.3f}, denoise {stages['denoise']:.3f}, VAE "
             f"{stages['vae']:.3f}, PNG {stages['encode']:.3f} s); c=2 p50 {c2['latency_s']['p50']:.2f} s; "

@@ -73,6 +73,17 @@ def test_another_configuration_exits_2_naming_the_field_and_writes_nothing(tmp_p
     assert json.loads(path.read_text()) == EARLIER
 
 
+def test_a_run_of_the_current_bench_names_its_build_and_warm_up_in_the_note(tmp_path):
+    """The bench since the thirty-seventh session: time_to_ready_s includes the server's warm-up (``ready``)."""
+    ready = {"build_s": 10.4912, "warm_up_s": 8.1, "compile_pass_s": 2.6}
+    path = tmp_path / "bench32.json"
+    path.write_text(json.dumps(json.loads(S34_SERVING.read_text()) | {"time_to_ready_s": 18.6, "ready": ready}))
+    rc, out = run(tmp_path, serving=path)
+    written = json.loads(out.read_text())
+    assert rc == 0 and written["time_to_ready_s"] == 18.6
+    assert "ready 18.6 s (build 10.49 s, server warm-up 8.10 s)" in written[tool.META]["note"]
+
+
 def test_dry_run_writes_nothing(tmp_path):
     rc, path = run(tmp_path, "--dry-run")
     assert rc == 0 and json.loads(path.read_text()) == EARLIER
