@@ -17,6 +17,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 import uvicorn
 
 from omni.deployment import DeploymentError
@@ -79,6 +80,7 @@ def bind(endpoint) -> socket.socket:
 
 
 def _serve(deployment, endpoint, sock: socket.socket) -> int:
+    t0 = time.perf_counter()
     engine = deployment.open_engine(warm_up=True)  # world size > 1: launches the ranks and connects their replicas
     # From here on the engine is stopped whatever happens: a multi-rank engine's ranks ignore Ctrl-C (the
     # server stops them), so an exception or a Ctrl-C before uvicorn takes over the signals must stop them too.
@@ -93,6 +95,8 @@ def _serve(deployment, endpoint, sock: socket.socket) -> int:
         def stop_if_dead(*_):
             if engine.status == "dead":
                 server.should_exit = True
+            elif engine.status == "ready":
+                _log_ready(engine, time.perf_counter() - t0)
 
         _watch(engine, stop_if_dead)
         log.info("serving %s on http://%s:%d (platform %s, recipe %s); /health is 503 until the model is loaded",
@@ -104,6 +108,17 @@ def _serve(deployment, endpoint, sock: socket.socket) -> int:
         log.error("the engine failed: %s: %s", type(engine.error).__name__, engine.error)
         return 1
     return 0
+
+
+def _log_ready(engine: EngineHandle, seconds: float) -> None:
+    """One line when the engine is ready: the seconds since the server started it, by part where it reports
+    them (``omni_startup_seconds``: the build, the warm-up, its compile pass)."""
+    from omni.scheduler_figures import engine_figures
+
+    found = engine_figures(engine, memory=False)
+    parts = found[0][1]["startup"] if found else {}
+    detail = ", ".join(f"{part.replace('_', ' ')} {s:.1f} s" for part, s in parts.items())
+    log.info("ready in %.1f s%s", seconds, f" ({detail})" if detail else "")
 
 
 def _watch(engine: EngineHandle, callback) -> None:

@@ -106,6 +106,7 @@ def test_sigint_answers_the_running_request_503_and_logs_no_traceback(server_pro
     log = proc.stdout.read()
     assert "http://127.0.0.1:" in log and "Traceback" not in log and "CancelledError" not in log, log
     assert "warm-up done in" in log, "the server warms up before it reports ready (serving.warmup_steps)"
+    assert re.search(r"ready in \d+\.\d s \(build \d+\.\d s, warm up \d+\.\d s\)", log), log
 
 
 def test_serve_on_a_port_in_use_exits_2_before_loading_anything():
