@@ -176,20 +176,11 @@ class InProcessTarget:
         self.engine = d.open_engine(warm_up=args.server_warm_up, random_layers=args.full_size_layers).start()
         self.engine.wait_ready()
         self.time_to_ready_s = round(time.perf_counter() - t0, 2)
-        self.ready = parts = self.ready_parts()  # asked now: a launched layout's replicas stop with the engine
-        print(f"ready in {self.time_to_ready_s:.2f} s: build {_fmt(parts['build_s'])} s, server warm-up "
-              f"{_fmt(parts['warm_up_s'])} s (compile pass {_fmt(parts['compile_pass_s'])} s)", flush=True)
+        self.ready = startup_parts(self.engine)  # asked now: a launched layout's replicas stop with the engine
         self.defaults, self.png_level = d.recipe.defaults, d.recipe.serving.png_compress_level
-
-    def ready_parts(self) -> dict:
-        """``time_to_ready_s`` by part as the engine reports it (/metrics' ``omni_startup_seconds``): the build,
-        the server's warm-up, the compile pass within it (None: that part did not run). A launched layout's
-        replica answers over its link."""
-        from omni.scheduler_figures import STARTUP, engine_figures
-
-        found = engine_figures(self.engine, memory=False)
-        startup = found[0][1]["startup"] if found else {}
-        return {f"{part}_s": _round(startup.get(part)) for part in STARTUP}
+        if self.engine.ready:
+            print(f"ready in {self.time_to_ready_s:.2f} s: build {_fmt(self.ready['build_s'])} s, server warm-up "
+                  f"{_fmt(self.ready['warm_up_s'])} s (compile pass {_fmt(self.ready['compile_pass_s'])} s)")
 
     def check(self) -> None:
         if not self.engine.ready:
@@ -275,6 +266,16 @@ def summarize(samples: list[Sample], concurrency: int, wall: float, peak: int | 
             "latency_s": {k: _round(percentile(lat, q)) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))}
             | {"mean": _round(sum(lat) / len(lat)) if lat else None},
             "stage_mean_s": stages, "peak_device_memory_bytes": peak}
+
+
+def startup_parts(engine) -> dict:
+    """What a ready ``engine`` took, by part, as it reports them (/metrics' ``omni_startup_seconds``): the
+    build, the server's warm-up, the compile pass within it (None: that part did not run). A launched layout's
+    replica answers over its link."""
+    from omni.scheduler_figures import STARTUP, startup_seconds
+
+    startup = startup_seconds(engine)
+    return {f"{part}_s": _round(startup.get(part)) for part in STARTUP}
 
 
 def _torch_version() -> str:

@@ -47,6 +47,13 @@ def _memory_by_rank(pipeline) -> list[dict]:
     return by_rank() if by_rank is not None else [getattr(pipeline, "memory_stats", dict)()]
 
 
+def startup_seconds(engine) -> dict[str, float]:
+    """{part: seconds} of ``STARTUP`` that ``engine`` ran before it served: its local scheduler's, or under a
+    multi-rank router the first ready replica's (asked over its link); {} when none answers."""
+    found = engine_figures(engine, memory=False)
+    return found[0][1]["startup"] if found else {}
+
+
 def engine_figures(engine, *, memory: bool = True) -> list[tuple[str | None, dict]]:
     """``[(replica label, scheduler_figures)]`` of an engine handle: ``[(None, ...)]`` for one whose scheduler is
     in this process; each ready replica's ``(str(index), ...)`` under a multi-rank router (asked over the replica

@@ -113,11 +113,9 @@ def _serve(deployment, endpoint, sock: socket.socket) -> int:
 def _log_ready(engine: EngineHandle, seconds: float) -> None:
     """One line when the engine is ready: the seconds since the server started it, by part where it reports
     them (``omni_startup_seconds``: the build, the warm-up, its compile pass)."""
-    from omni.scheduler_figures import engine_figures
+    from omni.scheduler_figures import startup_seconds
 
-    found = engine_figures(engine, memory=False)
-    parts = found[0][1]["startup"] if found else {}
-    detail = ", ".join(f"{part.replace('_', ' ')} {s:.1f} s" for part, s in parts.items())
+    detail = ", ".join(f"{part.replace('_', ' ')} {s:.1f} s" for part, s in startup_seconds(engine).items())
     log.info("ready in %.1f s%s", seconds, f" ({detail})" if detail else "")
 
 
