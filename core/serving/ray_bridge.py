@@ -70,11 +70,13 @@ def scheduler_stats(engine) -> dict[str, float]:
     found = engine_figures(engine, memory=False)  # read at every answer: only what is exported
     if not found:
         return {"up": float(engine.ready)}
-    gauges, counters = found[0][1]["gauges"], found[0][1]["counters"]  # a Ray replica's ranks form one (dp 1)
+    figures = found[0][1]  # a Ray replica's ranks form one (dp 1)
+    gauges, counters = figures["gauges"], figures["counters"]
     return {"up": float(engine.ready), "queue_depth": gauges["omni_queue_depth"],
             "running_requests": gauges["omni_running_requests"],
             "kv_pool_usage_ratio": gauges["omni_kv_pool_usage_ratio"],
-            "finished": counters["finished"], "steps": counters["steps"]}
+            "finished": counters["finished"], "steps": counters["steps"]} | {
+        f"startup_{part}_seconds": seconds for part, seconds in figures["startup"].items()}
 
 
 async def play(app, request: Forwarded, replica: str, stats):

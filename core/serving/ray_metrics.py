@@ -24,6 +24,9 @@ REPLICA_FIGURES = {
     "kv_pool_usage_ratio": "used / total KV pages of the replica",
     "finished": "requests the replica's scheduler completed",
     "steps": "packed denoising steps the replica ran",
+    "startup_build_seconds": "what the replica's build took (load or fill, quantize, KV pool)",
+    "startup_warm_up_seconds": "what the replica's warm-up took before it served",
+    "startup_compile_pass_seconds": "what the compile pass within that warm-up took (serving.compile_first)",
 }
 
 

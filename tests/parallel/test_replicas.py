@@ -337,7 +337,8 @@ def test_the_ray_ingress_reads_a_multi_rank_replicas_figures_through_its_router(
     from omni.serving.ray_bridge import scheduler_stats
 
     figures = {"gauges": {name: float(i) for i, name in enumerate(GAUGES)},
-               "counters": {key: 10.0 + i for i, key in enumerate(COUNTERS)}, "memory": []}
+               "counters": {key: 10.0 + i for i, key in enumerate(COUNTERS)}, "memory": [],
+               "startup": {"build": 3.5, "warm_up": 1.25}}
 
     class Remote(FakeReplica):
         def figures(self):
@@ -351,6 +352,7 @@ def test_the_ray_ingress_reads_a_multi_rank_replicas_figures_through_its_router(
     assert got == {"up": 1.0, "queue_depth": figures["gauges"]["omni_queue_depth"],
                    "running_requests": figures["gauges"]["omni_running_requests"],
                    "kv_pool_usage_ratio": figures["gauges"]["omni_kv_pool_usage_ratio"],
-                   "finished": figures["counters"]["finished"], "steps": figures["counters"]["steps"]}
+                   "finished": figures["counters"]["finished"], "steps": figures["counters"]["steps"],
+                   "startup_build_seconds": 3.5, "startup_warm_up_seconds": 1.25}
     assert scheduler_stats(ReplicaRouter([Silent()])) == {"up": 1.0}
     assert scheduler_stats(EngineLoop(lambda: None)) == {"up": 0.0}  # one process, not built yet: no scheduler

@@ -148,6 +148,7 @@ def test_requests_spread_over_both_replicas(cluster):
     for r in replicas:  # per-replica metrics at the ingress, under Ray's replica id
         assert metric(cluster, "omni_ray_answers_total", replica=r, status="200") >= 1
         assert metric(cluster, "omni_replica_up", replica=r) == 1.0
+        assert metric(cluster, "omni_replica_startup_warm_up_seconds", replica=r) > 0  # warmed up before it served
     health = httpx.get(cluster + "/health", headers={"X-Request-Id": "probe-1"}, timeout=30)
     assert health.status_code == 200 and health.headers.get_list("x-request-id") == ["probe-1"]
 
