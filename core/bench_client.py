@@ -12,7 +12,9 @@ and, in-process, the peak device memory. Printed as a table, written as JSON.
 In-process, the engine is built as ``omni-run serve`` builds it, warm-up
 included (``serving.warmup_steps``; the compile pass first where
 ``serving.compile_first``): ``time_to_ready_s`` is what a server takes to
-report ready, split in the JSON's ``ready`` into build and warm-up.
+report ready, split in the JSON's ``ready`` into build and warm-up. Against a
+URL, ``ready`` is the server's own split from its /metrics
+(``omni_startup_seconds``) and ``time_to_ready_s`` is left out (null).
 ``--full-size-layers N`` builds the released shapes with random values, layer
 by layer as a checkpoint loads (one process: parallel layouts are
 ``bench/bench_parallel.py``'s).
@@ -109,6 +111,7 @@ class HttpTarget:
             raise UsageError(f"--url {self.name}: cannot reach {self.url}/health ({type(e).__name__}: {e})") from None
         if r.status_code != 200:
             raise SystemExit(f"{self.url}/health answered {r.status_code}: {r.text[:200]}")
+        self.ready = self.startup()
 
     def send(self, body: dict) -> Sample:
         client = getattr(self._local, "client", None) or self._client()
@@ -123,18 +126,33 @@ class HttpTarget:
             return Sample(False, dt, str(r.status_code))
         return Sample(True, dt, stages=r.json()["data"][0].get("timings", {}))
 
+    def _metrics(self) -> str:
+        """The server's /metrics text now; "" where it cannot be read (a figure missing from the report, not a
+        failed benchmark)."""
+        try:
+            with self._client() as client:
+                r = client.get("/metrics")
+        except Exception:  # noqa: BLE001
+            return ""
+        return r.text if r.status_code == 200 else ""
+
     def reserved_memory(self) -> int | None:
         """The server's ``omni_device_memory_reserved_bytes`` from its /metrics now, summed over its samples: one
         for a single process, one per replica and rank for a multi-rank server (each rank's own device, the
         followers' as of their replica's last admit or release), so the deployment's whole. None where /metrics
         cannot be read or has no such figure (a cpu server)."""
-        try:
-            with self._client() as client:
-                r = client.get("/metrics")
-        except Exception:  # noqa: BLE001 - a figure missing from the report, not a failed benchmark
-            return None
-        found = re.findall(r"^omni_device_memory_reserved_bytes(?:\{[^}]*\})? ([0-9.e+]+)$", r.text, flags=re.M)
-        return int(sum(float(v) for v in found)) if r.status_code == 200 and found else None
+        found = re.findall(r"^omni_device_memory_reserved_bytes(?:\{[^}]*\})? ([0-9.e+]+)$", self._metrics(),
+                           flags=re.M)
+        return int(sum(float(v) for v in found)) if found else None
+
+    def startup(self) -> dict:
+        """What the server took before it served, by part, from its /metrics' ``omni_startup_seconds`` (a
+        multi-rank server's first replica); None for a part it does not report."""
+        from omni.scheduler_figures import STARTUP
+
+        found = dict(re.findall(r'^omni_startup_seconds\{part="(\w+)"(?:,replica="0")?\} ([0-9.e+-]+)$',
+                                self._metrics(), flags=re.M))
+        return {f"{part}_s": _round(float(found[part])) if part in found else None for part in STARTUP}
 
     def peak_memory(self) -> None:  # the server's peak counts from its start, not from this level's: not reported
         return None
@@ -369,8 +387,9 @@ def bench_main(argv_or_args=None) -> int:
     out = {"benchmark": "omni-run bench", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "target": target.name, "args": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
            "time_to_ready_s": getattr(target, "time_to_ready_s", None), "levels": levels}
+    out["ready"] = target.ready
     if isinstance(target, InProcessTarget):
-        out |= {"ready": target.ready, "host": target.host}
+        out["host"] = target.host
     Path(args.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.json}")
     return 0 if all(lv["ok"] == lv["requests"] for lv in levels) else 1

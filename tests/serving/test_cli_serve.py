@@ -37,10 +37,13 @@ def test_serve_binds_localhost_and_bench_measures_it(server_process, tmp_path):
     rc = bench_main(["--url", url, "--concurrency", "2", "--requests", "2", "--steps", "1", "--guidance", "1",
                      "--warmup", "0", "--sizes", "1024x1024,1280x768", "--json", str(out)])
     assert rc == 0
-    [level] = json.loads(out.read_text())["levels"]
+    report = json.loads(out.read_text())
+    [level] = report["levels"]
     assert level["ok"] == 2 and level["latency_s"]["p50"] > 0 and level["images_per_hour"] > 0
     assert level["stage_mean_s"]["vae"] > 0 and level["stage_mean_s"]["denoise"] > 0
     assert level["device_memory_reserved_bytes"] is None  # read from its /metrics: a cpu server reports none
+    ready = report["ready"]  # the server's omni_startup_seconds: it built, then warmed up (no pass on the cpu)
+    assert ready["build_s"] > 0 and ready["warm_up_s"] > 0 and ready["compile_pass_s"] is None
 
 
 def test_bench_reads_a_servers_reserved_memory_from_its_metrics():
@@ -76,6 +79,9 @@ def test_bench_reads_a_servers_reserved_memory_from_its_metrics():
         assert target.reserved_memory() is None
         pages["/metrics"] = (401, "omni_device_memory_reserved_bytes 5\n")
         assert target.reserved_memory() is None
+        pages["/metrics"] = (200, "".join(f'omni_startup_seconds{{part="{p}",replica="{i}"}} {i + s}\n'
+                                          for i in range(2) for p, s in (("build", 40.5), ("warm_up", 8.25))))
+        assert target.startup() == {"build_s": 40.5, "warm_up_s": 8.25, "compile_pass_s": None}  # replica 0
         server.shutdown()
 
 
