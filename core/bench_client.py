@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .scheduler_figures import STARTUP, startup_seconds
+
 PROMPTS = (
     "a red fox standing in fresh snow, soft morning light",
     "an isometric illustration of a tiny city block at night with neon signs",
@@ -148,11 +150,9 @@ class HttpTarget:
     def startup(self) -> dict:
         """What the server took before it served, by part, from its /metrics' ``omni_startup_seconds`` (a
         multi-rank server's first replica); None for a part it does not report."""
-        from omni.scheduler_figures import STARTUP
-
-        found = dict(re.findall(r'^omni_startup_seconds\{part="(\w+)"(?:,replica="0")?\} ([0-9.e+-]+)$',
-                                self._metrics(), flags=re.M))
-        return {f"{part}_s": _round(float(found[part])) if part in found else None for part in STARTUP}
+        found = re.findall(r'^omni_startup_seconds\{part="(\w+)"(?:,replica="0")?\} ([0-9.e+-]+)$', self._metrics(),
+                           flags=re.M)
+        return ready_split({part: float(seconds) for part, seconds in found})
 
     def peak_memory(self) -> None:  # the server's peak counts from its start, not from this level's: not reported
         return None
@@ -181,20 +181,17 @@ class InProcessTarget:
         self.deployment = d = prepare(recipe, platform=args.platform, overrides=overrides,
                                       random_weights=bool(args.full_size_layers))
         self.name = f"in-process {d.recipe.name} on {d.recipe.platform}"
-        info = d.platform().info
-        self.host = {"device": info.device_name, "device_count": info.device_count, "torch": _torch_version()}
-        self.services = d.platform().device_services(0) if d.world_size == 1 else None
-        if args.full_size_layers and d.world_size > 1:
-            from .cli_jobs import UsageError
+        import torch
 
-            raise UsageError(f"--full-size-layers builds one process's engine; recipe {d.recipe.name} has world "
-                             f"size {d.world_size}: bench/bench_parallel.py measures parallel layouts")
+        info = d.platform().info
+        self.host = {"device": info.device_name, "device_count": info.device_count, "torch": torch.__version__}
+        self.services = d.platform().device_services(0) if d.world_size == 1 else None
         t0 = time.perf_counter()
         # as ``omni-run serve`` builds it: load (or fill), quantize, KV pool, then the server's warm-up
         self.engine = d.open_engine(warm_up=args.server_warm_up, random_layers=args.full_size_layers).start()
         self.engine.wait_ready()
         self.time_to_ready_s = round(time.perf_counter() - t0, 2)
-        self.ready = startup_parts(self.engine)  # asked now: a launched layout's replicas stop with the engine
+        self.ready = ready_split(startup_seconds(self.engine))  # now: a launched layout's replicas stop with it
         self.defaults, self.png_level = d.recipe.defaults, d.recipe.serving.png_compress_level
         if self.engine.ready:
             print(f"ready in {self.time_to_ready_s:.2f} s: build {_fmt(self.ready['build_s'])} s, server warm-up "
@@ -286,20 +283,10 @@ def summarize(samples: list[Sample], concurrency: int, wall: float, peak: int | 
             "stage_mean_s": stages, "peak_device_memory_bytes": peak}
 
 
-def startup_parts(engine) -> dict:
-    """What a ready ``engine`` took, by part, as it reports them (/metrics' ``omni_startup_seconds``): the
-    build, the server's warm-up, the compile pass within it (None: that part did not run). A launched layout's
-    replica answers over its link."""
-    from omni.scheduler_figures import STARTUP, startup_seconds
-
-    startup = startup_seconds(engine)
-    return {f"{part}_s": _round(startup.get(part)) for part in STARTUP}
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
+def ready_split(seconds_by_part: dict[str, float]) -> dict:
+    """The JSON's ``ready``: ``{build_s, warm_up_s, compile_pass_s}`` from an engine's start-up seconds by part
+    (``omni_startup_seconds``); None for a part that did not run or was not reported."""
+    return {f"{part}_s": _round(seconds_by_part.get(part)) for part in STARTUP}
 
 
 def _round(x: float | None) -> float | None:

@@ -164,9 +164,12 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False,
     if deployment.world_size > 1:
         from .parallel.dp import start_replicas
 
-        if random_layers:
-            raise ValueError(f"random_layers builds one process's engine; recipe {deployment.recipe.name} "
-                             f"has world size {deployment.world_size} (bench/bench_parallel.py runs layouts)")
+        if random_layers:  # exit 2 from the CLI (DeploymentError)
+            from .deployment import DeploymentError
+
+            raise DeploymentError(f"--full-size-layers builds one process's engine; recipe {deployment.recipe.name}"
+                                  f" has world size {deployment.world_size}: bench/bench_parallel.py measures "
+                                  "parallel layouts")
         return start_replicas(deployment, warm_up=warm_up)
 
     def build() -> Scheduler:
