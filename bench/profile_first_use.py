@@ -54,7 +54,7 @@ if START_CACHE:
 import torch  # noqa: E402
 
 from omni.deployment import prepare  # noqa: E402
-from omni.engine_handle import served_request  # noqa: E402
+from omni.engine_handle import colour_ramp, served_request  # noqa: E402
 
 WORDS = "a watercolour of a red fox in a snowy birch forest at dawn with soft light".split()
 
@@ -212,10 +212,7 @@ def size_first_use(engine, deployment, height: int, width: int, seed: int) -> di
 def edit_first_use(engine, deployment, height: int, width: int, seed: int) -> dict:
     """One edit of a ``height`` x ``width`` reference (a smooth colour ramp): the prefill encodes it (VAE
     encoder, ViT), then two steps and the VAE decode, and what each part compiled."""
-    import numpy as np
-
-    ramp = np.linspace(0, 255, height * width * 3, dtype=np.float32).reshape(height, width, 3)
-    req = served_request(deployment, prompt="make the sky orange", images=(ramp.astype(np.uint8),), steps=3,
+    req = served_request(deployment, prompt="make the sky orange", images=(colour_ramp(height, width),), steps=3,
                          seed=seed)
     return {"reference": f"{height}x{width}"} | parts_first_use(engine, req)
 

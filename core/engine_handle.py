@@ -122,11 +122,16 @@ def _warm_up_edit(image: ImageRequest) -> ImageRequest:
     session). A server pays that once before it is ready; a user would pay the other."""
     import dataclasses
 
+    return dataclasses.replace(image, prompt="make the sky orange", images=(colour_ramp(image.height, image.width),),
+                               request_id="warm-up-edit")
+
+
+def colour_ramp(height: int, width: int):
+    """A smooth ``[height, width, 3]`` uint8 image (a linear ramp over its bytes): a reference image with no
+    content, for warm-ups and first-use profiles."""
     import numpy as np
 
-    ramp_HW3 = np.linspace(0, 255, image.height * image.width * 3, dtype=np.float32)
-    ramp_HW3 = ramp_HW3.reshape(image.height, image.width, 3).astype(np.uint8)
-    return dataclasses.replace(image, prompt="make the sky orange", images=(ramp_HW3,), request_id="warm-up-edit")
+    return np.linspace(0, 255, height * width * 3, dtype=np.float32).reshape(height, width, 3).astype(np.uint8)
 
 
 def serving_scheduler(pipeline, recipe, warm_up: tuple = (), *, build_s: float | None = None):
