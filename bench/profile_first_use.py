@@ -17,6 +17,11 @@ and how many kernel binaries Triton compiled meanwhile.
     python bench/profile_first_use.py --recipe h200_fp8 --layers 32 --warm-up --compile-first   # the compile pass
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --warm-up --words 3 --sizes 576x1472,512x1984
     python bench/profile_first_use.py --recipe h200_instruct_fp8 --layers 32 --warm-up --words 3 --edits 2
+    python bench/profile_first_use.py --recipe h200_fp8 --layers 32 --warm-up job [--compile-first] --words 3
+
+``--warm-up job`` starts as ``omni-run generate`` does: no warm-up requests; with ``--compile-first`` the job's
+own request (the first ``--words`` prompt, cut by ``compile_ahead_request``) runs through the compile pass, then
+that request runs once, timed part by part with its VAE decode (``job`` in the JSON): the first image's wait.
 
 ``--edits N`` then runs N edits of one reference image each (``--edit-size``: their sizes, height x width, taken
 in turn): the prefill encodes the reference (VAE encoder, ViT), so the first edit meets the encoder's kernels,
@@ -65,10 +70,12 @@ def parse():
     p.add_argument("--layers", type=int, default=8, help="decoder layers (released: 32)")
     p.add_argument("--words", default="3,7,8,12,16,23,31,40", help="prompt lengths in words, one request each")
     p.add_argument("--size", type=int, default=1024)
-    p.add_argument("--warm-up", nargs="?", const="server", choices=("server", "no-edit", "image"),
+    p.add_argument("--warm-up", nargs="?", const="server", choices=("server", "no-edit", "image", "job"),
                    help="first the server's warm-up as omni-run serve runs it (server: the default request, then "
                         "for an Instruct flavour an edit of one reference and a short answer; no-edit: without "
-                        "the edit, as before the thirty-sixth session; image: the default request only)")
+                        "the edit, as before the thirty-sixth session; image: the default request only; job: "
+                        "as omni-run generate, only the compile pass of the first prompt's request, which then "
+                        "runs whole)")
     p.add_argument("--compile-first", action="store_true",
                    help="serving.compile_first: the warm-up's requests first run once with the Triton kernels "
                         "compiled, not run (omni/compile_pass.py); run once with and once without for the A/B")
@@ -131,16 +138,19 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def warm_up(engine, deployment, before: int, kind: str) -> dict:
+def warm_up(engine, deployment, before: int, kind: str, job=None) -> dict:
     """The server's warm-up (``omni.engine_handle``), as ``omni-run serve`` runs it before it reports ready
-    (``kind`` image: its default request only; no-edit: without its edit)."""
-    from omni.engine_handle import serving_scheduler, warm_up_requests
+    (``kind`` image: its default request only; no-edit: without its edit; job: none, only ``job``'s compile pass,
+    as ``omni-run generate`` starts)."""
+    from omni.engine_handle import compile_ahead_request, serving_scheduler, warm_up_requests
 
-    requests = warm_up_requests(deployment)
+    requests = () if kind == "job" else warm_up_requests(deployment)
     requests = requests[:1] if kind == "image" else requests
     requests = tuple(r for r in requests if not getattr(r, "images", ())) if kind == "no-edit" else requests
+    ahead = (compile_ahead_request(deployment, job),) if kind == "job" else ()
     made, l0 = [], len(launchers())
-    seconds = once(lambda: made.append(serving_scheduler(engine, deployment.recipe, requests)))
+    seconds = once(lambda: made.append(serving_scheduler(engine, deployment.recipe, requests,
+                                                         compile_ahead=ahead)))
     return {"kind": kind, "seconds": seconds, "requests": [type(r).__name__ for r in requests],
             "steps": requests[0].steps if requests else None, "compiled": compiled() - before,
             "launchers": len(launchers()) - l0,
@@ -183,12 +193,17 @@ def batch_s(engine, n: int, tokens: int) -> dict:
     return {"answers": n, "tokens": tokens, "seconds": seconds, **new_binaries(b0)}
 
 
-def first_use(engine, deployment, words: int, size: int, seed: int) -> dict:
-    """One request whose prompt has ``words`` words: its prefill and first two steps, and what they compiled.
-    Every request here is built as the HTTP layer builds it (``served_request``: the system-prompt mode resolved),
-    so it meets the step graphs the warm-up captured as a user's would."""
+def words_request(deployment, words: int, size: int, seed: int):
+    """A request whose prompt has ``words`` words, built as the HTTP layer builds it (``served_request``: the
+    system-prompt mode resolved), so it meets the step graphs the warm-up captured as a user's would."""
     prompt = " ".join((WORDS * (words // len(WORDS) + 1))[:words])
-    s = engine.admit(served_request(deployment, prompt=prompt, height=size, width=size, steps=3, seed=seed))
+    return served_request(deployment, prompt=prompt, height=size, width=size, steps=3, seed=seed)
+
+
+def first_use(engine, deployment, words: int, size: int, seed: int) -> dict:
+    """One request whose prompt has ``words`` words (``words_request``): its prefill and first two steps, and
+    what they compiled."""
+    s = engine.admit(words_request(deployment, words, size, seed))
     b0, l0 = binaries(), launchers()
     prefill = once(lambda: engine.prefill([s]))
     b1, l1 = binaries(), launchers()
@@ -263,11 +278,17 @@ def main() -> int:
     before, launchers_built = compiled(), len(launchers())
     print(f"built in {time.perf_counter() - t0:.1f} s; {before} Triton kernels compiled while building, "
           f"{launchers_built} launchers", flush=True)
-    warm = warm_up(engine, deployment, before, a.warm_up) if a.warm_up else None
+    words = [int(w) for w in a.words.split(",")]
+    job = words_request(deployment, words[0], a.size, seed=1000) if a.warm_up == "job" else None
+    warm = warm_up(engine, deployment, before, a.warm_up, job) if a.warm_up else None
     if warm:
         print(f"warm-up {warm['seconds']:.1f} s ({warm['requests']}), {warm['compiled']} kernels compiled, "
               f"{warm['launchers']} launchers built; "
               f"compile pass {warm['compile_pass_s']} s", flush=True)
+    job_row = None if job is None else parts_first_use(engine, job)
+    if job_row:
+        job_row["first_image_s"] = warm["seconds"] + sum(v for k, v in job_row.items() if k.endswith("_s"))
+        report({"job": "", **job_row})
     answers = [answer_s(engine, a.answers, seed=i) for i in range(2)] if a.answers else []
     for i, row in enumerate(answers):
         print(f"answer {i + 1}: {row['seconds']:.2f} s for {row['tokens']} tokens, {row['compiled']} compiled "
@@ -277,7 +298,7 @@ def main() -> int:
         print(f"batch of {row['answers']}: {row['seconds']:.2f} s for {row['tokens']} tokens each, "
               f"{row['compiled']} compiled {row['kernels']}", flush=True)
     rows = []
-    for i, n in enumerate(int(w) for w in a.words.split(",")):
+    for i, n in enumerate(words):
         rows.append(first_use(engine, deployment, n, a.size, seed=i))
         report(rows[-1])
     sizes = []
@@ -291,7 +312,8 @@ def main() -> int:
     start = START_CACHE and f"a copy of {START_CACHE} ({len(list(Path(START_CACHE).rglob('*.cubin')))} binaries)"
     out = {"recipe": a.recipe, "layers": a.layers, "size": a.size, "triton_cache": start or "empty at start",
            "compiled_while_building": before, "launchers_after_build": launchers_built,
-           "launchers_at_first_launch": a.launchers_at_first_launch, "warm_up": warm, "answers": answers, "batches": batches,
+           "launchers_at_first_launch": a.launchers_at_first_launch, "warm_up": warm, "job": job_row,
+           "answers": answers, "batches": batches,
            "requests": rows, "sizes": sizes, "edits": edits,
            "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}

@@ -69,13 +69,16 @@ class Deployment:
         return self.flavor().build_pipeline(self.recipe, platform or self.platform(), local_rank=local_rank,
                                             parallel=parallel, progress=progress, random_layers=random_layers)
 
-    def open_engine(self, *, progress: bool = False, warm_up: bool = False, random_layers: int = 0):
+    def open_engine(self, *, progress: bool = False, warm_up: bool = False, random_layers: int = 0,
+                    compile_ahead: tuple = ()):
         """The engine handle (not started): a local engine loop, or the router over launched replicas;
         ``warm_up``: the server's warm-up requests run before it is ready (``serving.warmup_steps``);
-        ``random_layers``: released shapes, random values (``omni.engine_handle.open_engine``)."""
+        ``random_layers``: released shapes, random values; ``compile_ahead``: requests only the compile pass
+        runs (``omni.engine_handle.open_engine``)."""
         from .engine_handle import open_engine
 
-        return open_engine(self, progress=progress, warm_up=warm_up, random_layers=random_layers)
+        return open_engine(self, progress=progress, warm_up=warm_up, random_layers=random_layers,
+                           compile_ahead=compile_ahead)
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,20 @@ def _warm_up_edit(image: ImageRequest) -> ImageRequest:
                                request_id="warm-up-edit")
 
 
+def compile_ahead_request(deployment, req: ImageRequest) -> ImageRequest:
+    """``req`` as the compile pass of a one-image job runs it (``serving.compile_first``; ``omni-run generate``
+    and ``edit``): its own prompt, size and references, so that the prefill meets the kernels its prefix
+    length and images select, with ``serving.warmup_steps`` denoising steps and as many CoT tokens at most (2
+    at least), since every step after the first meets the same kernels and the pass's outputs are dropped. Without it the
+    job's first run compiles each kernel as it reaches it, one after another (h200_fp8 at 32 layers: a warm-up
+    of 12.2-14.3 s against 7.9-8.3 s with the pass; BENCHMARKS.md, thirty-fourth session)."""
+    import dataclasses
+
+    steps = deployment.recipe.serving.warmup_steps
+    return dataclasses.replace(req, steps=min(req.steps, steps), request_id=f"{req.request_id}-compile-ahead",
+                               cot_max_tokens=min(req.cot_max_tokens, max(2, steps)))
+
+
 def colour_ramp(height: int, width: int):
     """A smooth ``[height, width, 3]`` uint8 image (a linear ramp over its bytes): a reference image with no
     content, for warm-ups and first-use profiles."""
@@ -134,24 +148,28 @@ def colour_ramp(height: int, width: int):
     return np.linspace(0, 255, height * width * 3, dtype=np.float32).reshape(height, width, 3).astype(np.uint8)
 
 
-def serving_scheduler(pipeline, recipe, warm_up: tuple = (), *, build_s: float | None = None):
+def serving_scheduler(pipeline, recipe, warm_up: tuple = (), *, build_s: float | None = None,
+                      compile_ahead: tuple = ()):
     """``recipe.serving``'s scheduler over ``pipeline``, after running the ``warm_up`` requests to the end (the
     servers' engines: JIT compiles and graph captures happen before they report ready). ``build_s``: what
-    building ``pipeline`` took, kept beside the warm-up's seconds for /metrics (``omni_startup_seconds``)."""
+    building ``pipeline`` took, kept beside the warm-up's seconds for /metrics (``omni_startup_seconds``).
+    ``compile_ahead``: requests the warm-up's compile pass runs too, and only it (``Scheduler.warm_up``)."""
     from .scheduler import Scheduler
 
     sched = Scheduler.from_recipe(pipeline, recipe)
     sched.build_s = build_s
-    if warm_up:
-        log.info("warm-up: %s (compiles and graph captures) ...", ", ".join(type(r).__name__ for r in warm_up))
-        seconds = sched.warm_up(*warm_up)
+    ahead = compile_ahead if sched.compile_first else ()
+    if warm_up or ahead:
+        names = [type(r).__name__ for r in warm_up] + [f"{type(r).__name__} (compile pass only)" for r in ahead]
+        log.info("warm-up: %s (compiles and graph captures) ...", ", ".join(names))
+        seconds = sched.warm_up(*warm_up, compile_ahead=ahead)
         within = "" if sched.compile_pass_s is None else f" (compile pass {sched.compile_pass_s:.1f} s of it)"
         log.info("warm-up done in %.1f s%s", seconds, within)
     return sched
 
 
 def open_engine(deployment, *, progress: bool = False, warm_up: bool = False,
-                random_layers: int = 0) -> EngineHandle:
+                random_layers: int = 0, compile_ahead: tuple = ()) -> EngineHandle:
     """The handle for ``deployment`` (not started): this process's engine loop, or launched replicas.
 
     World size 1: an ``EngineLoop`` whose thread builds the pipeline and the
@@ -160,6 +178,8 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False,
     the router over its dp replicas is returned once each replica's first rank
     connected, before they load: it reports starting until they are ready.
     ``warm_up``: the engine runs ``warm_up_requests`` before it reports ready (servers ask for it).
+    ``compile_ahead``: requests only the compile pass runs before ready, where ``serving.compile_first``
+    (``omni-run generate``: ``compile_ahead_request``).
     ``random_layers``: the released shapes with random values, that many layers (``omni-run bench
     --full-size-layers``); one process only, since launched ranks load the recipe's checkpoint.
     """
@@ -175,12 +195,12 @@ def open_engine(deployment, *, progress: bool = False, warm_up: bool = False,
             raise DeploymentError(f"--full-size-layers builds one process's engine; recipe {deployment.recipe.name}"
                                   f" has world size {deployment.world_size}: bench/bench_parallel.py measures "
                                   "parallel layouts")
-        return start_replicas(deployment, warm_up=warm_up)
+        return start_replicas(deployment, warm_up=warm_up, compile_ahead=compile_ahead)
 
     def build() -> Scheduler:
         t0 = time.perf_counter()
         pipeline = deployment.build_pipeline(progress=progress, random_layers=random_layers)
         return serving_scheduler(pipeline, deployment.recipe, warm_up_requests(deployment) if warm_up else (),
-                                 build_s=time.perf_counter() - t0)
+                                 build_s=time.perf_counter() - t0, compile_ahead=compile_ahead)
 
     return EngineLoop(build)

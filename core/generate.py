@@ -11,6 +11,12 @@ World size 1 runs the engine loop in this process; a recipe whose parallel
 degrees multiply to more launches its ranks exactly as ``serve`` does (one
 replica: a single image needs no dp) and the image comes back from the
 replica's first rank. There is no single-process fallback.
+
+Where the recipe sets ``serving.compile_first`` the engine first runs the job's
+request, cut to the warm-up's steps, inside the platform's compile pass
+(``compile_ahead_request``), as a server's warm-up does: the kernels it meets
+compile together before the image is drawn, not one by one as the steps
+reach them.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import time
 from tqdm.auto import tqdm
 
 from .deployment import Deployment, one_replica
+from .engine_handle import compile_ahead_request
 from .request import GenerateJob, ImageRequest
 
 log = logging.getLogger("omni.generate")
@@ -28,7 +35,7 @@ log = logging.getLogger("omni.generate")
 def generate_main(deployment: Deployment, job: GenerateJob) -> int:
     deployment = one_replica(deployment)
     t0 = time.perf_counter()
-    engine = deployment.open_engine(progress=True)
+    engine = deployment.open_engine(progress=True, compile_ahead=(compile_ahead_request(deployment, job.request),))
     try:
         result = _run_one(engine, job.request, steps_here=deployment.world_size == 1)
     finally:

@@ -126,15 +126,16 @@ class Scheduler:
                         sched.max_batch_tokens, w, h, need)
         return sched
 
-    def warm_up(self, *requests) -> float:
+    def warm_up(self, *requests, compile_ahead: tuple = ()) -> float:
         """Run ``requests`` to completion, one after another, before serving (engine thread, nothing else
         submitted yet): the JIT compiles, autotuning and graph captures of their shapes happen here instead of
         in the first users' requests. With ``compile_first`` they run once inside the pipeline's compile pass
-        first (``omni.compile_pass``). Raises what a request raised; the counters start from zero afterwards.
-        Returns seconds."""
+        first (``omni.compile_pass``), with ``compile_ahead``: requests that only that pass runs (a one-image
+        job's own request, which then runs as users' do). Raises what a request raised; the counters start from
+        zero afterwards. Returns seconds."""
         t0 = time.perf_counter()
         if self.compile_first:
-            self.compile_pass_s = self._compile_pass(requests)
+            self.compile_pass_s = self._compile_pass((*requests, *compile_ahead))
         for request in requests:
             self._run_to_end(request)
         self.stats.clear()

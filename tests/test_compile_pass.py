@@ -205,3 +205,73 @@ def test_the_servers_warm_up_log_says_what_the_pass_took(caplog):
     with caplog.at_level(logging.INFO, logger="omni.engine"):
         sched = serving_scheduler(pipeline_on(RecordingScope()), recipe, (default_request(recipe, steps=2),))
     assert f"(compile pass {sched.compile_pass_s:.1f} s of it)" in caplog.text
+
+
+# ---------------------------------------------------------------- a one-image job's pass (omni-run generate)
+
+
+def test_compile_ahead_requests_run_in_the_pass_only():
+    from omni.engine_handle import serving_scheduler
+
+    scope = RecordingScope()
+    pipeline = pipeline_on(scope)
+    free = pipeline.pool.free_pages
+    recipe = RECIPE.replace_paths({"serving.compile_first": True})
+    sched = serving_scheduler(pipeline, recipe, compile_ahead=(default_request(recipe, steps=2),))
+    assert (scope.entered, scope.left) == (1, 1)
+    assert [(name, on) for name, on, _ in pipeline.calls] == [
+        ("prefill", True), ("denoise_step", True), ("denoise_step", True), ("decode", True)], "in the pass alone"
+    assert sched.warm_up_s >= sched.compile_pass_s > 0 and pipeline.pool.free_pages == free
+
+
+def test_compile_ahead_is_ignored_without_compile_first():
+    from omni.engine_handle import serving_scheduler
+
+    scope = RecordingScope()
+    pipeline = pipeline_on(scope)
+    sched = serving_scheduler(pipeline, RECIPE, compile_ahead=(default_request(RECIPE, steps=2),))
+    assert scope.entered == 0 and pipeline.calls == [] and sched.warm_up_s is None
+
+
+def test_a_jobs_pass_runs_its_own_request_cut_to_the_warm_up_steps():
+    from omni.deployment import prepare
+    from omni.engine_handle import colour_ramp, compile_ahead_request
+
+    d = prepare("cpu_tiny", overrides={"serving.compile_first": True, "serving.warmup_steps": 3})
+    job = ImageRequest(prompt="a red fox", height=256, width=384, steps=20, seed=5, bot_task="think",
+                       cot_max_tokens=500, images=(colour_ramp(64, 64),), request_id="job")
+    ahead = compile_ahead_request(d, job)
+    assert (ahead.steps, ahead.cot_max_tokens, ahead.request_id) == (3, 3, "job-compile-ahead")
+    kept = ("prompt", "height", "width", "seed", "bot_task", "guidance", "system_prompt")
+    assert all(getattr(ahead, k) == getattr(job, k) for k in kept) and ahead.images is job.images
+    short = compile_ahead_request(d, ImageRequest(prompt="x", steps=1, cot_max_tokens=1))
+    assert (short.steps, short.cot_max_tokens) == (1, 1), "never more than the job asked for"
+
+
+def generate_image(tmp_path, monkeypatch, scope, name: str) -> np.ndarray:
+    """``omni-run generate``'s in-process path on cpu_tiny with ``compile_first``, on a platform whose compile
+    scope is ``scope`` (None: the CPU platform's own, which has none)."""
+    from PIL import Image
+
+    from omni import deployment as deployment_module
+    from omni.generate import generate_main
+    from omni.request import GenerateJob
+
+    d = deployment_module.prepare("cpu_tiny", overrides={"serving.compile_first": True})
+    platform = select("cpu")  # after prepare, which selects this process's platform anew
+    if scope is not None:
+        platform.pm.register(CompilingPlatform(scope), name="jit-double")
+    monkeypatch.setitem(deployment_module._PLATFORMS, ("cpu", False), platform)
+    out = tmp_path / f"{name}.png"
+    job = GenerateJob(ImageRequest(prompt="a green door", height=256, width=256, steps=3, seed=7), out)
+    assert generate_main(d, job) == 0
+    return np.asarray(Image.open(out))
+
+
+def test_generate_compiles_its_request_first_and_draws_the_same_image(tmp_path, monkeypatch, caplog):
+    scope = RecordingScope()
+    with caplog.at_level(logging.INFO, logger="omni.compile_pass"):
+        with_pass = generate_image(tmp_path, monkeypatch, scope, "with")
+    assert (scope.entered, scope.left) == (1, 1) and "compile pass:" in caplog.text
+    without = generate_image(tmp_path, monkeypatch, None, "without")
+    assert with_pass.shape == without.shape and with_pass.ndim == 3 and np.array_equal(with_pass, without)

@@ -181,7 +181,8 @@ class ReplicaRouter:
 # ---------------------------------------------------------------------- one host: launch and connect
 
 
-def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bool = False) -> ReplicaRouter:
+def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bool = False,
+                   compile_ahead: tuple = ()) -> ReplicaRouter:
     """Launch every rank of ``deployment``'s mesh on this host and return the router over its dp replicas.
 
     Every rank receives the ``Deployment`` itself (the checked, patched
@@ -189,7 +190,8 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
     like a local engine loop (call ``start()``, then ``wait_ready()``);
     ``stop()`` ends the replicas, and with them the launched workers. If the
     workers fail before every replica connected, the launch error is raised
-    here; past ``connect_timeout_s`` the launch is stopped and a timeout raised.
+    here; past ``connect_timeout_s`` the launch is stopped and a timeout raised. ``warm_up`` and
+    ``compile_ahead``: what each replica runs before it reports ready (``omni.engine_handle.open_engine``).
     """
     import secrets
 
@@ -197,7 +199,7 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
 
     degrees = Degrees.from_recipe(deployment.recipe.parallel)
     listener = ReplicaListener(secrets.token_bytes(32))
-    job = _launch_job(deployment, degrees, listener, warm_up)
+    job = _launch_job(deployment, degrees, listener, (warm_up, compile_ahead))
     deadline = time.monotonic() + connect_timeout_s
 
     def give_up() -> str | None:
@@ -223,7 +225,7 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
     return ReplicaRouter(replicas, job)
 
 
-def _launch_job(deployment, degrees, listener: ReplicaListener, warm_up: bool) -> LaunchJob:
+def _launch_job(deployment, degrees, listener: ReplicaListener, start_up: tuple) -> LaunchJob:
     """The launch of every rank, its thread not yet started; its error lands in ``failures`` (which
     ``start_replicas``' wait for connections looks at)."""
     from .launch import launch
@@ -234,7 +236,7 @@ def _launch_job(deployment, degrees, listener: ReplicaListener, warm_up: bool) -
     def run() -> None:
         try:
             launch(replica_worker, degrees, platform=deployment.recipe.platform, cancel=cancel,
-                   args=(listener.address, listener.authkey, deployment, warm_up))
+                   args=(listener.address, listener.authkey, deployment, *start_up))
         except BaseException as e:  # noqa: BLE001 - reported by start_replicas or the replicas' status
             failure.append(e)
 
@@ -253,7 +255,8 @@ def _abandon(job: LaunchJob, replicas: list) -> None:
 # ---------------------------------------------------------------------- the launcher target
 
 
-def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = False) -> dict:
+def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = False,
+                   compile_ahead: tuple = ()) -> dict:
     """One rank of a deployment: build this replica's pipeline; serve it (first rank) or follow.
 
     ``address``/``authkey``: the server process's ``ReplicaListener`` (a
@@ -286,7 +289,8 @@ def replica_worker(ctx, address, authkey: bytes, deployment, warm_up: bool = Fal
     driver = DriverPipeline(pipeline, control)
     warm = warm_up_requests(deployment) if warm_up else ()
     build_s = time.perf_counter() - t0
-    engine = EngineLoop(lambda: serving_scheduler(driver, deployment.recipe, warm, build_s=build_s)).start()
+    engine = EngineLoop(lambda: serving_scheduler(driver, deployment.recipe, warm, build_s=build_s,
+                                                  compile_ahead=compile_ahead)).start()
     try:
         serve_replica(engine, conn)
     finally:
