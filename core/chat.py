@@ -10,7 +10,10 @@ it (``Ticket.updates``, cut into append-only pieces by
 written whole when it is done.
 
 World size 1 runs the engine loop in this process; a multi-rank recipe
-launches one replica's ranks, as ``generate`` does.
+launches one replica's ranks, as ``generate`` does. Where the recipe sets
+``serving.compile_first`` the engine first runs the first prompt's request
+(``describe this`` for stdin's, with the same images), cut to a few tokens,
+through the platform's compile pass (``compile_ahead_request``).
 """
 from __future__ import annotations
 
@@ -21,11 +24,13 @@ import time
 from dataclasses import dataclass, field
 
 from .deployment import Deployment, one_replica
+from .engine_handle import compile_ahead_request
 from .request import TextRequest
 from .serving.text_stream import TextDeltas, latest_update
 
 log = logging.getLogger("omni.chat")
 POLL_S = 0.02
+FIRST_PROMPT = "describe this"  # what the compile pass answers when the prompts come from stdin
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class ChatJob:
 def chat_main(deployment: Deployment, job: ChatJob, stdin=None, stdout=None) -> int:
     """Answer ``job`` (one prompt, or each line of ``stdin``) on ``stdout``; 0 when every answer was written."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    engine = one_replica(deployment).open_engine()
+    first = job.request(job.prompt if job.prompt is not None else FIRST_PROMPT)
+    engine = one_replica(deployment).open_engine(compile_ahead=(compile_ahead_request(deployment, first),))
     try:
         engine.start()
         if not engine.wait_ready():  # the build's own error (a refusal stays a configuration error: exit 2)

@@ -126,18 +126,22 @@ def _warm_up_edit(image: ImageRequest) -> ImageRequest:
                                request_id="warm-up-edit")
 
 
-def compile_ahead_request(deployment, req: ImageRequest) -> ImageRequest:
-    """``req`` as the compile pass of a one-image job runs it (``serving.compile_first``; ``omni-run generate``
-    and ``edit``): its own prompt, size and references, so that the prefill meets the kernels its prefix
-    length and images select, with ``serving.warmup_steps`` denoising steps and as many CoT tokens at most (2
-    at least), since every step after the first meets the same kernels and the pass's outputs are dropped. Without it the
-    job's first run compiles each kernel as it reaches it, one after another (h200_fp8 at 32 layers: a warm-up
-    of 12.2-14.3 s against 7.9-8.3 s with the pass; BENCHMARKS.md, thirty-fourth session)."""
+def compile_ahead_request(deployment, req):
+    """``req`` as the compile pass of a one-shot job runs it (``serving.compile_first``; ``omni-run generate``,
+    ``edit`` and ``chat``): its own prompt, size and references, so that the prefill meets the kernels its prefix
+    length and images select, with ``serving.warmup_steps`` denoising steps and as many CoT or answer tokens at
+    most (2 at least), since every step after the first meets the same kernels and the pass's outputs are
+    dropped. Without it the job's first run compiles each kernel as it reaches it, one after another (h200_fp8
+    at 32 layers: a warm-up of 12.2-14.3 s against 7.9-8.3 s with the pass; BENCHMARKS.md, thirty-fourth
+    session)."""
     import dataclasses
 
     steps = deployment.recipe.serving.warmup_steps
-    return dataclasses.replace(req, steps=min(req.steps, steps), request_id=f"{req.request_id}-compile-ahead",
-                               cot_max_tokens=min(req.cot_max_tokens, max(2, steps)))
+    tokens, request_id = max(2, steps), f"{req.request_id}-compile-ahead"
+    if not isinstance(req, ImageRequest):  # a TextRequest: its answer's first tokens
+        return dataclasses.replace(req, max_tokens=min(req.max_tokens, tokens), request_id=request_id)
+    return dataclasses.replace(req, steps=min(req.steps, steps), cot_max_tokens=min(req.cot_max_tokens, tokens),
+                               request_id=request_id)
 
 
 def colour_ramp(height: int, width: int):

@@ -248,23 +248,29 @@ def test_a_jobs_pass_runs_its_own_request_cut_to_the_warm_up_steps():
     assert (short.steps, short.cot_max_tokens) == (1, 1), "never more than the job asked for"
 
 
-def generate_image(tmp_path, monkeypatch, scope, name: str) -> np.ndarray:
-    """``omni-run generate``'s in-process path on cpu_tiny with ``compile_first``, on a platform whose compile
-    scope is ``scope`` (None: the CPU platform's own, which has none)."""
-    from PIL import Image
-
+def deployment_on(monkeypatch, recipe: str, scope):
+    """``recipe`` with ``compile_first``, deployed on a CPU platform whose compile scope is ``scope`` (None: the
+    CPU platform's own, which has none)."""
     from omni import deployment as deployment_module
-    from omni.generate import generate_main
-    from omni.request import GenerateJob
 
-    d = deployment_module.prepare("cpu_tiny", overrides={"serving.compile_first": True})
+    d = deployment_module.prepare(recipe, overrides={"serving.compile_first": True})
     platform = select("cpu")  # after prepare, which selects this process's platform anew
     if scope is not None:
         platform.pm.register(CompilingPlatform(scope), name="jit-double")
     monkeypatch.setitem(deployment_module._PLATFORMS, ("cpu", False), platform)
+    return d
+
+
+def generate_image(tmp_path, monkeypatch, scope, name: str) -> np.ndarray:
+    """``omni-run generate``'s in-process path on cpu_tiny (``deployment_on``)."""
+    from PIL import Image
+
+    from omni.generate import generate_main
+    from omni.request import GenerateJob
+
     out = tmp_path / f"{name}.png"
     job = GenerateJob(ImageRequest(prompt="a green door", height=256, width=256, steps=3, seed=7), out)
-    assert generate_main(d, job) == 0
+    assert generate_main(deployment_on(monkeypatch, "cpu_tiny", scope), job) == 0
     return np.asarray(Image.open(out))
 
 
@@ -275,3 +281,34 @@ def test_generate_compiles_its_request_first_and_draws_the_same_image(tmp_path, 
     assert (scope.entered, scope.left) == (1, 1) and "compile pass:" in caplog.text
     without = generate_image(tmp_path, monkeypatch, None, "without")
     assert with_pass.shape == without.shape and with_pass.ndim == 3 and np.array_equal(with_pass, without)
+
+
+def chat_answers(monkeypatch, scope, prompts: str) -> str:
+    """``omni-run chat`` over stdin ``prompts`` on cpu_tiny_instruct (``deployment_on``), greedy."""
+    import io
+
+    from omni.chat import ChatJob, chat_main
+
+    out = io.StringIO()
+    job = ChatJob(prompt=None, sampling={"max_tokens": 6, "temperature": 0.0, "seed": 3})
+    assert chat_main(deployment_on(monkeypatch, "cpu_tiny_instruct", scope), job, io.StringIO(prompts), out) == 0
+    return out.getvalue()
+
+
+def test_chat_compiles_a_first_answer_first_and_answers_the_same(monkeypatch):
+    scope = RecordingScope()
+    with_pass = chat_answers(monkeypatch, scope, "what is red?\nand blue?\n")
+    assert (scope.entered, scope.left) == (1, 1)
+    without = chat_answers(monkeypatch, None, "what is red?\nand blue?\n")
+    assert with_pass == without and with_pass.count("\n") == 2
+
+
+def test_a_chats_pass_answers_a_few_tokens_of_its_first_prompt():
+    from omni.deployment import prepare
+    from omni.engine_handle import compile_ahead_request
+    from omni.request import TextRequest
+
+    d = prepare("cpu_tiny_instruct", overrides={"serving.compile_first": True, "serving.warmup_steps": 3})
+    ahead = compile_ahead_request(d, TextRequest(prompt="what is red?", max_tokens=200, seed=1, request_id="q"))
+    assert (ahead.prompt, ahead.max_tokens, ahead.seed, ahead.request_id) == ("what is red?", 3, 1,
+                                                                                "q-compile-ahead")
