@@ -164,8 +164,9 @@ def serving_scheduler(pipeline, recipe, warm_up: tuple = (), *, build_s: float |
     sched.build_s = build_s
     ahead = compile_ahead if sched.compile_first else ()
     if warm_up or ahead:
-        names = [type(r).__name__ for r in warm_up] + [f"{type(r).__name__} (compile pass only)" for r in ahead]
-        log.info("warm-up: %s (compiles and graph captures) ...", ", ".join(names))
+        names = [", ".join(type(r).__name__ for r in rs) + what for rs, what in (
+            (warm_up, " (compiles and graph captures)"), (ahead, " through the compile pass only")) if rs]
+        log.info("warm-up: %s ...", "; ".join(names))
         seconds = sched.warm_up(*warm_up, compile_ahead=ahead)
         within = "" if sched.compile_pass_s is None else f" (compile pass {sched.compile_pass_s:.1f} s of it)"
         log.info("warm-up done in %.1f s%s", seconds, within)
