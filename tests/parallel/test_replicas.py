@@ -155,16 +155,20 @@ def rank_memory_metrics(router, name: str) -> dict[tuple[str, str], float]:
 
 def test_dp2_router_spreads_requests_over_two_cpu_replicas(checkpoint, single, tmp_path):
     """start_replicas launches a dp=2 recipe; the router gives each replica two of four requests, and a cancel
-    reaches the replica that runs the request (it ends with RequestCancelled, not an image)."""
+    reaches the replica that runs the request (it ends with RequestCancelled, not an image). Each replica is
+    handed a request to compile ahead (``serving.compile_first``, as ``omni-run generate`` asks): the cpu platform
+    has no compile scope, so its warm-up is that pass's no-op, which its ready message still reports."""
     from omni.recipe import load_recipe
 
     recipe = two_rank_recipe(tmp_path, "dp")
     assert load_recipe(recipe).parallel.dp == 2
-    deployment = prepare(str(recipe), platform="cpu", overrides={"model.path": checkpoint})
-    router = start_replicas(deployment, connect_timeout_s=120)
+    deployment = prepare(str(recipe), platform="cpu", overrides={"model.path": checkpoint,
+                                                                 "serving.compile_first": True})
+    router = start_replicas(deployment, connect_timeout_s=120, compile_ahead=tuple(requests(1)))
     try:
         router.start()
         assert router.wait_ready(120) and router.status == "ready"
+        assert all(r.warm_up_s is not None for r in router.replicas), "the compile-ahead request reached each"
         tickets = [router.submit_many([r])[0] for r in requests(4)]
         owners = [router._owner[id(t)] for t in tickets]
         assert owners.count(router.replicas[0]) == owners.count(router.replicas[1]) == 2  # least-loaded
