@@ -131,9 +131,9 @@ def compile_ahead_request(deployment, req):
     ``edit`` and ``chat``): its own prompt, size and references, so that the prefill meets the kernels its prefix
     length and images select, with ``serving.warmup_steps`` denoising steps and as many CoT or answer tokens at
     most (2 at least), since every step after the first meets the same kernels and the pass's outputs are
-    dropped. Without it the job's first run compiles each kernel as it reaches it, one after another (h200_fp8
-    at 32 layers: a warm-up of 12.2-14.3 s against 7.9-8.3 s with the pass; BENCHMARKS.md, thirty-fourth
-    session)."""
+    dropped. Without it the job's first run compiles each kernel as it reaches it, one after another: on an
+    H100 (h200_fp8 at 8 layers, empty cache) the first image took 9.8-10.6 s so and 3.2 s after a 2.1 s pass
+    that compiled the same 37 binaries together (BENCHMARKS.md, thirty-eighth session)."""
     import dataclasses
 
     steps = deployment.recipe.serving.warmup_steps
