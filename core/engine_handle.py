@@ -132,7 +132,7 @@ def compile_ahead_request(deployment, req):
     length and images select, with ``serving.warmup_steps`` denoising steps and as many CoT or answer tokens at
     most (2 at least), since every step after the first meets the same kernels and the pass's outputs are
     dropped. Without it the job's first run compiles each kernel as it reaches it, one after another: on an
-    H100 (h200_fp8 at 8 layers, empty cache) the first image took 9.8-10.6 s so and 3.2 s after a 2.1 s pass
+    H100 (h200_fp8 at 8 layers, empty cache) the first image took 9.8-10.6 s, and 3.2 s after a 2.1 s pass
     that compiled the same 37 binaries together (BENCHMARKS.md, thirty-eighth session)."""
     import dataclasses
 
