@@ -68,6 +68,8 @@ def check_fast(fast: dict, name: str) -> None:
     for field, want in FAST_FIELDS.items():
         require(fast.get(field) == want, f"{name} {field}", f"is {fast.get(field)!r}; the headline is {want!r}")
     require("fp8" in fast.get("floor", {}), f"{name} floor.fp8", "is missing (bench_fast ran without --floor?)")
+    require("engine_fp8" in fast.get("summary", {}), f"{name} summary.engine_fp8", "is missing (the engine's fp8 "
+            "step did not run)")
 
 
 def serving_values(serving: dict, levels: dict[int, dict]) -> dict:

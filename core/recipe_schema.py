@@ -253,8 +253,8 @@ class Serving(_Validated):
     compile_first: bool = _opt(False, "the warm-up first runs its requests once with the platform's just-in-time "
                                       "kernels compiled, not run (outputs dropped), so their compiles run together "
                                       "instead of one by one as the warm-up reaches them (omni/compile_pass.py); "
-                                      "omni-run generate/edit pass their own request through it first, cut to "
-                                      "warmup_steps steps; no effect where the platform compiles nothing at first "
+                                      "omni-run generate/edit/chat pass their own first request through it "
+                                      "first, cut to warmup_steps steps; no effect where the platform compiles nothing at first "
                                       "launch (cpu)")
     api_key_env: str | None = _opt(None, "name of the environment variable holding the API key; null = no key",
                                    rule=_pattern(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name"))

@@ -130,8 +130,8 @@ class Scheduler:
         """Run ``requests`` to completion, one after another, before serving (engine thread, nothing else
         submitted yet): the JIT compiles, autotuning and graph captures of their shapes happen here instead of
         in the first users' requests. With ``compile_first`` they run once inside the pipeline's compile pass
-        first (``omni.compile_pass``), with ``compile_ahead``: requests that only that pass runs (a one-image
-        job's own request, which then runs as users' do). Raises what a request raised; the counters start from
+        first (``omni.compile_pass``), with ``compile_ahead``: requests that only that pass runs (a one-shot
+        job's own first request, which then runs as users' do). Raises what a request raised; the counters start from
         zero afterwards. Returns seconds."""
         t0 = time.perf_counter()
         if self.compile_first:

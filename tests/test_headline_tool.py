@@ -73,6 +73,16 @@ def test_another_configuration_exits_2_naming_the_field_and_writes_nothing(tmp_p
     assert json.loads(path.read_text()) == EARLIER
 
 
+def test_a_bench_fast_run_without_the_engine_step_exits_2_naming_the_field(tmp_path, capsys):
+    fast = copy.deepcopy(json.loads(S34_FAST.read_text()))
+    del fast["summary"]["engine_fp8"]
+    bad = tmp_path / "bench_fast.json"
+    bad.write_text(json.dumps(fast))
+    rc, path = run(tmp_path, fast=bad)
+    assert rc == 2 and f"{bad} summary.engine_fp8" in capsys.readouterr().err
+    assert json.loads(path.read_text()) == EARLIER
+
+
 def test_a_run_of_the_current_bench_names_its_build_and_warm_up_in_the_note(tmp_path):
     """The bench since the thirty-seventh session: time_to_ready_s includes the server's warm-up (``ready``)."""
     ready = {"build_s": 10.4912, "warm_up_s": 8.1, "compile_pass_s": 2.6}

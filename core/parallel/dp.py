@@ -199,7 +199,7 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
 
     degrees = Degrees.from_recipe(deployment.recipe.parallel)
     listener = ReplicaListener(secrets.token_bytes(32))
-    job = _launch_job(deployment, degrees, listener, (warm_up, compile_ahead))
+    job = _launch_job(deployment, degrees, listener, warm_up, compile_ahead)
     deadline = time.monotonic() + connect_timeout_s
 
     def give_up() -> str | None:
@@ -225,7 +225,7 @@ def start_replicas(deployment, *, connect_timeout_s: float = 1800.0, warm_up: bo
     return ReplicaRouter(replicas, job)
 
 
-def _launch_job(deployment, degrees, listener: ReplicaListener, start_up: tuple) -> LaunchJob:
+def _launch_job(deployment, degrees, listener: ReplicaListener, warm_up: bool, compile_ahead: tuple) -> LaunchJob:
     """The launch of every rank, its thread not yet started; its error lands in ``failures`` (which
     ``start_replicas``' wait for connections looks at)."""
     from .launch import launch
@@ -236,7 +236,7 @@ def _launch_job(deployment, degrees, listener: ReplicaListener, start_up: tuple)
     def run() -> None:
         try:
             launch(replica_worker, degrees, platform=deployment.recipe.platform, cancel=cancel,
-                   args=(listener.address, listener.authkey, deployment, *start_up))
+                   args=(listener.address, listener.authkey, deployment, warm_up, compile_ahead))
         except BaseException as e:  # noqa: BLE001 - reported by start_replicas or the replicas' status
             failure.append(e)
 
