@@ -168,8 +168,9 @@ def serving_scheduler(pipeline, recipe, warm_up: tuple = (), *, build_s: float |
             (warm_up, " (compiles and graph captures)"), (ahead, " through the compile pass only")) if rs]
         log.info("warm-up: %s ...", "; ".join(names))
         seconds = sched.warm_up(*warm_up, compile_ahead=ahead)
-        within = "" if sched.compile_pass_s is None else f" (compile pass {sched.compile_pass_s:.1f} s of it)"
-        log.info("warm-up done in %.1f s%s", seconds, within)
+        if warm_up or sched.compile_pass_s is not None:  # else nothing ran (compile_pass logged why)
+            within = "" if sched.compile_pass_s is None else f" (compile pass {sched.compile_pass_s:.1f} s of it)"
+            log.info("warm-up done in %.1f s%s", seconds, within)
     return sched
 
 

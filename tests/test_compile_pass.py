@@ -224,6 +224,17 @@ def test_compile_ahead_requests_run_in_the_pass_only():
     assert sched.warm_up_s >= sched.compile_pass_s > 0 and pipeline.pool.free_pages == free
 
 
+def test_a_job_on_a_platform_without_a_pass_reports_no_warm_up(caplog):
+    from omni.engine_handle import serving_scheduler
+
+    pipeline = pipeline_on()
+    recipe = RECIPE.replace_paths({"serving.compile_first": True})
+    with caplog.at_level(logging.INFO, logger="omni"):
+        sched = serving_scheduler(pipeline, recipe, compile_ahead=(default_request(recipe, steps=2),))
+    assert pipeline.calls == [] and sched.compile_pass_s is None and "no compile pass" in caplog.text
+    assert "warm-up done" not in caplog.text, "nothing ran, so no warm-up time is reported"
+
+
 def test_compile_ahead_is_ignored_without_compile_first():
     from omni.engine_handle import serving_scheduler
 
