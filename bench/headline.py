@@ -144,6 +144,10 @@ def merge(headline: dict, serving: dict, fast: dict, *, serving_name: str, fast_
     """``headline`` with this run's values (checked first: NotTheHeadline), the replaced ones archived."""
     levels = check_serving(serving, serving_name)
     check_fast(fast, fast_name)
+    taken = set(headline.get(META, {})) | {headline.get(META, {}).get("label")}
+    if label in taken:  # archiving a later run under it would overwrite an entry
+        raise NotTheHeadline(f"--label {label!r} already names an entry of {META}: it names this run, "
+                             "so it must be new")
     values = {"date": serving["date"][:10], "commit": commit, "gpu": gpu} | serving_values(serving, levels)
     values |= fast_values(fast, headline)
     archive(headline)
@@ -160,7 +164,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--fast", type=Path, required=True, help="bench/bench_fast.py's JSON from the same machine")
     p.add_argument("--commit", required=True, help="the tree both ran on (the device copy's git may be stale)")
     p.add_argument("--gpu", required=True, help="the card and stack, e.g. '1x NVIDIA H200 (700 W cap), torch ...'")
-    p.add_argument("--label", required=True, help="this run's name in the meta once a later run replaces it")
+    p.add_argument("--label", required=True, help="this run's name in the meta once a later run replaces it (a new "
+                   "one, e.g. thirty_ninth_session_<commit>; not the label of the run it replaces)")
     p.add_argument("--source", required=True, help="where BENCHMARKS.md describes the run")
     p.add_argument("--note", default="", help="appended to the generated note")
     p.add_argument("--headline", type=Path, default=HEADLINE, help=f"the file to update (default {HEADLINE})")

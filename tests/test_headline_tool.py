@@ -94,6 +94,14 @@ def test_a_run_of_the_current_bench_names_its_build_and_warm_up_in_the_note(tmp_
     assert "ready 18.6 s (build 10.49 s, server warm-up 8.10 s)" in written[tool.META]["note"]
 
 
+@pytest.mark.parametrize("label", ["thirty_first", "source"])
+def test_a_label_the_meta_already_holds_exits_2_and_writes_nothing(tmp_path, capsys, label):
+    """The label names the new run; the replaced run is archived under its own (``thirty_first`` here)."""
+    rc, path = run(tmp_path, "--label", label)
+    assert rc == 2 and f"--label {label!r} already names an entry" in capsys.readouterr().err
+    assert json.loads(path.read_text()) == EARLIER
+
+
 def test_dry_run_writes_nothing(tmp_path):
     rc, path = run(tmp_path, "--dry-run")
     assert rc == 0 and json.loads(path.read_text()) == EARLIER
