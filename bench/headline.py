@@ -144,8 +144,8 @@ def merge(headline: dict, serving: dict, fast: dict, *, serving_name: str, fast_
     """``headline`` with this run's values (checked first: NotTheHeadline), the replaced ones archived."""
     levels = check_serving(serving, serving_name)
     check_fast(fast, fast_name)
-    taken = set(headline.get(META, {})) | {headline.get(META, {}).get("label")}
-    if label in taken:  # archiving a later run under it would overwrite an entry
+    meta = headline.get(META, {})
+    if label in meta or label == meta.get("label"):  # archiving a later run under it would overwrite an entry
         raise NotTheHeadline(f"--label {label!r} already names an entry of {META}: it names this run, "
                              "so it must be new")
     values = {"date": serving["date"][:10], "commit": commit, "gpu": gpu} | serving_values(serving, levels)

@@ -254,8 +254,8 @@ class Serving(_Validated):
                                       "kernels compiled, not run (outputs dropped), so their compiles run together "
                                       "instead of one by one as the warm-up reaches them (omni/compile_pass.py); "
                                       "omni-run generate/edit/chat pass their own first request through it "
-                                      "first, cut to warmup_steps steps; no effect where the platform compiles nothing at first "
-                                      "launch (cpu)")
+                                      "first, cut to warmup_steps steps; no effect where the platform compiles "
+                                      "nothing at first launch (cpu)")
     api_key_env: str | None = _opt(None, "name of the environment variable holding the API key; null = no key",
                                    rule=_pattern(r"[A-Za-z_][A-Za-z0-9_]*", "an environment variable name"))
     max_image_pixels: int = _opt(4096 * 4096, "largest reference image (editing) in width x height pixels; a larger "
