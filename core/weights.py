@@ -218,14 +218,16 @@ class StreamingLoad:
 def materialize_meta_(module: torch.nn.Module, device) -> int:
     """Give every still-``meta`` parameter and buffer of ``module`` (uninitialized) storage on ``device``.
 
-    Parts materialized before keep their tensors, unlike ``Module.to_empty``.
+    Parts materialized before keep their tensors, unlike ``Module.to_empty``. ``empty_strided``, not
+    ``empty_like``: the latter on a meta tensor imports torch's symbolic shapes and sympy (0.6 s on the
+    development CPU, a seventh of the default job).
     """
     n = 0
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for name, t in list(table.items()):
                 if t is not None and t.is_meta:
-                    new = torch.empty_like(t, device=device)
+                    new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
                     table[name] = torch.nn.Parameter(new, t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
                     n += 1
     return n

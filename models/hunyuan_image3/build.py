@@ -18,6 +18,7 @@ from omni.step_graphs import StepGraphs
 from omni.vae_tiling import TileLanes
 from omni.layers import finalize_all
 from omni.offload import ALL, EXPERTS_ONLY, LayerOffloader, park_on_host
+from omni.phase_clock import PhaseClock
 from omni.weights import LoadTarget, StreamingLoad, materialize_meta_
 
 from .config import HunyuanImage3Config
@@ -131,7 +132,7 @@ STREAMED = {"layers": ALL, "experts": EXPERTS_ONLY}
 
 
 def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress: bool, instruct: bool = False,
-                 random_values: bool = False):
+                 random_values: bool = False, clock: PhaseClock | None = None):
     """The loaded, prepared transformer, VAE and vision encoder (or None), placed as ``offload.mode`` says,
     and their offloaders (``random_values``: ``random_weights``' values where the checkpoint's would load).
 
@@ -142,19 +143,35 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
     streamed tensors parked in pinned host memory. Peak device memory is the
     resident part plus one layer in the checkpoint's dtype, so the FP8 model
     loads on a card that could not hold it in bf16; host memory holds only
-    what is streamed, already quantized.
+    what is streamed, already quantized. ``clock`` times the first layer apart from the others: its
+    quantization compiles the platform's kernels.
     """
     o, dev, keep = recipe.offload, services.device, STREAMED.get(recipe.offload.mode)
-    model, vae, vision, target = build_modules(cfg, platform, recipe, "meta", parallel, instruct)
-    fill, finish = (_random_source(model, vae, vision) if random_values
-                    else _checkpoint_source(root, recipe, model, target, vae, vision))
+    clock = clock or PhaseClock()
+    with clock.phase("modules"):
+        model, vae, vision, target = build_modules(cfg, platform, recipe, "meta", parallel, instruct)
+        fill, finish = (_random_source(model, vae, vision) if random_values
+                        else _checkpoint_source(root, recipe, model, target, vae, vision))
     layers = list(model.model.layers)
     for i, layer in enumerate(tqdm(layers, desc="loading layers", disable=not progress, leave=False)):
-        materialize_meta_(layer, dev)
-        fill(i, layer)
-        finalize_all(layer)
-        if keep is not None and i >= o.resident_layers:
-            park_on_host(layer, services, keep)
+        with clock.phase("first layer" if i == 0 else "other layers"):
+            materialize_meta_(layer, dev)
+            fill(i, layer)
+            finalize_all(layer)
+            if keep is not None and i >= o.resident_layers:
+                park_on_host(layer, services, keep)
+    with clock.phase("outside the layers"):
+        _finish_outside_layers(model, vae, vision, finish, dev)
+    # The layer-by-layer load leaves its freed temporaries (a layer in the checkpoint's dtype, quantization
+    # scratch) cached in the allocator: 10.7-15.4 GiB on the H200 at 32 layers. Return them before the KV pool is
+    # allocated and graphs are captured, so other processes and allocations outside the cache see them
+    # (BENCHMARKS.md, twenty-fourth session).
+    services.empty_cache()
+    return model, vae, vision, _offloaders(recipe, model, vae, services)
+
+
+def _finish_outside_layers(model, vae, vision, finish, dev) -> None:
+    """The embeddings, heads, VAE and vision encoder given storage, filled and prepared."""
     for m in (model, vae, vision):
         if m is not None:
             materialize_meta_(m, dev)
@@ -164,12 +181,6 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
         vae.prepare(channels_last=model.channels_last, group_norm_kernel=model.group_norm_kernel)
     if vision is not None:
         vision.finalize()
-    # The layer-by-layer load leaves its freed temporaries (a layer in the checkpoint's dtype, quantization
-    # scratch) cached in the allocator: 10.7-15.4 GiB on the H200 at 32 layers. Return them before the KV pool is
-    # allocated and graphs are captured, so other processes and allocations outside the cache see them
-    # (BENCHMARKS.md, twenty-fourth session).
-    services.empty_cache()
-    return model, vae, vision, _offloaders(recipe, model, vae, services)
 
 
 def _checkpoint_source(root: Path, recipe, model, target, vae, vision):
@@ -237,20 +248,26 @@ def build_pipeline(recipe, platform, *, model_path: str | None = None, local_ran
     ``random_layers``: no checkpoint; the released text-to-image shapes with
     that many decoder layers and random values, built the same way (benchmarks).
     """
-    services = _bind_device(recipe, platform, local_rank)
+    clock = PhaseClock()
+    with clock.phase("device"):
+        services = _bind_device(recipe, platform, local_rank)
+    clock.sync = services.synchronize  # each phase then includes the device work it queued
     if random_layers:
         root, cfg, instruct = random_release(recipe.model.flavor, random_layers, cache_dir)
     else:
         root = checkpoint_dir(recipe, model_path, cache_dir)
         cfg, instruct = HunyuanImage3Config.from_file(root / "config.json"), is_instruct(root)
     model, vae, vision, offloaders = load_weights(recipe, cfg, platform, root, services, parallel, progress, instruct,
-                                                  random_values=bool(random_layers))
+                                                  random_values=bool(random_layers), clock=clock)
     runtime = SingleDevice() if parallel is None else parallel
-    pool = _kv_pool(recipe, cfg, model, runtime, services.device)
-    log.info("pipeline ready: %s on %s, %d KV pages of %d tokens", root, services.device, pool.num_pages,
-             pool.page_size)
-    t2i = _step_model(recipe, cfg, root, model, vae, vision, services.device, instruct)
-    return _step_engine(recipe, platform, t2i, pool, runtime, services, offloaders)
+    with clock.phase("KV pool"):
+        pool = _kv_pool(recipe, cfg, model, runtime, services.device)
+    with clock.phase("engine"):
+        t2i = _step_model(recipe, cfg, root, model, vae, vision, services.device, instruct)
+        engine = _step_engine(recipe, platform, t2i, pool, runtime, services, offloaders)
+    log.info("pipeline ready in %s: %s on %s, %d KV pages of %d tokens", clock.summary(), root, services.device,
+             pool.num_pages, pool.page_size)
+    return engine
 
 
 def _bind_device(recipe, platform, local_rank: int):

@@ -36,7 +36,7 @@ import torch.nn as nn
 from omni.build_options import BuildOptions
 from omni.group_norm import use_group_norm_kernel
 from omni.winograd import use_conv3x3_kernel
-from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, finalize_all,
+from omni.layers import (GroupedLinear, KernelOwner, Linear, declare_prequantized, embedding, finalize_all,
                          finalize_experts, unhooked)
 from omni.specs import (GROUPED_SKINNY_ROWS, GROUPED_SMALL_ROWS, PDL_ROWS, GlueSpec, MoESpec, PreparedMoE,
                         PreparedWeight, RowQuantized)
@@ -302,7 +302,7 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: HunyuanImage3Config, *, platform, opts: BuildOptions):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id, dtype=opts.dtype)
+        self.wte = embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id, dtype=opts.dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, platform=platform, opts=opts)
                                     for i in range(cfg.num_hidden_layers))
         self.ln_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.dtype, platform.glue(glue_spec(cfg, 0, opts)))

@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from omni.build_options import BuildOptions
-from omni.layers import Linear, finalize_all
+from omni.layers import Linear, embedding, finalize_all
 from omni.specs import AttentionSpec, VarlenMeta
 from omni.weights import LoadTarget, load_state_dict
 
@@ -141,7 +141,7 @@ class VisionEmbeddings(nn.Module):
         super().__init__()
         # raw pixels in: kept unquantized whatever the recipe (like lm_head on the text side)
         self.patch_embedding = Linear(cfg.patch_dim, cfg.hidden_size, platform=platform, dtype=opts.dtype, bias=True)
-        self.position_embedding = nn.Embedding(cfg.num_patches, cfg.hidden_size, dtype=opts.dtype)
+        self.position_embedding = embedding(cfg.num_patches, cfg.hidden_size, dtype=opts.dtype)
         self.side = round(cfg.num_patches ** 0.5)
 
     def positions(self, h: int, w: int, P: int) -> torch.Tensor:
