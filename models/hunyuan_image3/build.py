@@ -86,7 +86,7 @@ def build_transformer(cfg: HunyuanImage3Config, platform, opts: BuildOptions, *,
     with torch.device("meta"):  # nothing is allocated before every module has its local size
         model = HunyuanImage3Transformer(cfg, platform, opts)
         plan = parallel.shard_model(model, plans_for(opts.fuse_shared_expert), cfg=cfg, opts=opts)
-    model.to_empty(device=device)
+    materialize_meta_(model, device)  # not ``to_empty``: it imports sympy on the way (``materialize_meta_``)
     model.requires_grad_(False)
     return model.eval(), plan.load_target()
 
