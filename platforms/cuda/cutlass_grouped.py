@@ -264,16 +264,22 @@ def config_of(fast_accum: bool, swiglu: bool = False, small: bool = False) -> Ti
     return table.get(fast_accum)
 
 
-def prebuild(configs: list[TileConfig], nvcc: str, include: str) -> list[Path | Exception]:
+def prebuild(configs: list[TileConfig], nvcc: str, include: str, device: int | None = None,
+             tester=None) -> list[Path | Exception]:
     """Compile ``configs`` side by side, one nvcc each (about a minute apiece alone): on the 2-core development
     machine six objects took 281 s so against about 60 s each one after another; more cores overlap more (not
-    measured). Each result is its object or why it failed (``load`` then finds the objects in the cache, or
-    reports the failure itself)."""
+    measured). With ``device``, each object's self-test (``self_tested``) runs side by side too, one child each:
+    one after another in ``load``, four children took about 16 s of an H200 machine's first build (each imports
+    torch). Each result is its object or why it failed (``load`` then finds the objects and verdicts in the cache,
+    or reports the failure itself)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(cfg):
         try:
-            return build(cfg, nvcc, include)
+            library = build(cfg, nvcc, include)
+            if device is not None:
+                self_tested(library, cfg.name, device, tester)
+            return library
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             return err
 
@@ -290,12 +296,17 @@ def load(fast_accum: bool, nvcc: str, include: str, tester=None, swiglu: bool = 
     if cfg is None:
         raise RuntimeError(f"no small-tile build with fast_accum={fast_accum} (cutlass_grouped.SMALL_CONFIGS)")
     library = build(cfg, nvcc, include)
-    device = torch.cuda.current_device()
+    self_tested(library, cfg.name, torch.cuda.current_device(), tester)
+    return CutlassGroupedFp8(library, cfg.name)
+
+
+def self_tested(library: Path, config: str, device: int, tester=None) -> None:
+    """``library``'s ``config`` passed its self-test on ``device``'s model and driver: a file beside the object
+    keeps the verdict, else ``tester`` (default ``test_in_child``) runs it now; raises with the reason."""
     passed = library.with_name(f"{library.stem}.ok-{device_tag(device)}")
     if not passed.exists():
-        (tester or test_in_child)(library, cfg.name, device)
+        (tester or test_in_child)(library, config, device)
         passed.touch()
-    return CutlassGroupedFp8(library, cfg.name)
 
 
 def device_tag(device: int) -> str:

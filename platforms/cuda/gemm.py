@@ -375,9 +375,10 @@ def _load_cutlass(fast_accum: bool, nvcc: str, include: str, swiglu: bool = Fals
 
 @functools.lru_cache(maxsize=None)
 def _prebuild(fast_accum: bool, nvcc: str, include: str, small_tiles: bool) -> None:
-    """Once per process and choice: the objects a recipe may load, compiled side by side (plain and SwiGLU
-    epilogue; their small-tile builds only where the recipe's ``kernels.grouped_fp8_small_rows`` is not 0)."""
-    prebuild(prebuild_configs(fast_accum, small_tiles), nvcc, include)
+    """Once per process and choice: the objects a recipe may load, compiled and self-tested side by side (plain
+    and SwiGLU epilogue; their small-tile builds only where the recipe's ``kernels.grouped_fp8_small_rows`` is
+    not 0)."""
+    prebuild(prebuild_configs(fast_accum, small_tiles), nvcc, include, device=torch.cuda.current_device())
 
 
 def prebuild_configs(fast_accum: bool, small_tiles: bool) -> list:

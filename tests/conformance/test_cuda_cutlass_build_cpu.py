@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,30 @@ def test_prebuild_compiles_side_by_side_and_reports_each_failure(fake_nvcc, tmp_
     monkeypatch.setenv("FAIL_NVCC", "1")
     failed = cg.prebuild(configs[:2], str(nvcc), str(include))
     assert all(isinstance(f, RuntimeError) and "nvcc failed (2)" in str(f) for f in failed)
+
+
+def test_prebuild_self_tests_side_by_side_and_load_keeps_the_verdicts(loading):
+    """With a device, each object's self-test runs in the prebuild, all at once (a barrier that one test at a
+    time would never pass); ``load`` then opens the objects without a child. A failed test is its result, with
+    no verdict kept, so ``load`` tests again and raises it."""
+    nvcc, include, opened, cache = loading
+    configs = gemm.prebuild_configs(True, True)
+    together = threading.Barrier(len(configs), timeout=20)
+    tested = []
+    built = cg.prebuild(configs, nvcc, include, device=0, tester=lambda *a: tested.append(a) or together.wait())
+    assert all(isinstance(b, Path) for b in built) and sorted(t[1] for t in tested) == sorted(c.name for c in configs)
+    assert len(list(cache.glob("*.ok-NVIDIA-H200-sm90-driver13000-dev0"))) == len(configs)
+    assert cg.load(True, nvcc, include, tester=pytest.fail, swiglu=True, small=True) == configs[-1].name
+
+    def fails(library, config, device):
+        raise RuntimeError(f"the self-test of {config} failed in a child process (exit 1)")
+
+    for ok in cache.glob("*.ok-*"):
+        ok.unlink()
+    [failed] = cg.prebuild(configs[:1], nvcc, include, device=0, tester=fails)
+    assert isinstance(failed, RuntimeError) and not list(cache.glob("*.ok-*"))
+    with pytest.raises(RuntimeError, match="failed in a child process"):
+        cg.load(True, nvcc, include, tester=fails)
 
 
 def test_prebuild_compiles_small_tiles_only_where_the_recipe_uses_them(loaded, prebuilt):
