@@ -302,11 +302,18 @@ def load(fast_accum: bool, nvcc: str, include: str, tester=None, swiglu: bool = 
 
 def self_tested(library: Path, config: str, device: int, tester=None) -> None:
     """``library``'s ``config`` passed its self-test on ``device``'s model and driver: a file beside the object
-    keeps the verdict, else ``tester`` (default ``test_in_child``) runs it now; raises with the reason."""
+    keeps the verdict, else ``tester`` (default ``test_in_child``) runs it now; raises with the reason. The
+    object's build lock is held meanwhile, so that the ranks of one host run one test per object, not one each."""
     passed = library.with_name(f"{library.stem}.ok-{device_tag(device)}")
-    if not passed.exists():
-        (tester or test_in_child)(library, config, device)
-        passed.touch()
+    if passed.exists():
+        return
+    import fcntl
+
+    with open(library.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not passed.exists():  # another process may have tested it while this one waited
+            (tester or test_in_child)(library, config, device)
+            passed.touch()
 
 
 def device_tag(device: int) -> str:

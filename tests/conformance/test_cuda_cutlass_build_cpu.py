@@ -7,6 +7,7 @@ import dataclasses
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,29 @@ def test_prebuild_self_tests_side_by_side_and_load_keeps_the_verdicts(loading):
     assert isinstance(failed, RuntimeError) and not list(cache.glob("*.ok-*"))
     with pytest.raises(RuntimeError, match="failed in a child process"):
         cg.load(True, nvcc, include, tester=fails)
+
+
+def test_ranks_asking_at_once_share_one_self_test(loading):
+    """Four threads (as the ranks of one host, one device model, would) ask for one object's verdict at once: one
+    test runs, the others wait on the object's lock and find its verdict."""
+    nvcc, include, _, cache = loading
+    cfg = cg.CONFIGS[True]
+    library = cg.build(cfg, nvcc, include)
+    tested, start = [], threading.Barrier(4, timeout=20)
+
+    def slow_test(*args):
+        tested.append(args)
+        time.sleep(0.2)
+
+    def ask():
+        start.wait()
+        cg.self_tested(library, cfg.name, 0, slow_test)
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(tested) == 1 and len(list(cache.glob("*.ok-*"))) == 1
 
 
 def test_prebuild_compiles_small_tiles_only_where_the_recipe_uses_them(loaded, prebuilt):
