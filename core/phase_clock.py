@@ -1,8 +1,9 @@
 """Seconds per named phase of one long job (a pipeline's build), for the line that reports it done.
 
 Why: a build's one figure (``omni_startup_seconds{part="build"}``) does not say where its seconds went. On a GPU
-the first build of a process took 20-22 s where a later one took 7-9 s with the same kernels compiled
-(BENCHMARKS.md, "Thirty-ninth session"); the phases name the part that differs. Device work runs behind the
+the first build of a machine took 20-22 s where a later one took 7-9 s with the same kernels compiled; the phases
+put the difference in the modules phase, which led to the CUTLASS self-tests run one after another (BENCHMARKS.md,
+"Fortieth session"). Device work runs behind the
 host, so each phase ends by waiting for it (``sync``) where one is given: else a phase that only queued its work
 would look free and the next phase that waits would be charged for it.
 """

@@ -143,8 +143,9 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
     streamed tensors parked in pinned host memory. Peak device memory is the
     resident part plus one layer in the checkpoint's dtype, so the FP8 model
     loads on a card that could not hold it in bf16; host memory holds only
-    what is streamed, already quantized. ``clock`` times the first layer apart from the others: its
-    quantization compiles the platform's kernels.
+    what is streamed, already quantized. ``clock`` times the phases: "modules" includes resolving the
+    platform's kernels (compiles at build, self-tests of compiled objects), and the first layer is timed apart
+    from the others, since the first use of a kernel may cost more.
     """
     o, dev, keep = recipe.offload, services.device, STREAMED.get(recipe.offload.mode)
     clock = clock or PhaseClock()
