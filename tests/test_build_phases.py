@@ -31,15 +31,15 @@ def test_each_phase_ends_by_waiting_for_the_device_and_summary_names_the_rest():
     clock.sync = lambda: waited.append(time.perf_counter())
     with clock.phase("weights"):
         time.sleep(0.02)
-    time.sleep(0.1)  # outside every phase: reported as "other"
+    time.sleep(0.3)  # outside every phase: reported as "other"
     with clock.phase("weights"):
         pass
     with clock.phase("KV pool"):
         pass
     assert len(waited) == 3 and list(clock.seconds) == ["weights", "KV pool"]
-    assert 0.02 <= clock.seconds["weights"] < 0.1
+    assert 0.02 <= clock.seconds["weights"] < 0.3  # the sleep between the two blocks is not the phase's
     total, parts = phases_of(clock.summary())
-    assert list(parts) == ["weights", "KV pool", "other"] and parts["other"] >= 0.1 and total >= 0.1, parts
+    assert list(parts) == ["weights", "KV pool", "other"] and parts["other"] >= 0.3 and total >= 0.3, parts
 
 
 def test_a_phase_that_raises_is_not_timed_and_its_error_is_unchanged():

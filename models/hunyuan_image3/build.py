@@ -132,7 +132,7 @@ STREAMED = {"layers": ALL, "experts": EXPERTS_ONLY}
 
 
 def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress: bool, instruct: bool = False,
-                 random_values: bool = False, clock: PhaseClock | None = None):
+                 random_values: bool = False, *, clock: PhaseClock):
     """The loaded, prepared transformer, VAE and vision encoder (or None), placed as ``offload.mode`` says,
     and their offloaders (``random_values``: ``random_weights``' values where the checkpoint's would load).
 
@@ -148,7 +148,6 @@ def load_weights(recipe, cfg, platform, root: Path, services, parallel, progress
     from the others, since the first use of a kernel may cost more.
     """
     o, dev, keep = recipe.offload, services.device, STREAMED.get(recipe.offload.mode)
-    clock = clock or PhaseClock()
     with clock.phase("modules"):
         model, vae, vision, target = build_modules(cfg, platform, recipe, "meta", parallel, instruct)
         fill, finish = (_random_source(model, vae, vision) if random_values
