@@ -135,6 +135,31 @@ class Fa3:
     paged: bool = True
     head_dims: tuple[int, ...] = (64, 96, 128, 192, 256)
     fp8: bool = True  # e4m3 q/k/v with descales (FLASHATTENTION_DISABLE_FP8 unset)
+    fwd: object = None  # the build's registered ``fwd`` op (``fa3_raw_fwd``), called without the Python wrappers
+
+
+# The keywords Fa3Attention passes to the registered op; its schema must name every one of them.
+FA3_FWD_KEYWORDS = frozenset({
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table",
+    "q_descale", "k_descale", "v_descale", "softmax_scale", "is_causal", "num_splits"})
+
+
+def fa3_raw_fwd(module) -> object:
+    """The ``torch.ops`` overload behind ``module``'s wrappers when its schema takes ``FA3_FWD_KEYWORDS``.
+
+    Why: the wrappers go through a ``torch.library.custom_op``, whose first call
+    imports ``torch._dynamo`` (with sympy): 1.1 s on the development CPU, about
+    3.4 s of the warm-up on an H100 whose torch had no bytecode caches
+    (BENCHMARKS.md, fortieth session). The registered op is the same kernel
+    launch. None (use the wrappers) for builds whose op is not registered with
+    torch or names its arguments otherwise.
+    """
+    for value in vars(module).values():
+        if isinstance(value, torch._ops._OpNamespace) and hasattr(value, "fwd"):
+            op = getattr(value.fwd, "default", None)
+            names = {a.name for a in op._schema.arguments} if op is not None else set()
+            return op if FA3_FWD_KEYWORDS <= names else None
+    return None
 
 
 def load_fa3(name: str) -> Fa3 | str:
@@ -147,7 +172,7 @@ def load_fa3(name: str) -> Fa3 | str:
     dims = tuple(d for d in (64, 96, 128, 192, 256) if not flags.get(f"FLASHATTENTION_DISABLE_HDIM{d}", False))
     return Fa3(module, name, fp16=not flags.get("FLASHATTENTION_DISABLE_FP16", False),
                paged=not flags.get("FLASHATTENTION_DISABLE_PAGEDKV", False), head_dims=dims,
-               fp8=not flags.get("FLASHATTENTION_DISABLE_FP8", False))
+               fp8=not flags.get("FLASHATTENTION_DISABLE_FP8", False), fwd=fa3_raw_fwd(module))
 
 
 def _fa3_build_flags(name: str) -> dict:

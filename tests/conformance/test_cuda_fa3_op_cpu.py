@@ -1,0 +1,151 @@
+"""FA3 through its registered op (``Fa3.fwd``), checked on a CPU box.
+
+The double is a real ``torch.library`` op with the schema fa3-fwd 0.0.3's
+``_C`` registers (read from the wheel's shared object), computing the naive
+oracle on CPU tensors. It records the keywords the dispatcher hands it, so
+the tests see what a build would receive: the split count each Python
+wrapper passes, the descales, the lengths. The same kernel on the GPU, both
+routes bit for bit, is tests/gpu/test_gpu_fa3_op.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from conformance_cases import TOL, attention_spec, make_attention_case, naive_attention
+from omni.platforms.cuda import attention
+from omni.platforms.cuda.capabilities import Fa3, fa3_raw_fwd
+from omni.specs import VarlenMeta
+
+VENDOR_SCHEMA = (
+    "fwd(Tensor q,Tensor k,Tensor v,Tensor(k_new!)? k_new = None,Tensor(v_new!)? v_new = None,Tensor? q_v = None,"
+    "Tensor(out!)? out = None,Tensor? cu_seqlens_q = None,Tensor? cu_seqlens_k = None,"
+    "Tensor? cu_seqlens_k_new = None,Tensor? seqused_q = None,Tensor? seqused_k = None,int? max_seqlen_q = None,"
+    "int? max_seqlen_k = None,Tensor? page_table = None,Tensor? kv_batch_idx = None,Tensor? leftpad_k = None,"
+    "Tensor? rotary_cos = None,Tensor? rotary_sin = None,Tensor? seqlens_rotary = None,Tensor? q_descale = None,"
+    "Tensor? k_descale = None,Tensor? v_descale = None,float? softmax_scale = None,bool is_causal = False,"
+    "int window_size_left = -1,int window_size_right = -1,int attention_chunk = 0,float softcap = 0.0,"
+    "bool is_rotary_interleaved = False,Tensor? scheduler_metadata = None,int num_splits = 0,bool? pack_gqa = None,"
+    "int sm_margin = 0) -> (Tensor(out!), Tensor, Tensor, Tensor)")
+# An older build's names (``causal``, no ``num_splits``): the wrappers must be used.
+OLD_SCHEMA = ("fwd(Tensor q,Tensor k,Tensor v,Tensor? cu_seqlens_q = None,Tensor? cu_seqlens_k = None,"
+              "int? max_seqlen_q = None,int? max_seqlen_k = None,float? softmax_scale = None,bool causal = False)"
+              " -> (Tensor, Tensor)")
+
+
+class OpDouble:
+    """A registered op in namespace ``ns`` that records its bound arguments and answers with the oracle."""
+
+    def __init__(self, ns: str, schema: str):
+        self.lib, self.calls, self.spec = torch.library.Library(ns, "DEF"), [], None
+        self.lib.define(schema)
+        self.lib.impl("fwd", self._impl, "CPU")
+        self.op = getattr(torch.ops, ns).fwd.default
+        self.defaults = {a.name: a.default_value for a in self.op._schema.arguments}
+        self.module = types.ModuleType(f"{ns}_interface")  # an interface module holding its op namespace
+        self.module.ops = getattr(torch.ops, ns)
+
+    def _impl(self, *args):
+        a = {**self.defaults, **dict(zip(self.defaults, args))}  # the dispatcher drops trailing defaults
+        self.calls.append(a)
+        q, k, v = (self._dequant(a[n], a.get(f"{n}_descale")) for n in ("q", "k", "v"))
+        out = naive_attention(self.spec, q, k, v, self._meta(a)).to(torch.bfloat16)
+        return out, q.new_zeros(1), q.new_zeros(0), q.new_zeros(0)
+
+    @staticmethod
+    def _dequant(x, descale):
+        return x if descale is None else x.float() * descale[0, 0]
+
+    @staticmethod
+    def _meta(a) -> VarlenMeta:
+        cu_q = a["cu_seqlens_q"]
+        cu_k = a["cu_seqlens_k"]
+        if a["page_table"] is not None:
+            cu_k = torch.nn.functional.pad(a["seqused_k"].cumsum(0, dtype=torch.int32), (1, 0))
+        return VarlenMeta(cu_seqlens_q_B1=cu_q, cu_seqlens_k_B1=cu_k, max_seqlen_q=a["max_seqlen_q"],
+                          max_seqlen_k=int(cu_k.diff().max()), cu_seqlens_q_host=tuple(cu_q.tolist()),
+                          cu_seqlens_k_host=tuple(cu_k.tolist()), block_table_BP=a["page_table"],
+                          seqused_k_B=a["seqused_k"])
+
+
+class NoWrappers:
+    """The interface's Python wrappers, which the op route must not call."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the op route called the wrapper {name}")
+
+
+@pytest.fixture(scope="module")
+def vendor():
+    return OpDouble("omni_fa3_double", VENDOR_SCHEMA)
+
+
+def test_the_op_is_found_only_where_its_schema_takes_our_keywords(vendor):
+    assert fa3_raw_fwd(vendor.module) is vendor.op
+    assert fa3_raw_fwd(OpDouble("omni_fa3_old_double", OLD_SCHEMA).module) is None
+    assert fa3_raw_fwd(types.ModuleType("pybind_build")) is None  # an op not registered with torch
+
+
+@pytest.mark.parametrize("mask,page", [("none", 0), ("causal", 0), ("causal", 256)])
+def test_the_op_route_passes_what_the_wrappers_pass(vendor, mask, page):
+    spec = attention_spec("bf16", 128, 4, mask, page, backend="fa3")
+    vendor.spec, vendor.calls[:] = spec, []
+    impl = attention.Fa3Attention(spec, Fa3(NoWrappers(), "fa3_fwd_interface", fwd=vendor.op))
+    assert impl.name == "cuda-fa3(fa3_fwd_interface, op)"
+    q, k, v, meta = make_attention_case(spec, "q<k", "cpu")
+    torch.testing.assert_close(impl(q, k, v, meta).float(), naive_attention(spec, q, k, v, meta).float(),
+                               **TOL[torch.bfloat16])
+    call = vendor.calls[0]
+    assert call["is_causal"] == (mask == "causal") and call["softmax_scale"] == pytest.approx(128 ** -0.5)
+    assert call["num_splits"] == (0 if page else 1)  # flash_attn_with_kvcache's default; the varlen wrapper's 1
+    assert (call["page_table"] is meta.block_table_BP) and (call["seqused_k"] is meta.seqused_k_B)
+    assert call["cu_seqlens_k"] is (None if page else meta.cu_seqlens_k_B1)
+
+
+def test_the_op_route_in_fp8_sends_one_descale_per_sequence_and_kv_head(vendor):
+    spec = attention_spec("bf16", 128, 4, "causal", 0, backend="fa3")
+    spec_fp8 = dataclasses.replace(spec, fp8=True)
+    vendor.spec, vendor.calls[:] = spec, []
+    impl = attention.Fa3Attention(spec_fp8, Fa3(NoWrappers(), "fa3_fwd_interface", fwd=vendor.op))
+    q, k, v, meta = make_attention_case(spec, "q<k", "cpu")
+    out = impl(q, k, v, meta)
+    call = vendor.calls[0]
+    assert call["q"].dtype == torch.float8_e4m3fn and call["num_splits"] == 1
+    assert call["k_descale"].shape == (meta.num_seqs, spec.num_kv_heads)
+    assert call["q_descale"][0, 0] == pytest.approx(q.float().abs().max().item() / 448, rel=1e-6)
+    err = (out.float() - naive_attention(spec, q, k, v, meta).float()).norm() / out.float().norm()
+    assert 1e-4 < err < 0.1  # e4m3 products: close to the bf16 answer, not equal to it
+
+
+def test_the_op_route_imports_no_dynamo_where_the_custom_op_route_does():
+    """The reason for the op route: a ``torch.library.custom_op`` call imports ``torch._dynamo`` on first use."""
+    code = f"""
+import sys, types, torch
+from typing import Tuple
+from omni.platforms.cuda import attention
+from omni.platforms.cuda.capabilities import Fa3, fa3_raw_fwd
+from conformance_cases import attention_spec, make_attention_case
+lib = torch.library.Library("omni_fa3_sub", "DEF")
+lib.define({VENDOR_SCHEMA!r})
+lib.impl("fwd", lambda q, *a: (q.clone(), q.new_zeros(1), q.new_zeros(0), q.new_zeros(0)), "CPU")
+module = types.ModuleType("fa3_sub_interface"); module.ops = torch.ops.omni_fa3_sub
+spec = attention_spec("bf16", 128, 4, "causal", 0, backend="fa3")
+impl = attention.Fa3Attention(spec, Fa3(None, "fa3_sub_interface", fwd=fa3_raw_fwd(module)))
+impl(*make_attention_case(spec, "q<k", "cpu"))
+print("op route:", "torch._dynamo" in sys.modules)
+
+@torch.library.custom_op("omni_fa3_sub::wrapped", mutates_args=(), device_types="cpu")
+def wrapped(q: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return q.clone(), q.new_zeros(1)
+wrapped(torch.ones(2))
+print("custom op route:", "torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=__file__.rsplit("/", 1)[0])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["op route: False", "custom op route: True"], out.stdout
