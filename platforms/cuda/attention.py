@@ -55,6 +55,8 @@ class Fa3Attention:
     Both routes launch the same kernel with the same arguments: the op gets the
     values the wrappers pass (``num_splits`` 1 for varlen, 0, the heuristic,
     for the paged call), so outputs are bit-identical (tests/gpu/test_gpu_fa3_op.py).
+    The wrappers copy a q/k/v whose last dimension is strided; the op refuses
+    one, loudly. The model's projections give contiguous heads either way.
     """
 
     reads_host_lengths = False  # lengths from the device tensors; the host maxima are only upper bounds
