@@ -66,14 +66,30 @@ class Fa3Attention:
         self.name = f"cuda-fa3({fa3.name}{', fp8' if spec.fp8 else ''}{route})"
         self.mod, self.fwd, self.paged, self.fp8 = fa3.module, fa3.fwd, spec.paged, spec.fp8
         self.scale, self.causal = softmax_scale(spec), spec.mask == "causal"
+        self.run = self._op if fa3.fwd is not None else self._wrapped  # chosen once, not per call
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
-        if self.fp8:
-            return self._fp8(q_TNH, k, v, meta)
-        if self.fwd is not None:
-            return self.fwd(q_TNH, k, v, **self._op_lengths(meta), softmax_scale=self.scale, is_causal=self.causal)[0]
-        kw = {"softmax_scale": self.scale, "causal": self.causal}
+        if not self.fp8:
+            return self.run(q_TNH, k, v, meta)
+        # e4m3 q, k, v with one dynamic scale each (``omni.quant``'s per-tensor rule); bf16 out
+        (qq, sq), (kq, sk), (vq, sv) = (fp8_per_tensor(t) for t in (q_TNH, k, v))
+        shape = (meta.num_seqs, k.shape[-2])  # FA3 takes descales per (sequence, kv head)
+        out = self.run(qq, kq, vq, meta, q_descale=sq.expand(shape), k_descale=sk.expand(shape),
+                       v_descale=sv.expand(shape))
+        return out.to(q_TNH.dtype)
+
+    def _op(self, q_TNH, k, v, meta: VarlenMeta, **descales) -> torch.Tensor:
+        """The registered op, with the split count each wrapper passes (1 varlen, 0 paged: the heuristic)."""
         if self.paged:
+            lengths = dict(seqused_k=meta.seqused_k_B, page_table=meta.block_table_BP, num_splits=0)
+        else:
+            lengths = dict(cu_seqlens_k=meta.cu_seqlens_k_B1, max_seqlen_k=meta.max_seqlen_k, num_splits=1)
+        return self.fwd(q_TNH, k, v, cu_seqlens_q=meta.cu_seqlens_q_B1, max_seqlen_q=meta.max_seqlen_q, **lengths,
+                        **descales, softmax_scale=self.scale, is_causal=self.causal)[0]
+
+    def _wrapped(self, q_TNH, k, v, meta: VarlenMeta, **descales) -> torch.Tensor:
+        kw = {"softmax_scale": self.scale, "causal": self.causal, **descales}
+        if self.paged:  # never with descales: fp8 is refused for paged specs (``build_fa3``)
             out = self.mod.flash_attn_with_kvcache(
                 q_TNH, k, v, cache_seqlens=meta.seqused_k_B, page_table=meta.block_table_BP,
                 cu_seqlens_q=meta.cu_seqlens_q_B1, max_seqlen_q=meta.max_seqlen_q, **kw)
@@ -81,28 +97,6 @@ class Fa3Attention:
             out = self.mod.flash_attn_varlen_func(
                 q_TNH, k, v, meta.cu_seqlens_q_B1, meta.cu_seqlens_k_B1, meta.max_seqlen_q, meta.max_seqlen_k, **kw)
         return out[0] if isinstance(out, tuple) else out  # older builds return (out, lse)
-
-    def _op_lengths(self, meta: VarlenMeta) -> dict:
-        """The op's length keywords, with the split count each wrapper passes."""
-        if self.paged:
-            return dict(seqused_k=meta.seqused_k_B, page_table=meta.block_table_BP, cu_seqlens_q=meta.cu_seqlens_q_B1,
-                        max_seqlen_q=meta.max_seqlen_q, num_splits=0)
-        return dict(cu_seqlens_q=meta.cu_seqlens_q_B1, cu_seqlens_k=meta.cu_seqlens_k_B1,
-                    max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, num_splits=1)
-
-    def _fp8(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
-        """e4m3 q, k, v with one dynamic scale each (``omni.quant``'s per-tensor rule); bf16 out."""
-        (qq, sq), (kq, sk), (vq, sv) = (fp8_per_tensor(t) for t in (q_TNH, k, v))
-        shape = (meta.num_seqs, k.shape[-2])  # FA3 takes descales per (sequence, kv head)
-        descales = dict(q_descale=sq.expand(shape), k_descale=sk.expand(shape), v_descale=sv.expand(shape))
-        if self.fwd is not None:
-            out = self.fwd(qq, kq, vq, **self._op_lengths(meta), **descales, softmax_scale=self.scale,
-                           is_causal=self.causal)
-        else:
-            out = self.mod.flash_attn_varlen_func(
-                qq, kq, vq, meta.cu_seqlens_q_B1, meta.cu_seqlens_k_B1, meta.max_seqlen_q, meta.max_seqlen_k,
-                **descales, softmax_scale=self.scale, causal=self.causal)
-        return (out[0] if isinstance(out, tuple) else out).to(q_TNH.dtype)
 
 
 def fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -148,13 +148,19 @@ def build(cfg: TileConfig, nvcc: str, include: str, where: Path | None = None) -
     where = where or cache_dir()
     where.mkdir(parents=True, exist_ok=True)
     out = where / f"grouped_fp8_{cfg.name}_{cache_key(cfg, version, include)}.so"
+    _once_under_lock(out, out, lambda: _compile(cfg, nvcc, include, out))
+    return out
+
+
+def _once_under_lock(library: Path, made: Path, make) -> None:
+    """``make()`` unless ``made`` exists, holding ``library``'s lock file: the ranks of one host compiling or testing
+    the same object wait for one of them, then find what it made."""
     import fcntl  # POSIX only, like the build itself: importing this module stays portable
 
-    with open(out.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank compiling the same key: wait, then load its object
-        if not out.exists():
-            _compile(cfg, nvcc, include, out)
-    return out
+    with open(library.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():  # another process may have made it while this one waited
+            make()
 
 
 def _compile(cfg: TileConfig, nvcc: str, include: str, out: Path) -> None:
@@ -307,13 +313,11 @@ def self_tested(library: Path, config: str, device: int, tester=None) -> None:
     passed = library.with_name(f"{library.stem}.ok-{device_tag(device)}")
     if passed.exists():
         return
-    import fcntl
 
-    with open(library.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not passed.exists():  # another process may have tested it while this one waited
-            (tester or test_in_child)(library, config, device)
-            passed.touch()
+    def test():
+        (tester or test_in_child)(library, config, device)
+        passed.touch()
+    _once_under_lock(library, passed, test)
 
 
 def device_tag(device: int) -> str:
