@@ -83,6 +83,14 @@ def assert_quiet(stderr: str) -> None:
     assert not alarms, f"stderr after Ctrl-C:\n{stderr}"
 
 
+def assert_ready_stop(code: int, stderr: str, ranks: list[int]) -> None:
+    """A ready server stopped by Ctrl-C: exit 0, no traceback, uvicorn's orderly stop, no rank left behind."""
+    assert code == 0, f"exit status {code} (single-process serve exits 0 on Ctrl-C):\n{stderr}"
+    assert_quiet(stderr)
+    assert "Shutting down" in stderr  # uvicorn's orderly stop, not a crash
+    assert wait_gone(ranks) == [], "rank processes outlived the server"
+
+
 def test_ctrl_c_stops_a_ready_multi_rank_server_cleanly(tmp_path):
     """dp 2: two one-rank replicas behind the router. One replica of two ranks in lock-step (cfg 2) is stopped
     the same way, once ready, by test_serve_loading.py."""
@@ -95,10 +103,7 @@ def test_ctrl_c_stops_a_ready_multi_rank_server_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert code == 0, f"exit status {code} (single-process serve exits 0 on Ctrl-C):\n{stderr}"
-    assert_quiet(stderr)
-    assert "Shutting down" in stderr  # uvicorn's orderly stop, not a crash
-    assert wait_gone(ranks) == [], "rank processes outlived the server"
+    assert_ready_stop(code, stderr, ranks)
 
 
 def test_ctrl_c_while_the_ranks_load_stops_them(tmp_path):
