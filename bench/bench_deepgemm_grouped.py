@@ -65,31 +65,28 @@ def in_kernel_layout(dg, a, b):
             (b[0], dg.transform_sf_into_required_layout(b[1], n, k, recipe, e, False)))
 
 
-def reference_error(out, x_RK, w_ENK, counts_E, experts: int, rows_of=None) -> float:
-    """Relative L2 of ``out`` against the fp32 product of the bf16 operands over the first ``experts`` experts'
-    rows (``rows_of(r)`` maps routed rows to ``out``'s rows: the padded layout's)."""
+def reference_error(out_RN, x_RK, w_ENK, counts_E, experts: int) -> float:
+    """Relative L2 of ``out_RN`` (routed row order) against the fp32 product of the bf16 operands over the first
+    ``experts`` experts' rows."""
     got, want, start = [], [], 0
     for e, c in enumerate(counts_E.tolist()[:experts]):
         r = torch.arange(start, start + c, device="cuda")
-        got.append(out[rows_of(r) if rows_of else r].float())
+        got.append(out_RN[r].float())
         want.append(x_RK[r].float() @ w_ENK[e].float().t())
         start += c
     got, want = torch.cat(got), torch.cat(want)
     return float((got - want).norm() / want.norm())
 
 
-def cases(dg, cutlass, x_RK, w_ENK, counts_E, align: int):
-    """The timed callables of one split and GEMM, and their relative errors against the reference."""
+def cases(dg, cutlass, gemm: str, x_RK, w_ENK, counts_E, align: int):
+    """The timed callables of one split and GEMM, each kernel's output after a first call (routed row order; the
+    SwiGLU build's is SwiGLU(gate, up)), and DeepGEMM's padded row count."""
     xq, xs = fp8(x_RK)
     wq, ws = fp8(w_ENK)
     xs, ws = xs.view(-1).contiguous(), ws.view(E, -1).contiguous()
     offs = counts_E.cumsum(0).to(torch.int32)
     rows_M, expert_M = padded_layout(counts_E, align)
-    a, b = deepgemm_operands(x_RK, w_ENK, rows_M)
-    try:
-        a, b = in_kernel_layout(dg, a, b)
-    except (RuntimeError, AttributeError, TypeError) as err:  # the call converts them itself then
-        print(f"scales left as cast ({type(err).__name__}: {str(err)[:120]})", flush=True)
+    a, b = in_kernel_layout(dg, *deepgemm_operands(x_RK, w_ENK, rows_M))
     d_MN = torch.empty(rows_M.numel(), w_ENK.shape[1], dtype=torch.bfloat16, device="cuda")
     d_one = torch.empty(rows_M.numel(), w_ENK.shape[1], dtype=torch.bfloat16, device="cuda")
     b_one = (b[0][0].contiguous(), b[1][0].contiguous())
@@ -98,16 +95,15 @@ def cases(dg, cutlass, x_RK, w_ENK, counts_E, align: int):
            "cublas dense one weight fast": lambda: torch._scaled_mm(
                xq, wq[0].t(), scale_a=xs.view(-1, 1), scale_b=ws[0].view(1, -1), out_dtype=torch.bfloat16,
                use_fast_accum=True)}
-    cutlass = {name: k for name, k in cutlass.items() if not k.swiglu or w_ENK.shape[1] == SHAPES["gate_up"][1]}
+    cutlass = {name: k for name, k in cutlass.items() if not k.swiglu or gemm == "gate_up"}  # its epilogue's GEMM
     outs = {name: torch.empty(xq.shape[0], w_ENK.shape[1] // (2 if k.swiglu else 1), dtype=torch.bfloat16,
                               device="cuda") for name, k in cutlass.items()}
     for name, kernel in cutlass.items():
         fns[name] = (lambda k=kernel, o=outs[name]: k(xq, xs, wq, ws, offs, out=o))
     for fn in fns.values():
         fn()
-    position = torch.full((int(counts_E.sum()),), -1, dtype=torch.long, device="cuda")
-    position[rows_M[rows_M >= 0]] = torch.nonzero(rows_M >= 0).view(-1)
-    return fns, {"d_MN": d_MN, "outs": outs, "position": position}
+    # padded_layout keeps the routed rows in order, so DeepGEMM's valid rows are its output in routed order
+    return fns, {"deepgemm grouped": d_MN[rows_M >= 0], **outs}, rows_M.numel()
 
 
 def main():
@@ -135,13 +131,10 @@ def main():
         for gemm, (k, n) in SHAPES.items():
             x_RK = torch.randn(R, k, device="cuda", generator=g).bfloat16()
             w_ENK = (torch.randn(E, n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
-            fns, out = cases(dg, cutlass, x_RK, w_ENK, counts, align)
-            err = {"deepgemm grouped": reference_error(out["d_MN"], x_RK, w_ENK, counts, a.check_experts,
-                                                       lambda r: out["position"][r])}
-            err |= {name: reference_error(o, x_RK, w_ENK, counts, a.check_experts) for name, o in out["outs"].items()
-                    if "swiglu" not in name}  # its output is SwiGLU(gate, up): bench_cutlass_grouped checks it
+            fns, outs, padded = cases(dg, cutlass, gemm, x_RK, w_ENK, counts, align)
+            err = {name: reference_error(o, x_RK, w_ENK, counts, a.check_experts) for name, o in outs.items()
+                   if "swiglu" not in name}  # its output is SwiGLU(gate, up): bench_cutlass_grouped checks it
             t = round_robin_seconds(fns, a.rounds, a.chain)
-            padded = int(-(-counts // align).mul(align).sum())
             counted = {m: padded if m == "deepgemm dense one weight" else R for m in t}  # it multiplies every padded row
             row = {"split": split, "gemm": gemm, "rows": R, "padded_rows": padded, "align": align,
                    **{f"{m} TFLOP/s": round(2 * counted[m] * k * n / s / 1e12, 1) for m, s in t.items()},
@@ -150,7 +143,7 @@ def main():
                    "timing": f"graph of {a.chain} calls" if a.chain else "eager calls"}
             print(row, flush=True)
             rows.append(row)
-            del fns, out
+            del fns, outs
             torch.cuda.empty_cache()
     return emit({"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "deep_gemm": dg.__version__
                  if hasattr(dg, "__version__") else "?", "rows": rows}, a.json)
