@@ -62,7 +62,7 @@ def parse(argv=None):
     p.add_argument("--attn-fp8", action="store_true", help="the fp8 engine also runs attention in e4m3 (attention.fp8)")
     p.add_argument("--fast-accum", action="store_true",
                    help="fp8 GEMMs accumulate without fp32 promotion (kernels.fp8_fast_accum), engine and floor")
-    p.add_argument("--grouped-fp8", choices=["auto", "torch", "cutlass"], default="auto",
+    p.add_argument("--grouped-fp8", choices=["auto", "torch", "cutlass", "deepgemm"], default="auto",
                    help="kernel of the fp8 expert GEMMs (kernels.grouped_fp8), engine and floor")
     p.add_argument("--shared-stream", action="store_true",
                    help="the engine runs each layer's shared expert on a side stream (kernels.shared_expert_stream)")

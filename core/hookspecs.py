@@ -366,7 +366,7 @@ def omni_grouped_gemm_impl(spec: GroupedGemmSpec, reject: Reject) -> GroupedGemm
     Capture safety: must not read ``offsets_E`` on the host when the MoE runs
     in a captured region (the reference does, so it is never captured).
     Default implementation: a loop over experts with ``F.linear`` (exact);
-    refuses ``grouped_fp8="cutlass"`` for quantized schemes.
+    refuses any ``grouped_fp8`` but ``auto`` and ``torch`` for quantized schemes.
     Versions: 0.4 (``small_rows``); 0.3 (``grouped_fp8``; 0.2 ``fast_accum``).
     """
 
@@ -442,10 +442,15 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     Default implementation: sort routed rows by expert, loop over experts with
     ``omni.quant``'s reference products, combine in fp32 (the oracle; reads
     counts on the host, so it refuses ``capturable`` specs; refuses ``memory_bound="triton"``
-    and, for quantized schemes, ``grouped_fp8="cutlass"``).
+    and, for quantized schemes, any ``grouped_fp8`` but ``auto`` and ``torch``).
+    A platform may name a kernel that serves this hook only (the cuda
+    platform's ``deepgemm``: DeepGEMM's grouped kernel with its own weight
+    scales, one per 128x128 block, and exact accumulation; a different
+    rounding of the same product, gated in docs/quality.md); its
+    ``omni_grouped_gemm_impl`` then refuses that name.
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
-    Versions: 0.10 (``pdl_rows``); 0.9 (``skinny_rows``); 0.8 (``small_rows``); 0.7 (``addends`` as a callable);
+    Versions: 0.11 (``grouped_fp8="deepgemm"``); 0.10 (``pdl_rows``); 0.9 (``skinny_rows``); 0.8 (``small_rows``); 0.7 (``addends`` as a callable);
     0.6 (``accepts_addends``); 0.5 (``grouped_fp8``, ``accepts_row_quantized``; 0.4 ``fast_accum``;
     0.3 ``memory_bound``).
     """

@@ -39,7 +39,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANT_SCHEMES = ("none", "fp8_tensor", "fp8_row", "mxfp8", "nvfp4", "w8a8")  # == omni.specs.QUANT_SCHEMES (tested)
 ATTENTION_BACKENDS = ("auto", "sdpa", "varlen", "fa3", "flex", "fia", "aiter")
 MEMORY_BOUND = ("auto", "triton", "torch")  # == omni.specs.MEMORY_BOUND (tested)
-GROUPED_FP8 = ("auto", "torch", "cutlass")  # == omni.specs.GROUPED_FP8 (tested)
+GROUPED_FP8 = ("auto", "torch", "cutlass", "deepgemm")  # == omni.specs.GROUPED_FP8 (tested)
 GROUPED_SMALL_ROWS = 32  # == omni.specs.GROUPED_SMALL_ROWS (tested)
 GROUPED_SKINNY_ROWS = 16  # == omni.specs.GROUPED_SKINNY_ROWS (tested)
 SKINNY_ROWS = 64  # == omni.specs.SKINNY_ROWS (tested)
@@ -140,7 +140,10 @@ class Kernels(_Validated):
     grouped_fp8: str = _opt("auto", "kernel of the fp8 expert (grouped) GEMMs: auto (CUDA sm90: our CUTLASS build "
                                     "where nvcc and the nvidia-cutlass headers are found, compiled once into "
                                     "~/.cache/omni-run/kernels; else the stock kernel); torch (torch's "
-                                    "_scaled_grouped_mm); cutlass (demand the CUTLASS build: refused where absent)",
+                                    "_scaled_grouped_mm); cutlass (demand the CUTLASS build: refused where absent); "
+                                    "deepgemm (CUDA sm90, fp8_row: the fused MoE on DeepGEMM's grouped kernel, "
+                                    "the cuda-deepgemm extra; weights in 128x128 scale blocks, exact accumulation; "
+                                    "refused where absent)",
                             choices=GROUPED_FP8)
     grouped_fp8_small_rows: int = _opt(GROUPED_SMALL_ROWS, "where at most this many rows reach each expert on "
                                        "average (text decode steps, short prompts), the fp8 expert GEMMs run a "

@@ -22,7 +22,11 @@ from .specs import (AttentionSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec,
 
 REFERENCE_QUANT = ("none", "fp8_tensor", "fp8_row", "w8a8")
 NO_TRITON = "reference: kernels.memory_bound=triton cannot be met: the reference runs plain torch ops (no Triton)"
-NO_CUTLASS = "reference: kernels.grouped_fp8=cutlass cannot be met: the reference's expert products are torch ops"
+DEMANDS = ("auto", "torch")  # kernels.grouped_fp8 values the reference meets (others demand a vendor kernel)
+
+
+def no_vendor_kernel(choice: str) -> str:
+    return f"reference: kernels.grouped_fp8={choice} cannot be met: the reference's expert products are torch ops"
 
 
 def causal_mask(lq: int, lk: int, device) -> torch.Tensor:
@@ -221,8 +225,8 @@ class ReferencePlatform:
 
     @hookimpl(trylast=True)
     def omni_grouped_gemm_impl(self, spec: GroupedGemmSpec, reject):
-        if spec.grouped_fp8 == "cutlass" and spec.quant != "none":
-            return reject(NO_CUTLASS)
+        if spec.grouped_fp8 not in DEMANDS and spec.quant != "none":
+            return reject(no_vendor_kernel(spec.grouped_fp8))
         if spec.quant not in REFERENCE_QUANT:
             return reject(f"reference: quant {spec.quant!r} has no reference semantics yet")
         return ReferenceGroupedGemm(spec)
@@ -231,8 +235,8 @@ class ReferencePlatform:
     def omni_moe_impl(self, spec: MoESpec, reject):
         if spec.memory_bound == "triton":
             return reject(NO_TRITON)
-        if spec.grouped_fp8 == "cutlass" and spec.quant != "none":
-            return reject(NO_CUTLASS)
+        if spec.grouped_fp8 not in DEMANDS and spec.quant != "none":
+            return reject(no_vendor_kernel(spec.grouped_fp8))
         if spec.capturable:
             return reject("reference: not capturable (reads expert counts on the host)")
         if spec.quant not in REFERENCE_QUANT:

@@ -25,7 +25,7 @@ MEMORY_BOUND = ("auto", "triton", "torch")
 # Which kernel runs the fp8 grouped (expert) GEMMs (``kernels.grouped_fp8``): auto = the platform's fastest one it
 # can get (on CUDA sm90 our CUTLASS build where nvcc and the CUTLASS headers are found, else torch's); torch =
 # the stock torch kernel; cutlass = the CUTLASS build demanded (a platform without it refuses).
-GROUPED_FP8 = ("auto", "torch", "cutlass")
+GROUPED_FP8 = ("auto", "torch", "cutlass", "deepgemm")
 # ``kernels.grouped_fp8_small_rows``: a platform with a smaller-tile build of its grouped kernel runs it when the
 # mean rows per expert group are at most this (0: never). The H200's crossover (BENCHMARKS.md "Sixteenth session").
 GROUPED_SMALL_ROWS = 32

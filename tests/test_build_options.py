@@ -146,9 +146,10 @@ def test_kernels_section_is_validated():
         parse_recipe("name: x\nkernels: {memory: torch}")
     assert parse_recipe("name: x\nkernels: {grouped_fp8: cutlass}").kernels.grouped_fp8 == "cutlass"
     assert parse_recipe("name: x").kernels.grouped_fp8 == "auto"
-    with pytest.raises(RecipeError, match=r"kernels\.grouped_fp8: 'deepgemm' is not allowed; allowed values: auto, "
-                                          r"torch, cutlass"):
-        parse_recipe("name: x\nkernels: {grouped_fp8: deepgemm}")
+    assert parse_recipe("name: x\nkernels: {grouped_fp8: deepgemm}").kernels.grouped_fp8 == "deepgemm"
+    with pytest.raises(RecipeError, match=r"kernels\.grouped_fp8: 'triton' is not allowed; allowed values: auto, "
+                                          r"torch, cutlass, deepgemm"):
+        parse_recipe("name: x\nkernels: {grouped_fp8: triton}")
 
 
 def test_memory_bound_choices_match_the_platform_contract():
@@ -169,9 +170,9 @@ def test_specs_refuse_an_unknown_choice_naming_the_field(make):
         make()
 
 
-@pytest.mark.parametrize("make", [lambda: dataclasses.replace(MOE, grouped_fp8="deepgemm"),
+@pytest.mark.parametrize("make", [lambda: dataclasses.replace(MOE, grouped_fp8="triton"),
                                   lambda: GroupedGemmSpec(num_experts=4, in_features=64, out_features=64,
-                                                          dtype=torch.bfloat16, grouped_fp8="deepgemm")],
+                                                          dtype=torch.bfloat16, grouped_fp8="triton")],
                          ids=["moe", "grouped"])
 def test_specs_refuse_an_unknown_grouped_kernel_naming_the_field(make):
     with pytest.raises(ValueError, match=r"grouped_fp8 \(kernels\.grouped_fp8\) must be one of"):

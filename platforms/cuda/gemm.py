@@ -306,6 +306,8 @@ def _grouped_fp8(spec: GroupedGemmSpec, caps: Caps, reject):
 
 def fp8_grouped_choice(spec, caps: Caps, who: str):
     """``(kernel, None)``: our CUTLASS kernel, or None for torch's; ``(None, reason)`` when neither can serve."""
+    if spec.grouped_fp8 == "deepgemm":
+        return None, f"{who}: kernels.grouped_fp8=deepgemm runs inside the fused MoE (omni_moe_impl) only"
     kernel = grouped_fp8_kernel(spec, caps)
     if not isinstance(kernel, str):
         return kernel, None

@@ -188,6 +188,8 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
         return reject(_later(spec.quant, caps))
     if spec.dtype != torch.bfloat16:
         return reject(f"cuda-moe: the grouped GEMM kernels write bf16 only, spec.dtype is {spec.dtype}")
+    if spec.grouped_fp8 == "deepgemm" and spec.quant != "none":
+        return _deepgemm(spec, caps, reject)
     grouped_kernel = None
     if spec.quant in FP8:
         if spec.hidden % 16 or spec.inner % 16:
@@ -209,6 +211,17 @@ def resolve_moe(spec: MoESpec, caps: Caps, reject):
     if torch.cuda.is_available():
         compile_at_build(spec, kernels, gemm, paired)
     return CudaMoE(spec, kernels, gemm, paired)
+
+
+def _deepgemm(spec: MoESpec, caps: Caps, reject):
+    """The MoE on DeepGEMM's grouped kernel (``deepgemm_moe``), with this platform's memory-bound kernels."""
+    from .deepgemm_moe import resolve_deepgemm_moe
+
+    kernels = memory_kernels(spec.memory_bound, reject, spec.pdl_rows, caps.sm)
+    moe = None if kernels is None else resolve_deepgemm_moe(spec, caps.sm, kernels, reject)
+    if moe is not None and torch.cuda.is_available():
+        compile_at_build(spec, kernels)
+    return moe
 
 
 def compile_at_build(spec: MoESpec, kernels, *gemms) -> None:

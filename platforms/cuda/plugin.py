@@ -28,7 +28,8 @@ class CudaPlatform(DevicePlatform):
     graphs = GraphApi(device_type="cuda", graph_class="CUDAGraph", label="cuda-graph")
     capabilities, attention, gemm, moe, glue = capabilities, attention, gemm, moe, glue  # what the shared hooks call
     triton_kernels = True  # gemm and moe pick Triton or torch ops from kernels.memory_bound themselves
-    grouped_fp8_kernels = ("cutlass",)  # gemm and moe build our CUTLASS grouped fp8 kernel (cutlass_grouped.py)
+    # gemm and moe build our CUTLASS grouped fp8 kernel (cutlass_grouped.py); the MoE runs DeepGEMM's (deepgemm_moe.py)
+    grouped_fp8_kernels = ("cutlass", "deepgemm")
     # NCCL (>= 2.9.6) records its kernels into CUDA graphs; torch's ProcessGroupNCCL leaves collectives issued
     # under capture out of its watchdog and queries its events in thread-local capture mode (pytorch PRs 103503,
     # 148594), so a capture on the step's stream is not aborted. gloo blocks the host: it cannot be recorded

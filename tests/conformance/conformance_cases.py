@@ -260,6 +260,23 @@ def naive_moe(spec: MoESpec, x_TD, w_Tk, ids_Tk, w13, w2) -> torch.Tensor:
     return out
 
 
+def naive_block_moe(spec: MoESpec, x_TD, w_Tk, ids_Tk, w13, w2) -> torch.Tensor:
+    """``naive_moe`` for experts in 128x128 weight blocks (the cuda platform's ``deepgemm`` MoE): per-row e4m3
+    activations, weights through ``deepgemm_moe.block_quantize``, the SwiGLU output rounded to bf16 then e4m3."""
+    from omni.platforms.cuda.deepgemm_moe import block_dequantize, block_quantize
+
+    x, ids, wts = x_TD.cpu().to(spec.dtype), ids_Tk.cpu(), w_Tk.cpu().double()
+    out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float64)
+    b13, b2 = (block_dequantize(block_quantize(w.cpu().to(spec.dtype))).double() for w in (w13, w2))
+    for e in range(spec.num_experts):
+        t, j = (ids == e).nonzero(as_tuple=True)
+        if t.numel():
+            h = naive_fp8(x[t], per_row=True) @ b13[e].T
+            a = naive_fp8((h[:, :spec.inner] * F.silu(h[:, spec.inner:])).to(spec.dtype), per_row=True)
+            out.index_add_(0, t, (a @ b2[e].T) * wts[t, j][:, None])
+    return out
+
+
 def reference_linear(spec: GemmSpec, x, w_OI, bias_O) -> torch.Tensor:
     ref = ReferenceLinear(dataclasses.replace(spec, dtype=torch.float32))
     bias = None if bias_O is None else bias_O.cpu().float()

@@ -1,0 +1,171 @@
+"""The fused MoE on DeepGEMM's grouped fp8 GEMM (``kernels.grouped_fp8: deepgemm``, the ``cuda-deepgemm`` extra).
+
+DeepGEMM (SGLang's binary ``sgl-deep-gemm`` wheel; its kernels are JIT-compiled on first use and cached on disk
+by DeepGEMM) measured 1.15-1.26x our CUTLASS build on the routed split on an H100 (BENCHMARKS.md, "Forty-third
+session"). Its sm90 grouped GEMM takes its own formulation:
+
+- the contiguous layout: every expert's rows start at a multiple of ``align`` rows (128); a row table names each
+  padded row's expert, -1 for padding. Its scheduler skips blocks whose first row is padding, so the layout can
+  be sized for the worst case (``padded_capacity``) and nothing is read on the host: the layer stays capturable;
+- activation scales per row and 128-wide K block, in its MN-major layout; weight scales per 128x128 block;
+- exact accumulation: partial sums promoted into fp32 every 128-wide K block (sm90 has no fast mode, so
+  ``kernels.fp8_fast_accum`` changes nothing here).
+
+Everything else is ``CudaMoE``'s fp8_row path: the same sort, gather + per-row quantization, SwiGLU +
+quantization and combine kernels, fed the padded plan (``padded_rows``: a few torch ops). Activations keep the
+per-row scales of ``fp8_row`` (one scale repeated over the K blocks), so only the expert weights' scales differ:
+they are quantized in 128x128 blocks at load (a checkpoint's row-scaled e4m3 experts are dequantized and
+requantized; docs/quality.md).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from omni.quant import FP8_MAX, dequantize
+from omni.specs import MoESpec, PreparedMoE, PreparedWeight, RowQuantized
+
+BLOCK = 128  # DeepGEMM's sm90 scale granularity: 1x128 for activations, 128x128 for weights
+RECIPE = (1, BLOCK, BLOCK)
+
+
+def padded_capacity(rows: int, experts: int, align: int) -> int:
+    """Rows of the padded layout for ``rows`` sorted rows: rounding each expert's block up to ``align`` adds at
+    most ``align - 1`` rows each. A bound from the shapes alone, so no group size is read on the host."""
+    return -(-(rows + experts * (align - 1)) // align) * align
+
+
+@dataclass(frozen=True)
+class PaddedRows:
+    """The sorted rows placed in DeepGEMM's contiguous layout."""
+
+    token_M: torch.Tensor  # each padded row's token (token 0 for padding: a real row whose product nobody reads)
+    expert_M: torch.Tensor  # int32: each padded row's expert, -1 for padding
+    row_R: torch.Tensor  # int64: each sorted row's padded row
+
+
+def padded_rows(token_R: torch.Tensor, offsets_E: torch.Tensor, align: int) -> PaddedRows:
+    """Sorted rows (``token_R``, group ends ``offsets_E``) -> padded layout: expert e's block starts at the sum of
+    the earlier blocks' sizes, each rounded up to ``align``. Torch ops on the device only (capturable)."""
+    ends_E = offsets_E.long()
+    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+    padded_E = (counts_E + align - 1) // align * align
+    shift_E = (padded_E.cumsum(0) - padded_E) - (ends_E - counts_E)  # each block's padded start minus its start
+    r = torch.arange(token_R.numel(), device=token_R.device)
+    expert_R = torch.searchsorted(ends_E, r, right=True)  # the first group ending after row r
+    row_R = r + shift_E[expert_R]
+    M = padded_capacity(token_R.numel(), ends_E.numel(), align)
+    expert_M = torch.full((M,), -1, dtype=torch.int32, device=token_R.device)
+    expert_M[row_R] = expert_R.int()
+    token_M = torch.zeros(M, dtype=token_R.dtype, device=token_R.device)
+    token_M[row_R] = token_R
+    return PaddedRows(token_M, expert_M, row_R)
+
+
+def block_quantize(w_ENK: torch.Tensor) -> PreparedWeight:
+    """e4m3 weights with one fp32 scale per 128x128 block (``[E, N/128, K/128]``), an expert at a time (a
+    whole-layer fp32 copy would be 6 GiB at the released widths)."""
+    E, N, K = w_ENK.shape
+    q = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=w_ENK.device)
+    scale = torch.empty(E, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w_ENK.device)
+    for e in range(E):
+        blocks = w_ENK[e].float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        s = (blocks.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX).clamp_min(1e-12)
+        q[e] = (blocks / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(N, K)
+        scale[e] = s.view(N // BLOCK, K // BLOCK)
+    return PreparedWeight(q, scale)
+
+
+def block_dequantize(w: PreparedWeight) -> torch.Tensor:
+    """fp32 ``[E, N, K]`` from ``block_quantize``'s form (the reference the conformance tests compare against)."""
+    E, N, K = w.data.shape
+    s = w.scale.reshape(E, N // BLOCK, 1, K // BLOCK, 1)
+    return (w.data.float().view(E, N // BLOCK, BLOCK, K // BLOCK, BLOCK) * s).view(E, N, K)
+
+
+def deepgemm_refusal(spec: MoESpec, sm: tuple[int, int]) -> str | None:
+    """Why DeepGEMM cannot run ``spec``'s experts on an ``sm`` device (None: it can, once it imports)."""
+    if spec.quant != "fp8_row":
+        return f"kernels.grouped_fp8=deepgemm runs quant.scheme fp8_row only, not {spec.quant}"
+    if sm != (9, 0):
+        return f"kernels.grouped_fp8=deepgemm: its grouped kernel here is the sm90 one, this device is sm{sm[0]}{sm[1]}"
+    if spec.hidden % BLOCK or spec.inner % BLOCK:
+        return (f"kernels.grouped_fp8=deepgemm needs hidden and inner divisible by {BLOCK} (its scale blocks), "
+                f"got {spec.hidden}/{spec.inner}")
+    return None
+
+
+def import_deepgemm():
+    """``deep_gemm``, or why it does not import: the extra missing, or its JIT's CUDA toolkit not found."""
+    try:
+        return importlib.import_module("deep_gemm")
+    except ImportError as err:
+        return (f"kernels.grouped_fp8=deepgemm: deep_gemm does not import ({err}); pip install "
+                "'omni-run[cuda-deepgemm]', with CUDA_HOME naming a CUDA toolkit (its kernels compile on first use)")
+    except (OSError, RuntimeError) as err:  # its module loads libraries and looks for the toolkit at import
+        return f"kernels.grouped_fp8=deepgemm: importing deep_gemm failed: {type(err).__name__}: {err}"
+
+
+class DeepGemmMoE:
+    """Routed experts on DeepGEMM's contiguous grouped fp8 GEMM (module docstring); ``kernels``: the memory-bound
+    kernels of ``CudaMoE`` (the sort, the quantizing gather, SwiGLU, the combine)."""
+
+    def __init__(self, spec: MoESpec, kernels, dg):
+        self.spec, self.kernels, self.dg = spec, kernels, dg
+        self.align = int(dg.get_mk_alignment_for_contiguous_layout())
+        self.accepts_row_quantized = True  # rows the glue quantized per row: gathered, not requantized
+        self.accepts_addends = True  # the combine adds the shared expert and the residual
+        self.name = f"cuda-fused-moe[fp8_row,{kernels.name},deepgemm-contiguous,128x128-weight-blocks]"
+
+    def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
+        return PreparedMoE(self._layout(block_quantize(w13_EOI)), self._layout(block_quantize(w2_EOI)))
+
+    def prepare_quantized_weights(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
+        """Row-scaled e4m3 experts (reference layouts) -> dequantized, requantized in 128x128 blocks."""
+        return self.prepare_weights(dequantize(w13), dequantize(w2))
+
+    def _layout(self, w: PreparedWeight) -> PreparedWeight:
+        """The block scales moved once, at load, into the layout DeepGEMM's kernel reads."""
+        E, N, K = w.data.shape
+        return PreparedWeight(w.data, self.dg.transform_sf_into_required_layout(w.scale, N, K, RECIPE, E, False))
+
+    def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE, addends=()) -> torch.Tensor:
+        """As ``CudaMoE.__call__`` (``x_TD``: rows or their ``RowQuantized`` form; ``addends``: terms the combine
+        adds, or a callable returning them)."""
+        token_R, inverse_R, offs = self.kernels.route_rows(topk_ids_Tk, prepared.w13.data.shape[0])
+        out_dtype = self.spec.dtype if isinstance(x_TD, RowQuantized) else x_TD.dtype
+        addends = addends() if callable(addends) else addends
+        if token_R.numel() == 0:  # an idle rank: no row to gather (padding reads token 0)
+            y = torch.empty(0, self.spec.hidden, dtype=torch.bfloat16, device=token_R.device)
+            return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, addends)
+        plan = padded_rows(token_R, offs, self.align)
+        if isinstance(x_TD, RowQuantized):
+            xq, xs = x_TD.q_TI[plan.token_M], x_TD.scale_T1.reshape(-1, 1).float()[plan.token_M]
+        else:
+            xq, xs = self.kernels.quant_gather(x_TD.to(self.spec.dtype), plan.token_M)
+        h = self.gemm(xq, xs, prepared.w13, plan.expert_M)
+        aq, as_ = self.kernels.swiglu(h, quantize=True)
+        y = self.gemm(aq, as_, prepared.w2, plan.expert_M)
+        inverse_P = plan.row_R[inverse_R.long()].to(inverse_R.dtype)  # each assignment's padded row
+        return self.kernels.combine(y, inverse_P, topk_weights_Tk, out_dtype, addends)
+
+    def gemm(self, q_MK: torch.Tensor, s_M1: torch.Tensor, w: PreparedWeight, expert_M: torch.Tensor):
+        """``[M, N]`` bf16: each padded row times its expert's weight; the per-row scale repeated over the K blocks
+        in DeepGEMM's MN-major scale layout (``[M, K/128]`` with stride ``(1, M)``; M is a multiple of 128, so
+        TMA-aligned)."""
+        M, K = q_MK.shape
+        sf_MKb = s_M1.reshape(1, M).float().expand(K // BLOCK, M).contiguous().t()
+        out = torch.empty(M, w.data.shape[1], dtype=torch.bfloat16, device=q_MK.device)
+        self.dg.m_grouped_fp8_gemm_nt_contiguous((q_MK, sf_MKb), (w.data, w.scale), out, expert_M)
+        return out
+
+
+def resolve_deepgemm_moe(spec: MoESpec, sm: tuple[int, int], kernels, reject):
+    """The DeepGEMM MoE ``kernels.grouped_fp8: deepgemm`` demands, or None after ``reject`` saying why not."""
+    refusal = deepgemm_refusal(spec, sm)
+    dg = import_deepgemm() if refusal is None else refusal
+    if isinstance(dg, str):
+        return reject(f"cuda-moe: {dg}")
+    return DeepGemmMoE(spec, kernels, dg)
