@@ -15,7 +15,7 @@ from fast_setup import RELEASED_LAYERS, Setup  # noqa: E402
 
 from omni import quant as Q  # noqa: E402
 from omni.kv_pool import _meta  # noqa: E402
-from omni.specs import GroupedGemmSpec  # noqa: E402
+from omni.specs import GroupedGemmSpec, MoESpec  # noqa: E402
 
 
 def step_flops(cfg, T: int, keys_per_query: list[int]) -> dict:
@@ -108,6 +108,8 @@ def _expert_kernels(a, s: Setup, prec: str, platform, offs, g, res: dict):
 
 def _engine_grouped(a, platform, x, w, offs, res: dict):
     """The engine's grouped fp8 kernel for ``w`` (what ``kernels.grouped_fp8`` resolves), called on ``x``."""
+    if a.grouped_fp8 == "deepgemm":  # it serves the fused MoE only (its lone grouped GEMM refuses)
+        return _deepgemm_grouped(platform, x, w, offs, res)
     E, o, i = w.shape
     kernel = platform.grouped_gemm(GroupedGemmSpec(
         num_experts=E, in_features=i, out_features=o, dtype=torch.bfloat16, quant="fp8_row",
@@ -119,6 +121,22 @@ def _engine_grouped(a, platform, x, w, offs, res: dict):
         return lambda: kernel(x, pw, offs)
     xq, xs = Q.quantize_fp8(x, True)
     return lambda: pre_quantized(xq, xs, pw, offs)
+
+
+def _deepgemm_grouped(platform, x, w, offs, res: dict):
+    """The DeepGEMM MoE's GEMM (``kernels.grouped_fp8: deepgemm``) on these groups in its padded layout, with the
+    weight in its 128x128 blocks: what one expert GEMM of that MoE runs (the padding's rows included)."""
+    from omni.platforms.cuda.deepgemm_moe import block_quantize, padded_rows
+
+    E, o, i = w.shape
+    moe = platform.moe(MoESpec(num_experts=E, topk=1, hidden=i, inner=i, dtype=torch.bfloat16, quant="fp8_row",
+                               grouped_fp8="deepgemm"))  # only its GEMM is called: the widths are this GEMM's K
+    pw = moe.kernel_layout(block_quantize(w))
+    plan = padded_rows(torch.arange(x.shape[0], device=x.device), offs, moe.align)
+    xq, xs = Q.quantize_fp8(x, True)
+    xq, xs = xq[plan.token_M], xs[plan.token_M]
+    res.setdefault("grouped_kernel", f"{moe.name}: its GEMM on the padded layout")
+    return lambda: moe.gemm(xq, xs, pw, plan.expert_M)
 
 
 def _attention_kernel(s: Setup, g):

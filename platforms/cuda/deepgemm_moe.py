@@ -120,13 +120,13 @@ class DeepGemmMoE:
         self.name = f"cuda-fused-moe[fp8_row,{kernels.name},deepgemm-contiguous,128x128-weight-blocks]"
 
     def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
-        return PreparedMoE(self._layout(block_quantize(w13_EOI)), self._layout(block_quantize(w2_EOI)))
+        return PreparedMoE(self.kernel_layout(block_quantize(w13_EOI)), self.kernel_layout(block_quantize(w2_EOI)))
 
     def prepare_quantized_weights(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
         """Row-scaled e4m3 experts (reference layouts) -> dequantized, requantized in 128x128 blocks."""
         return self.prepare_weights(dequantize(w13), dequantize(w2))
 
-    def _layout(self, w: PreparedWeight) -> PreparedWeight:
+    def kernel_layout(self, w: PreparedWeight) -> PreparedWeight:
         """The block scales moved once, at load, into the layout DeepGEMM's kernel reads."""
         E, N, K = w.data.shape
         return PreparedWeight(w.data, self.dg.transform_sf_into_required_layout(w.scale, N, K, RECIPE, E, False))

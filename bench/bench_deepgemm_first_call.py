@@ -1,0 +1,65 @@
+"""What DeepGEMM's JIT costs the MoE on DeepGEMM (``kernels.grouped_fp8: deepgemm``): each token count's first call
+(its kernels compiled, or loaded from DeepGEMM's disk cache) against its second, at the released MoE widths
+(64 experts, top 8, hidden 4096, inner 3072; random weights), through the platform's MoE as a layer runs it.
+
+Run it with an empty ``DG_JIT_CACHE_DIR`` to see the compile; set ``DG_PRINT_CONFIGS=1`` to see which kernel
+configuration each row count gets (a new configuration is a new compile).
+
+    DG_JIT_CACHE_DIR=$(mktemp -d) python bench/bench_deepgemm_first_call.py --tokens 1,64,1024,8194 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import emit, git_commit  # noqa: E402
+
+
+def seconds(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,64,1024,8194")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    from omni import platform_manager
+    from omni.specs import MoESpec
+
+    platform = platform_manager.select("cuda")
+    platform.device_services(0)
+    spec = MoESpec(num_experts=64, topk=8, hidden=4096, inner=3072, dtype=torch.bfloat16, quant="fp8_row",
+                   fast_accum=True, grouped_fp8="deepgemm")
+    t0 = time.perf_counter()
+    moe = platform.moe(spec)
+    built = time.perf_counter() - t0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(64, 6144, 4096, device="cuda", generator=g) / 64).bfloat16()
+    w2 = (torch.randn(64, 4096, 3072, device="cuda", generator=g) / 55).bfloat16()
+    prepared = moe.prepare_weights(w13, w2)
+    del w13, w2
+    rows = []
+    for T in (int(t) for t in a.tokens.split(",")):
+        x = torch.randn(T, 4096, device="cuda", generator=g).bfloat16()
+        w, ids = torch.rand(T, 64, device="cuda", generator=g).softmax(-1).topk(8, dim=-1)
+        first = seconds(lambda: moe(x, w, ids, prepared))
+        second = seconds(lambda: moe(x, w, ids, prepared))
+        row = {"tokens": T, "first_call_s": round(first, 4), "second_call_s": round(second, 5)}
+        print(row, flush=True)
+        rows.append(row)
+    return emit({"commit": git_commit(), "gpu": torch.cuda.get_device_name(), "moe": moe.name,
+                 "resolve_s": round(built, 3), "rows": rows}, a.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
