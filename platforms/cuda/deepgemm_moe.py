@@ -65,13 +65,22 @@ def padded_rows(token_R: torch.Tensor, offsets_E: torch.Tensor, align: int) -> P
 
 
 def block_quantize(w_ENK: torch.Tensor) -> PreparedWeight:
-    """e4m3 weights with one fp32 scale per 128x128 block (``[E, N/128, K/128]``), an expert at a time (a
-    whole-layer fp32 copy would be 6 GiB at the released widths)."""
-    E, N, K = w_ENK.shape
-    q = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=w_ENK.device)
-    scale = torch.empty(E, N // BLOCK, K // BLOCK, dtype=torch.float32, device=w_ENK.device)
+    """e4m3 weights with one fp32 scale per 128x128 block (``[E, N/128, K/128]``)."""
+    return _by_expert(w_ENK.shape, w_ENK.device, lambda e: w_ENK[e].float())
+
+
+def block_requantize(w: PreparedWeight) -> PreparedWeight:
+    """A checkpoint's e4m3 experts (row or tensor scales) dequantized and quantized again in 128x128 blocks."""
+    return _by_expert(w.data.shape, w.data.device, lambda e: dequantize(PreparedWeight(w.data[e], w.scale[e])))
+
+
+def _by_expert(shape, device, expert_fp32) -> PreparedWeight:
+    """Block quantization an expert at a time: a whole layer in fp32 would be 6 GiB at the released widths."""
+    E, N, K = shape
+    q = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty(E, N // BLOCK, K // BLOCK, dtype=torch.float32, device=device)
     for e in range(E):
-        blocks = w_ENK[e].float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        blocks = expert_fp32(e).view(N // BLOCK, BLOCK, K // BLOCK, BLOCK)
         s = (blocks.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX).clamp_min(1e-12)
         q[e] = (blocks / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(N, K)
         scale[e] = s.view(N // BLOCK, K // BLOCK)
@@ -123,8 +132,8 @@ class DeepGemmMoE:
         return PreparedMoE(self.kernel_layout(block_quantize(w13_EOI)), self.kernel_layout(block_quantize(w2_EOI)))
 
     def prepare_quantized_weights(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
-        """Row-scaled e4m3 experts (reference layouts) -> dequantized, requantized in 128x128 blocks."""
-        return self.prepare_weights(dequantize(w13), dequantize(w2))
+        """A checkpoint's e4m3 experts (reference scale layouts) -> requantized in 128x128 blocks."""
+        return PreparedMoE(self.kernel_layout(block_requantize(w13)), self.kernel_layout(block_requantize(w2)))
 
     def kernel_layout(self, w: PreparedWeight) -> PreparedWeight:
         """The block scales moved once, at load, into the layout DeepGEMM's kernel reads."""
