@@ -447,7 +447,9 @@ def omni_moe_impl(spec: MoESpec, reject: Reject) -> MoEImpl | None:
     platform's ``deepgemm``: DeepGEMM's grouped kernel with its own weight
     scales, one per 128x128 block, and exact accumulation; a different
     rounding of the same product, gated in docs/quality.md); its
-    ``omni_grouped_gemm_impl`` then refuses that name.
+    ``omni_grouped_gemm_impl`` then resolves that name as ``auto`` (the
+    model's ``GroupedLinear`` weight holders resolve one whatever the MoE
+    runs).
     Device platforms without a fused kernel get ``omni.moe.ComposedMoE`` over
     their grouped GEMM.
     Versions: 0.11 (``grouped_fp8="deepgemm"``); 0.10 (``pdl_rows``); 0.9 (``skinny_rows``); 0.8 (``small_rows``); 0.7 (``addends`` as a callable);

@@ -306,8 +306,6 @@ def _grouped_fp8(spec: GroupedGemmSpec, caps: Caps, reject):
 
 def fp8_grouped_choice(spec, caps: Caps, who: str):
     """``(kernel, None)``: our CUTLASS kernel, or None for torch's; ``(None, reason)`` when neither can serve."""
-    if spec.grouped_fp8 == "deepgemm":
-        return None, f"{who}: kernels.grouped_fp8=deepgemm runs inside the fused MoE (omni_moe_impl) only"
     kernel = grouped_fp8_kernel(spec, caps)
     if not isinstance(kernel, str):
         return kernel, None
@@ -330,6 +328,8 @@ def grouped_fp8_kernel(spec, caps: Caps):
     """
     if spec.grouped_fp8 == "torch":
         return "kernels.grouped_fp8=torch"
+    # deepgemm: DeepGEMM serves the fused MoE (deepgemm_moe.py); the expert weights' holders (GroupedLinear)
+    # still resolve a lone grouped GEMM, which takes auto's choice
     reason = caps.cutlass_grouped_refusal
     if reason is None:
         _prebuild(spec.fast_accum, caps.nvcc, caps.cutlass_include, bool(spec.small_rows))
@@ -337,7 +337,7 @@ def grouped_fp8_kernel(spec, caps: Caps):
         if not isinstance(kernel, str):
             return with_small_tile(kernel, spec, caps)
         reason = kernel
-    if spec.grouped_fp8 == "auto":
+    if spec.grouped_fp8 in ("auto", "deepgemm"):
         log_once(f"cuda: fp8 grouped GEMMs run torch._scaled_grouped_mm: {reason}")
     return reason
 
