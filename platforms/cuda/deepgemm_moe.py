@@ -127,13 +127,33 @@ class DeepGemmMoE:
         self.accepts_row_quantized = True  # rows the glue quantized per row: gathered, not requantized
         self.accepts_addends = True  # the combine adds the shared expert and the residual
         self.name = f"cuda-fused-moe[fp8_row,{kernels.name},deepgemm-contiguous,128x128-weight-blocks]"
+        self.compiled = False  # DeepGEMM's kernels for this spec's GEMMs compiled (``compile_once``)
 
     def prepare_weights(self, w13_EOI: torch.Tensor, w2_EOI: torch.Tensor) -> PreparedMoE:
-        return PreparedMoE(self.kernel_layout(block_quantize(w13_EOI)), self.kernel_layout(block_quantize(w2_EOI)))
+        return self.compile_once(PreparedMoE(self.kernel_layout(block_quantize(w13_EOI)),
+                                             self.kernel_layout(block_quantize(w2_EOI))))
 
     def prepare_quantized_weights(self, w13: PreparedWeight, w2: PreparedWeight) -> PreparedMoE:
         """A checkpoint's e4m3 experts (reference scale layouts) -> requantized in 128x128 blocks."""
-        return PreparedMoE(self.kernel_layout(block_requantize(w13)), self.kernel_layout(block_requantize(w2)))
+        return self.compile_once(PreparedMoE(self.kernel_layout(block_requantize(w13)),
+                                             self.kernel_layout(block_requantize(w2))))
+
+    def compile_once(self, prepared: PreparedMoE) -> PreparedMoE:
+        """One call of each GEMM on the first CUDA weights it prepares (one layer's; the platform shares this MoE
+        among layers of one spec). DeepGEMM compiles a kernel per GEMM shape on first use: 11.3 s for the
+        released pair on an H100, which the first request paid before. Its configuration follows the padded size,
+        which the worst-case bound keeps large (8,192 rows for one token of 64 experts): the same kernels served
+        1 to 8,194 tokens there (BENCHMARKS.md, "Forty-fourth session")."""
+        if self.compiled or not prepared.w13.data.is_cuda:
+            return prepared
+        dev, M = prepared.w13.data.device, padded_capacity(self.spec.topk, prepared.w13.data.shape[0], self.align)
+        expert_M = torch.full((M,), -1, dtype=torch.int32, device=dev)
+        expert_M[:self.align] = 0  # one block of expert 0: the rest is skipped
+        for w in (prepared.w13, prepared.w2):
+            q = torch.zeros(M, w.data.shape[2], dtype=torch.float8_e4m3fn, device=dev)
+            self.gemm(q, torch.ones(M, 1, device=dev), w, expert_M)
+        self.compiled = True
+        return prepared
 
     def kernel_layout(self, w: PreparedWeight) -> PreparedWeight:
         """The block scales moved once, at load, into the layout DeepGEMM's kernel reads, and copied: where the
