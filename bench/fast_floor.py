@@ -108,7 +108,7 @@ def _expert_kernels(a, s: Setup, prec: str, platform, offs, g, res: dict):
 
 def _engine_grouped(a, platform, x, w, offs, res: dict):
     """The engine's grouped fp8 kernel for ``w`` (what ``kernels.grouped_fp8`` resolves), called on ``x``."""
-    if a.grouped_fp8 == "deepgemm":  # it serves the fused MoE only (its lone grouped GEMM refuses)
+    if a.grouped_fp8 == "deepgemm":  # DeepGEMM serves the fused MoE; the lone grouped GEMM would time auto's kernel
         return _deepgemm_grouped(platform, x, w, offs, res)
     E, o, i = w.shape
     kernel = platform.grouped_gemm(GroupedGemmSpec(

@@ -22,7 +22,7 @@ from .specs import (AttentionSpec, GemmSpec, GlueSpec, GroupedGemmSpec, MoESpec,
 
 REFERENCE_QUANT = ("none", "fp8_tensor", "fp8_row", "w8a8")
 NO_TRITON = "reference: kernels.memory_bound=triton cannot be met: the reference runs plain torch ops (no Triton)"
-DEMANDS = ("auto", "torch")  # kernels.grouped_fp8 values the reference meets (others demand a vendor kernel)
+MET_CHOICES = ("auto", "torch")  # kernels.grouped_fp8 values the reference meets (the others name a vendor kernel)
 
 
 def no_vendor_kernel(choice: str) -> str:
@@ -225,7 +225,7 @@ class ReferencePlatform:
 
     @hookimpl(trylast=True)
     def omni_grouped_gemm_impl(self, spec: GroupedGemmSpec, reject):
-        if spec.grouped_fp8 not in DEMANDS and spec.quant != "none":
+        if spec.grouped_fp8 not in MET_CHOICES and spec.quant != "none":
             return reject(no_vendor_kernel(spec.grouped_fp8))
         if spec.quant not in REFERENCE_QUANT:
             return reject(f"reference: quant {spec.quant!r} has no reference semantics yet")
@@ -235,7 +235,7 @@ class ReferencePlatform:
     def omni_moe_impl(self, spec: MoESpec, reject):
         if spec.memory_bound == "triton":
             return reject(NO_TRITON)
-        if spec.grouped_fp8 not in DEMANDS and spec.quant != "none":
+        if spec.grouped_fp8 not in MET_CHOICES and spec.quant != "none":
             return reject(no_vendor_kernel(spec.grouped_fp8))
         if spec.capturable:
             return reject("reference: not capturable (reads expert counts on the host)")

@@ -160,10 +160,11 @@ class DeepGemmMoE:
     def kernel_layout(self, w: PreparedWeight) -> PreparedWeight:
         """The block scales moved once, at load, into the layout DeepGEMM's kernel reads, and copied: where the
         layout is already right, 0.1.4.post1 hands back an alias that does not keep the input's storage alive
-        (its tensor crosses tvm-ffi), so once the input was freed the GEMM read reused memory (H100, this
-        session: every output near zero)."""
+        (its tensor crosses tvm-ffi), so once the input was freed the GEMM read reused memory (on an H100 every
+        output came out near zero: BENCHMARKS.md, "Forty-fourth session")."""
         E, N, K = w.data.shape
-        return PreparedWeight(w.data, self.dg.transform_sf_into_required_layout(w.scale, N, K, RECIPE, E, False).clone())
+        scale = self.dg.transform_sf_into_required_layout(w.scale, N, K, RECIPE, E, False)
+        return PreparedWeight(w.data, scale.clone())
 
     def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE, addends=()) -> torch.Tensor:
         """As ``CudaMoE.__call__`` (``x_TD``: rows or their ``RowQuantized`` form; ``addends``: terms the combine
