@@ -171,10 +171,9 @@ class DeepGemmMoE:
         adds, or a callable returning them)."""
         token_R, inverse_R, offs = self.kernels.route_rows(topk_ids_Tk, prepared.w13.data.shape[0])
         out_dtype = self.spec.dtype if isinstance(x_TD, RowQuantized) else x_TD.dtype
-        addends = addends() if callable(addends) else addends
         if token_R.numel() == 0:  # an idle rank: no row to gather (padding reads token 0)
             y = torch.empty(0, self.spec.hidden, dtype=torch.bfloat16, device=token_R.device)
-            return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, addends)
+            return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, _joined(addends))
         plan = padded_rows(token_R, offs, self.align)
         if isinstance(x_TD, RowQuantized):
             xq, xs = x_TD.q_TI[plan.token_M], x_TD.scale_T1.reshape(-1, 1).float()[plan.token_M]
@@ -183,8 +182,9 @@ class DeepGemmMoE:
         h = self.gemm(xq, xs, prepared.w13, plan.expert_M)
         aq, as_ = self.kernels.swiglu(h, quantize=True)
         y = self.gemm(aq, as_, prepared.w2, plan.expert_M)
-        inverse_P = plan.row_R[inverse_R.long()].to(inverse_R.dtype)  # each assignment's padded row
-        return self.kernels.combine(y, inverse_P, topk_weights_Tk, out_dtype, addends)
+        inverse_P = plan.row_R[inverse_R]  # each assignment's padded row
+        # the addends' callable joins the shared expert's side stream: called last, so it overlaps the GEMMs
+        return self.kernels.combine(y, inverse_P, topk_weights_Tk, out_dtype, _joined(addends))
 
     def gemm(self, q_MK: torch.Tensor, s_M1: torch.Tensor, w: PreparedWeight, expert_M: torch.Tensor):
         """``[M, N]`` bf16: each padded row times its expert's weight; the per-row scale repeated over the K blocks
@@ -195,6 +195,11 @@ class DeepGemmMoE:
         out = torch.empty(M, w.data.shape[1], dtype=torch.bfloat16, device=q_MK.device)
         self.dg.m_grouped_fp8_gemm_nt_contiguous((q_MK, sf_MKb), (w.data, w.scale), out, expert_M)
         return out
+
+
+def _joined(addends) -> tuple:
+    """The combine's addends: a tuple, or what the callable (``omni_moe_impl``'s side-stream join) returns."""
+    return addends() if callable(addends) else addends
 
 
 def resolve_deepgemm_moe(spec: MoESpec, sm: tuple[int, int], kernels, reject):

@@ -157,7 +157,15 @@ def test_deepgemm_moe_adds_the_addends_and_takes_no_rows():
     prepared = moe.prepare_weights(w13.bfloat16(), w2.bfloat16())
     a0, a1 = torch.randn(23, 256).bfloat16(), torch.randn(23, 256).bfloat16()
     y = moe(x.bfloat16(), w, ids, prepared)
-    y_add = moe(x.bfloat16(), w, ids, prepared, addends=lambda: (a0, a1))
+    gemms_before_join = []
+
+    def join():  # omni_moe_impl: called once, after the last op that does not read the addends (both GEMMs)
+        gemms_before_join.append(len(moe.dg.calls))
+        return a0, a1
+
+    moe.dg.calls.clear()
+    y_add = moe(x.bfloat16(), w, ids, prepared, addends=join)
+    assert gemms_before_join == [2]
     want = (a0.float() + a1.float() + y.float())
     assert float((y_add.float() - want).abs().max()) <= 2 * float(want.abs().max()) * 2 ** -8
     empty = moe(x[:0].bfloat16(), w[:0], ids[:0], prepared)
