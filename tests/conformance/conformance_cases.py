@@ -239,42 +239,36 @@ def naive_grouped(spec: GroupedGemmSpec, x_TI, w_EOI, offsets_E) -> torch.Tensor
     return y
 
 
-def naive_moe(spec: MoESpec, x_TD, w_Tk, ids_Tk, w13, w2) -> torch.Tensor:
+def naive_moe(spec: MoESpec, x_TD, w_Tk, ids_Tk, w13, w2, weight_fp64=None) -> torch.Tensor:
     """The routed experts in float64, one expert at a time: rows, weights and the SwiGLU output quantized as
-    ``spec.quant`` says (per token / per row for fp8_row, per tensor for fp8_tensor), SiLU on the second half."""
+    ``spec.quant`` says (per token / per row for fp8_row, per tensor for fp8_tensor), SiLU on the second half.
+    ``weight_fp64``: an expert's ``[O, I]`` weight -> its float64 values, where the weights round otherwise."""
     x, w13, w2 = x_TD.cpu().to(spec.dtype), w13.cpu(), w2.cpu()
     ids, wts = ids_Tk.cpu(), w_Tk.cpu().double()
     out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float64)
     q, per_row = spec.quant != "none", spec.quant == "fp8_row"
+    weight_fp64 = weight_fp64 or (lambda w: naive_fp8(w, per_row) if q else w.double())
     for e in range(spec.num_experts):
         t_idx, j_idx = (ids == e).nonzero(as_tuple=True)
         if t_idx.numel() == 0:
             continue
         xe = naive_fp8(x[t_idx], per_row) if q else x[t_idx].double()
-        we13 = naive_fp8(w13[e], per_row) if q else w13[e].double()
-        h = xe @ we13.T
+        h = xe @ weight_fp64(w13[e]).T
         a = h[:, :spec.inner] * F.silu(h[:, spec.inner:])
         a = naive_fp8(a.to(spec.dtype), per_row) if q else a
-        we2 = naive_fp8(w2[e], per_row) if q else w2[e].double()
-        out.index_add_(0, t_idx, (a @ we2.T) * wts[t_idx, j_idx][:, None])
+        out.index_add_(0, t_idx, (a @ weight_fp64(w2[e]).T) * wts[t_idx, j_idx][:, None])
     return out
 
 
 def naive_block_moe(spec: MoESpec, x_TD, w_Tk, ids_Tk, w13, w2) -> torch.Tensor:
-    """``naive_moe`` for experts in 128x128 weight blocks (the cuda platform's ``deepgemm`` MoE): per-row e4m3
-    activations, weights through ``deepgemm_moe.block_quantize``, the SwiGLU output rounded to bf16 then e4m3."""
+    """``naive_moe`` (fp8_row) for experts in 128x128 weight blocks (the cuda platform's ``deepgemm`` MoE): the
+    weights through ``deepgemm_moe.block_quantize`` instead of row scales."""
     from omni.platforms.cuda.deepgemm_moe import block_dequantize, block_quantize
 
-    x, ids, wts = x_TD.cpu().to(spec.dtype), ids_Tk.cpu(), w_Tk.cpu().double()
-    out = torch.zeros(x.shape[0], spec.hidden, dtype=torch.float64)
-    b13, b2 = (block_dequantize(block_quantize(w.cpu().to(spec.dtype))).double() for w in (w13, w2))
-    for e in range(spec.num_experts):
-        t, j = (ids == e).nonzero(as_tuple=True)
-        if t.numel():
-            h = naive_fp8(x[t], per_row=True) @ b13[e].T
-            a = naive_fp8((h[:, :spec.inner] * F.silu(h[:, spec.inner:])).to(spec.dtype), per_row=True)
-            out.index_add_(0, t, (a @ b2[e].T) * wts[t, j][:, None])
-    return out
+    def blocks(w_OI):
+        return block_dequantize(block_quantize(w_OI.to(spec.dtype)[None]))[0].double()
+
+    return naive_moe(spec, x_TD, w_Tk, ids_Tk, w13, w2, weight_fp64=blocks)
 
 
 def reference_linear(spec: GemmSpec, x, w_OI, bias_O) -> torch.Tensor:
