@@ -126,17 +126,18 @@ def _engine_grouped(a, platform, x, w, offs, res: dict):
 def _deepgemm_grouped(platform, x, w, offs, res: dict):
     """The DeepGEMM MoE's GEMM (``kernels.grouped_fp8: deepgemm``) on these groups in its padded layout, with the
     weight in its 128x128 blocks: what one expert GEMM of that MoE runs (the padding's rows included)."""
-    from omni.platforms.cuda.deepgemm_moe import block_quantize, padded_rows
+    from omni.platforms.cuda.deepgemm_moe import block_quantize
+    from omni.platforms.cuda.padded_route import padded_rows
 
     E, o, i = w.shape
     moe = platform.moe(MoESpec(num_experts=E, topk=1, hidden=i, inner=i, dtype=torch.bfloat16, quant="fp8_row",
                                grouped_fp8="deepgemm"))  # only its GEMM is called: the widths are this GEMM's K
     pw = moe.kernel_layout(block_quantize(w))
-    plan = padded_rows(torch.arange(x.shape[0], device=x.device), offs, moe.align)
+    token_M, expert_M, _ = padded_rows(torch.arange(x.shape[0], device=x.device), offs, moe.align)
     xq, xs = Q.quantize_fp8(x, True)
-    xq, xs = xq[plan.token_M], xs[plan.token_M]
+    xq, xs = xq[token_M], xs[token_M]
     res.setdefault("grouped_kernel", f"{moe.name}: its GEMM on the padded layout")
-    return lambda: moe.gemm(xq, xs, pw, plan.expert_M)
+    return lambda: moe.gemm(xq, xs, pw, expert_M)
 
 
 def _attention_kernel(s: Setup, g):

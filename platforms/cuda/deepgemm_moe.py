@@ -3,8 +3,9 @@
 DeepGEMM (SGLang's binary ``sgl-deep-gemm`` wheel; its kernels are JIT-compiled on first use and cached on disk
 by DeepGEMM) measured 1.15-1.26x our CUTLASS build on the routed split on an H100 (BENCHMARKS.md, "Forty-third
 session"). Inside the served layer on an H100 that shrank to 0.26 ms a layer. The SwiGLU pass its GEMM cannot fuse,
-this padded plan and the padded gather cost as much, so the step was 1.02x slower ("Forty-fourth session"), and the
-choice stays opt-in. Its sm90 grouped GEMM takes its own formulation:
+the padded plan's torch ops and the padded gather cost as much, so the step was 1.02x slower ("Forty-fourth
+session"), and the choice stays opt-in. The plan and the gather are now the sort's and the scatter's own kernels
+(``padded_route``). Its sm90 grouped GEMM takes its own formulation:
 
 - the contiguous layout: every expert's rows start at a multiple of ``align`` rows (128); a row table names each
   padded row's expert, -1 for padding. Its scheduler skips blocks whose first row is padding, so the layout can
@@ -13,8 +14,9 @@ choice stays opt-in. Its sm90 grouped GEMM takes its own formulation:
 - exact accumulation: partial sums promoted into fp32 every 128-wide K block (sm90 has no fast mode, so
   ``kernels.fp8_fast_accum`` changes nothing here).
 
-Everything else is ``CudaMoE``'s fp8_row path: the same sort, gather + per-row quantization, SwiGLU +
-quantization and combine kernels, fed the padded plan (``padded_rows``: a few torch ops). Activations keep the
+Everything else is ``CudaMoE``'s fp8_row path: the same sort (``route_padded``: its places rounded up per
+expert), gather + per-row quantization, SwiGLU + quantization and combine kernels, the padding rows skipped
+(left unwritten: the GEMM's products of theirs are never read). Activations keep the
 per-row scales of ``fp8_row`` (one scale repeated over the K blocks), so only the expert weights' scales differ:
 they are quantized in 128x128 blocks at load (a checkpoint's row-scaled e4m3 experts are dequantized and
 requantized; docs/quality.md).
@@ -22,48 +24,16 @@ requantized; docs/quality.md).
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 
 import torch
 
 from omni.quant import FP8_MAX, dequantize
 from omni.specs import MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
+from .padded_route import padded_capacity
+
 BLOCK = 128  # DeepGEMM's sm90 scale granularity: 1x128 for activations, 128x128 for weights
 RECIPE = (1, BLOCK, BLOCK)
-
-
-def padded_capacity(rows: int, experts: int, align: int) -> int:
-    """Rows of the padded layout for ``rows`` sorted rows: rounding each expert's block up to ``align`` adds at
-    most ``align - 1`` rows each. A bound from the shapes alone, so no group size is read on the host."""
-    return -(-(rows + experts * (align - 1)) // align) * align
-
-
-@dataclass(frozen=True)
-class PaddedRows:
-    """The sorted rows placed in DeepGEMM's contiguous layout."""
-
-    token_M: torch.Tensor  # each padded row's token (token 0 for padding: a real row whose product nobody reads)
-    expert_M: torch.Tensor  # int32: each padded row's expert, -1 for padding
-    row_R: torch.Tensor  # int64: each sorted row's padded row
-
-
-def padded_rows(token_R: torch.Tensor, offsets_E: torch.Tensor, align: int) -> PaddedRows:
-    """Sorted rows (``token_R``, group ends ``offsets_E``) -> padded layout: expert e's block starts at the sum of
-    the earlier blocks' sizes, each rounded up to ``align``. Torch ops on the device only (capturable)."""
-    ends_E = offsets_E.long()
-    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
-    padded_E = (counts_E + align - 1) // align * align
-    shift_E = (padded_E.cumsum(0) - padded_E) - (ends_E - counts_E)  # each block's padded start minus its start
-    r = torch.arange(token_R.numel(), device=token_R.device)
-    expert_R = torch.searchsorted(ends_E, r, right=True)  # the first group ending after row r
-    row_R = r + shift_E[expert_R]
-    M = padded_capacity(token_R.numel(), ends_E.numel(), align)
-    expert_M = torch.full((M,), -1, dtype=torch.int32, device=token_R.device)
-    expert_M[row_R] = expert_R.int()
-    token_M = torch.zeros(M, dtype=token_R.dtype, device=token_R.device)
-    token_M[row_R] = token_R
-    return PaddedRows(token_M, expert_M, row_R)
 
 
 def block_quantize(w_ENK: torch.Tensor) -> PreparedWeight:
@@ -169,22 +139,21 @@ class DeepGemmMoE:
     def __call__(self, x_TD, topk_weights_Tk, topk_ids_Tk, prepared: PreparedMoE, addends=()) -> torch.Tensor:
         """As ``CudaMoE.__call__`` (``x_TD``: rows or their ``RowQuantized`` form; ``addends``: terms the combine
         adds, or a callable returning them)."""
-        token_R, inverse_R, offs = self.kernels.route_rows(topk_ids_Tk, prepared.w13.data.shape[0])
+        route = self.kernels.route_padded(topk_ids_Tk, prepared.w13.data.shape[0], self.align)
         out_dtype = self.spec.dtype if isinstance(x_TD, RowQuantized) else x_TD.dtype
-        if token_R.numel() == 0:  # an idle rank: no row to gather (padding reads token 0)
-            y = torch.empty(0, self.spec.hidden, dtype=torch.bfloat16, device=token_R.device)
-            return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, _joined(addends))
-        plan = padded_rows(token_R, offs, self.align)
+        if route.inverse_R.numel() == 0:  # an idle rank: no row to compute
+            y = torch.empty(0, self.spec.hidden, dtype=torch.bfloat16, device=route.inverse_R.device)
+            return self.kernels.combine(y, route.inverse_R, topk_weights_Tk, out_dtype, _joined(addends))
+        M, expert_M = route.expert_M.numel(), route.expert_M
         if isinstance(x_TD, RowQuantized):
-            xq, xs = x_TD.q_TI[plan.token_M], x_TD.scale_T1.reshape(-1, 1).float()[plan.token_M]
+            xq, xs = self.kernels.scatter_rows(x_TD.q_TI, x_TD.scale_T1, route.inverse_R, rows=M)
         else:
-            xq, xs = self.kernels.quant_gather(x_TD.to(self.spec.dtype), plan.token_M)
-        h = self.gemm(xq, xs, prepared.w13, plan.expert_M)
-        aq, as_ = self.kernels.swiglu(h, quantize=True)
-        y = self.gemm(aq, as_, prepared.w2, plan.expert_M)
-        inverse_P = plan.row_R[inverse_R]  # each assignment's padded row
+            xq, xs = self.kernels.quant_gather(x_TD.to(self.spec.dtype), route.token_M, expert_M)
+        h = self.gemm(xq, xs, prepared.w13, expert_M)
+        aq, as_ = self.kernels.swiglu(h, quantize=True, expert_R=expert_M)
+        y = self.gemm(aq, as_, prepared.w2, expert_M)
         # the addends' callable joins the shared expert's side stream: called last, so it overlaps the GEMMs
-        return self.kernels.combine(y, inverse_P, topk_weights_Tk, out_dtype, _joined(addends))
+        return self.kernels.combine(y, route.inverse_R, topk_weights_Tk, out_dtype, _joined(addends))
 
     def gemm(self, q_MK: torch.Tensor, s_M1: torch.Tensor, w: PreparedWeight, expert_M: torch.Tensor):
         """``[M, N]`` bf16: each padded row times its expert's weight; the per-row scale repeated over the K blocks

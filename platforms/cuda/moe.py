@@ -51,6 +51,7 @@ from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, Ro
 from .capabilities import Caps
 from .cutlass_grouped import BySize
 from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8_grouped_choice, grouped_swiglu_kernel
+from .padded_route import torch_route_padded
 from .triton_compile import compiling
 
 FP8 = ("fp8_row", "fp8_tensor")
@@ -68,22 +69,27 @@ class TorchKernels:
 
     name = "torch"
     route_rows = staticmethod(torch_route_rows)
+    route_padded = staticmethod(torch_route_padded)
 
-    def quant_gather(self, x_TD, token_R):
+    def quant_gather(self, x_TD, token_R, expert_R=None):
+        """``expert_R`` (the padded layout's, ``padded_route``): the Triton kernel leaves its padding rows
+        unwritten; here they hold token 0's row (``token_R`` names it), which is as good: nobody reads them."""
         xq, s = quant.quantize_fp8(x_TD, per_row=True)  # per-token scales commute with the gather
         return xq[token_R], s[token_R]
 
     def quant_rows(self, x_TD):
         return quant.quantize_fp8(x_TD, per_row=True)
 
-    def scatter_rows(self, q_TD, s_T1, inverse_R):
-        """``out[inverse_R[t*k + j]] = q[t]``: the rows by sorted row, the inverse permutation's token each."""
+    def scatter_rows(self, q_TD, s_T1, inverse_R, rows=None):
+        """``out[inverse_R[t*k + j]] = q[t]``: the rows by sorted row, the inverse permutation's token each;
+        ``rows`` (the padded layout's count): the rows no assignment names hold token 0's row."""
         R, T = inverse_R.numel(), q_TD.shape[0]
-        token_R = torch.empty_like(inverse_R)
+        token_R = torch.zeros(rows or R, dtype=inverse_R.dtype, device=inverse_R.device)
         token_R[inverse_R] = torch.arange(R, device=inverse_R.device) // (R // T if T else 1)
         return q_TD[token_R], s_T1.reshape(-1, 1).float()[token_R]
 
-    def swiglu(self, h_R2I, quantize: bool):
+    def swiglu(self, h_R2I, quantize: bool, expert_R=None):
+        """``expert_R``: as ``quant_gather``'s (every row is computed here)."""
         a = torch_swiglu(h_R2I)
         return quant.quantize_fp8(a, per_row=True) if quantize else (a, None)
 
@@ -220,18 +226,19 @@ def _deepgemm(spec: MoESpec, caps: Caps, reject):
     kernels = memory_kernels(spec.memory_bound, reject, spec.pdl_rows, caps.sm)
     moe = None if kernels is None else resolve_deepgemm_moe(spec, caps.sm, kernels, reject)
     if moe is not None and torch.cuda.is_available():
-        compile_at_build(spec, kernels)
+        compile_at_build(spec, kernels, align=moe.align)
     return moe
 
 
-def compile_at_build(spec: MoESpec, kernels, *gemms) -> None:
+def compile_at_build(spec: MoESpec, kernels, *gemms, align: int = 1) -> None:
     """Every binary the sort (``compile_routes``) and the few-row grouped GEMMs (``compile_rows``) can launch,
     compiled now, together on the compile pool (one ``compiling()`` scope), not in the first request of each row
     class: the sort's classes cost a 17-token prompt 1.1 s of its prefill on the H200, the few-row GEMM's two
-    binaries the first prompt of at most 16 tokens (BENCHMARKS.md, "Twenty-ninth" and "Thirty-fifth session")."""
+    binaries the first prompt of at most 16 tokens (BENCHMARKS.md, "Twenty-ninth" and "Thirty-fifth session").
+    ``align``: the sort's padded layout (the DeepGEMM MoE's), whose alignment is a constant of its binaries."""
     with compiling():  # nothing runs inside: only compiles
         if hasattr(kernels, "compile_routes"):
-            kernels.compile_routes(spec.num_experts, spec.topk)
+            kernels.compile_routes(spec.num_experts, spec.topk, align)
         for gemm in gemms:
             few = getattr(gemm, "small", None)  # with_few_rows puts the few-row kernel in front
             if hasattr(few, "compile_rows"):

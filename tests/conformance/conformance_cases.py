@@ -271,6 +271,29 @@ def naive_block_moe(spec: MoESpec, x_TD, w_Tk, ids_Tk, w13, w2) -> torch.Tensor:
     return naive_moe(spec, x_TD, w_Tk, ids_Tk, w13, w2, weight_fp64=blocks)
 
 
+def check_padded_route(route, ids_Tk, num_experts: int, align: int) -> None:
+    """A padded sort (the cuda platform's ``route_padded``, DeepGEMM's contiguous layout) from first principles:
+    each assignment t*k + j sits in a row naming its token and expert; each expert's rows are consecutive, in
+    assignment order, from an ``align``-aligned start after the earlier experts' blocks; every other row is padding
+    (expert -1, token 0); the rows are the worst-case bound."""
+    from omni.platforms.cuda.padded_route import padded_capacity
+
+    ids = ids_Tk.reshape(-1).long().cpu()
+    token_M, expert_M, inv = route.token_M.cpu(), route.expert_M.cpu(), route.inverse_R.cpu()
+    R, k = ids.numel(), ids_Tk.shape[1]
+    assert token_M.numel() == expert_M.numel() == padded_capacity(R, num_experts, align)
+    assert expert_M.dtype == torch.int32 and inv.numel() == R and inv.unique().numel() == R
+    assert torch.equal(expert_M[inv].long(), ids) and torch.equal(token_M[inv], torch.arange(R) // k)
+    padding = torch.ones(expert_M.numel(), dtype=torch.bool)
+    padding[inv] = False
+    assert (expert_M[padding] == -1).all() and (token_M[padding] == 0).all()
+    start = 0
+    for e in range(num_experts):
+        rows = inv[ids == e]  # assignment order
+        assert torch.equal(rows, torch.arange(start, start + rows.numel())), f"expert {e}'s rows"
+        start += -(-rows.numel() // align) * align
+
+
 def reference_linear(spec: GemmSpec, x, w_OI, bias_O) -> torch.Tensor:
     ref = ReferenceLinear(dataclasses.replace(spec, dtype=torch.float32))
     bias = None if bias_O is None else bias_O.cpu().float()

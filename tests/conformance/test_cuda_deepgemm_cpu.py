@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from conformance_cases import naive_block_moe
-from omni.platforms.cuda import deepgemm_moe as dgm
+from conformance_cases import check_padded_route, naive_block_moe
+from omni.platforms.cuda import deepgemm_moe as dgm, padded_route as pr
 from omni.platforms.cuda.capabilities import Caps
 from omni.platforms.cuda.moe import TorchKernels, resolve_moe, torch_route_rows
 from omni.specs import MoESpec, RowQuantized
@@ -79,24 +79,31 @@ def case(T: int, routing: str, seed: int = 0):
 def test_padded_rows_place_each_expert_at_an_aligned_start(T, routing, align):
     _, _, ids, _, _ = case(T, routing)
     token_R, _, offs = torch_route_rows(ids, SPEC.num_experts)
-    plan = dgm.padded_rows(token_R, offs, align)
+    token_M, expert_M, row_R = pr.padded_rows(token_R, offs, align)
     R, E = token_R.numel(), SPEC.num_experts
-    assert plan.expert_M.numel() == dgm.padded_capacity(R, E, align) and plan.expert_M.numel() % align == 0
+    assert expert_M.numel() == pr.padded_capacity(R, E, align) and expert_M.numel() % align == 0
     expert_R = torch.repeat_interleave(torch.arange(E), torch.diff(offs.long(), prepend=torch.zeros(1).long()))
-    assert torch.equal(plan.expert_M[plan.row_R].long(), expert_R)  # every row in its expert's block
-    assert torch.equal(plan.token_M[plan.row_R], token_R)
-    assert (torch.diff(plan.row_R) > 0).all()  # the sorted order kept
-    padding = torch.ones(plan.expert_M.numel(), dtype=torch.bool)
-    padding[plan.row_R] = False
-    assert (plan.expert_M[padding] == -1).all() and (plan.token_M[padding] == 0).all()
-    starts = plan.row_R[torch.cat([torch.ones(1, dtype=torch.bool), torch.diff(expert_R) != 0])] if R else []
+    assert torch.equal(expert_M[row_R].long(), expert_R)  # every row in its expert's block
+    assert torch.equal(token_M[row_R], token_R)
+    assert (torch.diff(row_R) > 0).all()  # the sorted order kept
+    padding = torch.ones(expert_M.numel(), dtype=torch.bool)
+    padding[row_R] = False
+    assert (expert_M[padding] == -1).all() and (token_M[padding] == 0).all()
+    starts = row_R[torch.cat([torch.ones(1, dtype=torch.bool), torch.diff(expert_R) != 0])] if R else []
     assert all(int(s) % align == 0 for s in starts)  # each expert's first row opens an aligned block
 
 
+@pytest.mark.parametrize("T,routing,align", [(23, "random", 128), (23, "one-busy", 128), (300, "random", 16),
+                                             (0, "random", 128)])
+def test_route_padded_sends_each_assignment_to_its_experts_padded_row(T, routing, align):
+    _, _, ids, _, _ = case(T, routing)
+    check_padded_route(TorchKernels().route_padded(ids, SPEC.num_experts, align), ids, SPEC.num_experts, align)
+
+
 def test_padded_capacity_is_the_worst_case():
-    assert dgm.padded_capacity(0, 4, 128) == 512  # 4 * 127 rounded up
-    assert dgm.padded_capacity(8 * 8194, 64, 128) == 73728  # the released step: 65,552 rows, at most 8,128 padding
-    assert dgm.padded_capacity(1, 1, 128) == 128
+    assert pr.padded_capacity(0, 4, 128) == 512  # 4 * 127 rounded up
+    assert pr.padded_capacity(8 * 8194, 64, 128) == 73728  # the released step: 65,552 rows, at most 8,128 padding
+    assert pr.padded_capacity(1, 1, 128) == 128
 
 
 def test_block_quantize_keeps_each_block_within_e4m3_rounding():
@@ -128,7 +135,7 @@ def test_deepgemm_moe_matches_the_block_oracle(T, routing, quantized_rows):
     ref = naive_block_moe(SPEC, x, w, ids, w13, w2)
     err = float((y.double() - ref).norm() / ref.norm())
     assert err <= 3e-2, err  # the conformance bound of fp8 MoEs (rounding flips of intermediates); 0.014-0.019 here
-    M = dgm.padded_capacity(T * SPEC.topk, SPEC.num_experts, dg.align)
+    M = pr.padded_capacity(T * SPEC.topk, SPEC.num_experts, dg.align)
     assert dg.calls == [((M, 256), (4, 256, 256)), ((M, 128), (4, 256, 128))]
 
 

@@ -147,6 +147,49 @@ def test_the_platforms_compile_scope_compiles_every_kernel_of_a_pass_and_keeps_t
     assert len(list(tmp_path.rglob("*.cubin"))) == route_classes + 7
 
 
+PADDED_CHILD = STUB + r"""
+from omni.platforms.cuda import moe_triton as mt
+from omni.platforms.cuda.padded_route import torch_route_padded
+from omni.platforms.cuda.triton_compile import compiling
+
+kernels = mt.TritonKernels()
+E, k, D, I = 64, 8, 256, 128
+watched = {"one_block": mt._route_one_block_kernel, "count": mt._count_kernel, "place": mt._place_kernel,
+           "quant": mt._quant_kernel, "swiglu": mt._swiglu_kernel}
+added, defined = [], []
+for round in range(2):
+    before = {name: binaries(kern) for name, kern in watched.items()}
+    with compiling():
+        for T in (2, 16, 1100):  # one launch, chunks, blocks
+            ids = torch.arange(T * k).remainder(E).reshape(T, k)
+            route = kernels.route_padded(ids, E, 128)
+            want = torch_route_padded(ids, E, 128)
+            defined.append(all(bool(torch.equal(a, b)) for a, b in
+                               zip((route.token_M, route.expert_M, route.inverse_R), (want.token_M, want.expert_M,
+                                                                                      want.inverse_R))))
+            M = route.expert_M.numel()
+            kernels.quant_gather(torch.zeros(T, D, dtype=torch.bfloat16), route.token_M, route.expert_M)
+            kernels.swiglu(torch.zeros(M, 2 * I, dtype=torch.bfloat16), True, expert_R=route.expert_M)
+    added.append({name: binaries(kern) - before[name] for name, kern in watched.items()})
+print(json.dumps({"added": added, "defined": all(defined)}))
+"""
+
+
+def test_the_padded_sort_and_the_skipping_kernels_compile_for_sm90_and_answer_torchs_layout_in_the_scope(tmp_path):
+    """The DeepGEMM MoE's padded sort (``route_padded``: the sort's kernels with ``ALIGN`` 128) and the gather and
+    SwiGLU that skip its padding rows compile for sm_90 in each of the sort's three launch plans, once; inside
+    ``compiling()`` the sort answers with the torch definition's layout (the GEMMs index with it)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "OMNI_COMPILE_WORKERS": "2", "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", PADDED_CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["defined"]
+    # one launch; the chunks' and the blocks' count and place; quant and SwiGLU once each whatever the rows
+    assert got["added"] == [{"one_block": 1, "count": 2, "place": 2, "quant": 1, "swiglu": 1},
+                            {"one_block": 0, "count": 0, "place": 0, "quant": 0, "swiglu": 0}]
+
+
 STEP_KERNELS = {"norm_kernel", "rope_norm_kernel", "route_kernel", "_count_kernel", "_place_kernel",
                 "_scatter_rows_kernel", "_quant_kernel", "_swiglu_kernel", "_combine_kernel", "kv_kernel",
                 "_skinny_fp8_kernel", "_grouped_skinny_fp8_kernel", "stats_cl_kernel", "finalize_kernel",

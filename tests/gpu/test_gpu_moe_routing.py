@@ -4,7 +4,8 @@
   top-8 of 64; and a prefill of 600), with an expert left empty, one busy expert, a width that is not a power of two,
   fewer rows than one block, decode steps of 1, 32, 40 and 64 tokens (small and large chunks), the one-launch sort's
   limit (32 assignments) and the per-chunk plan's (8192), one past each, each through every launch plan, and beyond
-  the kernel's block limit (where it hands over to the torch sort); replayed from a CUDA graph on new ids.
+  the kernel's block limit (where it hands over to the torch sort); replayed from a CUDA graph on new ids;
+- ``route_padded`` (the DeepGEMM MoE's layout): the torch definition's tensors, every plan, two alignments; replayed.
 - ``compile_routes`` and the dense few-row GEMM's ``compile_rows`` (what the platform runs at build time):
   afterwards no prompt length compiles the sort or that GEMM again (a fresh process with an empty Triton cache
   counts the binaries).
@@ -17,8 +18,12 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "conformance"))
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.version.hip is not None, reason="cuda: this torch is a ROCm build"),
@@ -71,6 +76,46 @@ def test_route_rows_equals_the_stable_sort(kernels, case, plan):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{case}: {name} differs"
     if how == "busy":
         assert int(got[2][0]) == 0  # the empty expert's group ends where it starts
+
+
+PADDED_CASES = ("released", "busy", "width37", "under-a-block", "beyond-the-block-limit", "decode-one-token",
+                "decode-40-tokens", "past-the-chunk-limit")
+
+
+@pytest.mark.parametrize("plan", [None, "one launch", "chunks", "blocks"])
+@pytest.mark.parametrize("case", PADDED_CASES)
+def test_route_padded_equals_the_torch_layout(kernels, case, plan):
+    """The DeepGEMM MoE's padded sort (``route_padded``, alignment 128 and 16), every launch plan: the torch
+    definition's three tensors, bit for bit, and the layout's rules from first principles."""
+    from conformance_cases import check_padded_route
+    from omni.platforms.cuda.moe_triton import ONE_BLOCK_ROWS
+
+    triton_k, torch_k = kernels
+    T, k, E, how = CASES[case]
+    if plan == "one launch" and T * k > 4 * ONE_BLOCK_ROWS:
+        pytest.skip("one program for every row: meant for a decode step's few")
+    ids = routed_ids(T, k, E, how)
+    for align in (128, 16):
+        got, want = triton_k.route_padded(ids, E, align, plan=plan), torch_k.route_padded(ids, E, align)
+        for name in ("token_M", "expert_M", "inverse_R"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{case}, align {align}: {name} differs"
+        check_padded_route(got, ids, E, align)
+
+
+def test_route_padded_replays_from_a_graph(kernels):
+    triton_k, torch_k = kernels
+    T, k, E = 8194, 8, 64
+    ids = routed_ids(T, k, E, "topk", seed=1)
+    triton_k.route_padded(ids, E, 128)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_k.route_padded(ids, E, 128)
+    ids.copy_(routed_ids(T, k, E, "busy", seed=2))  # another layout: the padding's fills are in the graph
+    graph.replay()
+    want = torch_k.route_padded(ids, E, 128)
+    for name in ("token_M", "expert_M", "inverse_R"):
+        assert torch.equal(getattr(out, name), getattr(want, name)), name
 
 
 @pytest.mark.parametrize("T", [8194, 64, 4], ids=["image-step", "decode-step-64", "decode-step-4"])
