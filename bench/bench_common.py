@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -53,7 +54,11 @@ def h2d_bandwidth(dev, gib: int = 1) -> float:
 
 
 def git_commit() -> str:
-    """The checkout's short commit, read when called (call it before a long run: HEAD may move)."""
+    """The checkout's short commit, read when called (call it before a long run: HEAD may move); the environment's
+    ``OMNI_BENCH_COMMIT`` instead where set: a copy of the tree on another machine may carry stale git metadata
+    (a device copy reported 80fb79c for a 76ff06b tree)."""
+    if os.environ.get("OMNI_BENCH_COMMIT"):
+        return os.environ["OMNI_BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()
