@@ -91,25 +91,41 @@ def _dense_kernels(a, s: Setup, prec: str, g):
 
 
 def _expert_kernels(a, s: Setup, prec: str, platform, offs, g, res: dict):
-    """The routed experts' two grouped GEMMs: torch's bf16 one, or the engine's own fp8 kernel
-    (``kernels.grouped_fp8`` resolves it) on the same operands."""
+    """The routed experts' two grouped GEMMs: torch's bf16 one, or (fp8) the GEMMs of the fused MoE the engine's
+    layer resolves, on the same operands."""
     cfg, dev = s.cfg, s.device
     D, inner, E = cfg.hidden_size, cfg.moe_intermediate_size[0], cfg.num_experts
     R = s.rows * s.n_block * cfg.moe_topk[0]
+    moe = None if prec == "bf16" else platform.moe(MoESpec(
+        num_experts=E, topk=cfg.moe_topk[0], hidden=D, inner=inner, dtype=torch.bfloat16, quant="fp8_row",
+        fast_accum=a.fast_accum, grouped_fp8=a.grouped_fp8))
     for name, (o, i) in {"experts_gate_up": (2 * inner, D), "experts_down": (D, inner)}.items():
         x = torch.randn(R, i, device=dev, generator=g, dtype=torch.bfloat16)
         w = torch.randn(E, o, i, device=dev, generator=g, dtype=torch.bfloat16)
         if prec == "bf16":
             yield name, lambda x=x, w=w: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
         else:
-            yield name, _engine_grouped(a, platform, x, w, offs, res)
+            yield name, _engine_grouped(a, platform, moe, name == "experts_gate_up", x, w, offs, res)
         x = w = None  # before the next shape's operands are drawn (a kept fp8 call holds its own)
 
 
-def _engine_grouped(a, platform, x, w, offs, res: dict):
-    """The engine's grouped fp8 kernel for ``w`` (what ``kernels.grouped_fp8`` resolves), called on ``x``."""
+def _engine_grouped(a, platform, moe, gate_up: bool, x, w, offs, res: dict):
+    """The engine's grouped fp8 GEMM for ``w``, called on ``x``: the fused MoE's own GEMM where it has them (the
+    cuda MoE: GEMM 1 with its SwiGLU epilogue where it runs one, which writes half of the plain build's output
+    and ran 2.59 ms a layer in the engine on an H100 where the floor's plain build took 3.4-3.9 ms, BENCHMARKS.md
+    "Forty-fifth session"), else the lone grouped GEMM ``kernels.grouped_fp8`` resolves."""
     if a.grouped_fp8 == "deepgemm":  # DeepGEMM serves the fused MoE; the lone grouped GEMM would time auto's kernel
-        return _deepgemm_grouped(platform, x, w, offs, res)
+        return _deepgemm_grouped(moe, x, w, offs, res)
+    gemm = getattr(moe, "gemm13" if gate_up else "gemm2", None)
+    if gemm is not None and hasattr(gemm, "scaled"):
+        from omni.platforms.cuda.moe import pair_rows
+
+        pw = gemm.prepare_weight(w)
+        pw = pair_rows(pw) if gate_up and moe.paired is not None else pw  # the epilogue's row pairs
+        res.setdefault("grouped_kernel", moe.name)
+        xq, xs = Q.quantize_fp8(x, True)
+        tokens = int(offs[-1]) // moe.spec.topk  # the MoE's bound on a group's rows, as its call passes it
+        return lambda: gemm.scaled(xq, xs, pw, offs, tokens)
     E, o, i = w.shape
     kernel = platform.grouped_gemm(GroupedGemmSpec(
         num_experts=E, in_features=i, out_features=o, dtype=torch.bfloat16, quant="fp8_row",
@@ -123,15 +139,12 @@ def _engine_grouped(a, platform, x, w, offs, res: dict):
     return lambda: pre_quantized(xq, xs, pw, offs)
 
 
-def _deepgemm_grouped(platform, x, w, offs, res: dict):
+def _deepgemm_grouped(moe, x, w, offs, res: dict):
     """The DeepGEMM MoE's GEMM (``kernels.grouped_fp8: deepgemm``) on these groups in its padded layout, with the
     weight in its 128x128 blocks: what one expert GEMM of that MoE runs (the padding's rows included)."""
     from omni.platforms.cuda.deepgemm_moe import block_quantize
     from omni.platforms.cuda.padded_route import padded_rows
 
-    E, o, i = w.shape
-    moe = platform.moe(MoESpec(num_experts=E, topk=1, hidden=i, inner=i, dtype=torch.bfloat16, quant="fp8_row",
-                               grouped_fp8="deepgemm"))  # only its GEMM is called: the widths are this GEMM's K
     pw = moe.kernel_layout(block_quantize(w))
     token_M, expert_M, _ = padded_rows(torch.arange(x.shape[0], device=x.device), offs, moe.align)
     xq, xs = Q.quantize_fp8(x, True)
