@@ -4,8 +4,9 @@ DeepGEMM (SGLang's binary ``sgl-deep-gemm`` wheel; its kernels are JIT-compiled 
 by DeepGEMM) measured 1.15-1.26x our CUTLASS build on the routed split on an H100 (BENCHMARKS.md, "Forty-third
 session"). Inside the served layer on an H100 that shrank to 0.26 ms a layer. The SwiGLU pass its GEMM cannot fuse,
 the padded plan's torch ops and the padded gather cost as much, so the step was 1.02x slower ("Forty-fourth
-session"), and the choice stays opt-in. The plan and the gather are now the sort's and the scatter's own kernels
-(``padded_route``). Its sm90 grouped GEMM takes its own formulation:
+session"). The plan and the gather are now the sort's and the scatter's own kernels (``padded_route``); on another
+H100 the step still ran 1.07x slower (its gate_up 2.79 ms against our epilogue build's 2.59, its SwiGLU pass 0.43:
+"Forty-fifth session"), and the choice stays opt-in. Its sm90 grouped GEMM takes its own formulation:
 
 - the contiguous layout: every expert's rows start at a multiple of ``align`` rows (128); a row table names each
   padded row's expert, -1 for padding. Its scheduler skips blocks whose first row is padding, so the layout can
