@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import chained_seconds, emit, git_commit  # noqa: E402
 
 from omni.platforms.cuda.moe import TorchKernels  # noqa: E402
-from omni.platforms.cuda.moe_triton import ROUTE_PLANS, TritonKernels, route_plan  # noqa: E402
+from omni.platforms.cuda.moe_triton import TritonKernels  # noqa: E402
+from omni.platforms.cuda.route_launch import ROUTE_PLANS, route_plan  # noqa: E402
 
 E, TOP_K = 64, 8
 

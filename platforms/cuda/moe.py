@@ -5,7 +5,7 @@ run on CPU tensors, which the CPU tests use). Nothing here reads routing on
 the host, so the whole layer is capturable.
 
     sort        stable counting sort of the T*k expert ids (Triton: one launch for a few rows, else counts per
-                block, then places; ``moe_triton.route_plan``); each sorted row's token, each assignment's
+                block, then places; ``route_launch.route_plan``); each sorted row's token, each assignment's
                 sorted row, the group ends (no host read)
     gather      bf16: x[token_R];  fp8: gather + per-row e4m3 quantization in one pass (Triton), or, for
                 rows a glue kernel quantized already (``RowQuantized``), a gather of the e4m3 rows and scales

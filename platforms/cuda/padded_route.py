@@ -2,7 +2,7 @@
 
 DeepGEMM's contiguous grouped GEMM (``deepgemm_moe``) reads one expert id per row and computes each ``align``-row
 block with the expert of its first row, skipping blocks whose first row is padding (-1). This module is the
-layout's torch definition; ``moe_triton.TritonKernels.route_padded`` makes the same tensors inside the counting
+layout's torch definition; ``route_triton.TritonSort.route_padded`` makes the same tensors inside the counting
 sort, where these torch ops cost 0.24 ms a layer on an H100 (BENCHMARKS.md, "Forty-fourth session").
 The layout is sized for the worst case (``padded_capacity``), so nothing is read on the host: capturable.
 """

@@ -1,4 +1,4 @@
-"""How ``moe_triton.route_rows`` launches the counting sort of ``R`` expert assignments, and one token count per
+"""How ``route_triton.route_rows`` launches the counting sort of ``R`` expert assignments, and one token count per
 launch a deployment can meet: ``TritonKernels.compile_routes`` sorts each once at build time, so that Triton
 compiles every binary there and not in the first request of a new prompt length (a compile took about 0.5 s on
 the H200, BENCHMARKS.md "Twenty-ninth session"). No triton import: the CPU tests check the launches' cover.

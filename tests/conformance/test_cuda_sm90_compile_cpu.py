@@ -82,7 +82,7 @@ def test_each_pdl_class_compiles_once_for_sm90_inside_the_compile_scope(threads,
 PASS_CHILD = STUB + r"""
 import pluggy
 from omni import hookspecs
-from omni.platforms.cuda import group_norm_triton as gn, moe_triton as mt, winograd_triton as wg
+from omni.platforms.cuda import group_norm_triton as gn, moe_triton as mt, route_triton as rt, winograd_triton as wg
 from omni.platforms.cuda.glue import TritonGlue
 from omni.platforms.cuda.moe import torch_route_rows
 from omni.platforms.cuda.pdl import Pdl
@@ -101,7 +101,7 @@ glue = TritonGlue(spec, kernels)
 logits = torch.randn(T, E, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 x = torch.randn(2, 32, 8, 8, dtype=torch.bfloat16)
 m, count_before = torch.zeros(16, 2 * 4 * 4, 32), {}
-watched = {"route": glue.k.route_kernel, "count": mt._count_kernel, "place": mt._place_kernel,
+watched = {"route": glue.k.route_kernel, "count": rt._count_kernel, "place": rt._place_kernel,
            "gn_stats": gn.stats_rows_kernel, "gn_finalize": gn.finalize_kernel, "gn_apply": gn.apply_rows_kernel,
            "wino_in": wg.input_kernel, "wino_out": wg.output_kernel}
 before = {name: binaries(kern) for name, kern in watched.items()}
@@ -148,13 +148,13 @@ def test_the_platforms_compile_scope_compiles_every_kernel_of_a_pass_and_keeps_t
 
 
 PADDED_CHILD = STUB + r"""
-from omni.platforms.cuda import moe_triton as mt
+from omni.platforms.cuda import moe_triton as mt, route_triton as rt
 from omni.platforms.cuda.padded_route import torch_route_padded
 from omni.platforms.cuda.triton_compile import compiling
 
 kernels = mt.TritonKernels()
 E, k, D, I = 64, 8, 256, 128
-watched = {"one_block": mt._route_one_block_kernel, "count": mt._count_kernel, "place": mt._place_kernel,
+watched = {"one_block": rt._route_one_block_kernel, "count": rt._count_kernel, "place": rt._place_kernel,
            "quant": mt._quant_kernel, "swiglu": mt._swiglu_kernel}
 added, defined = [], []
 for round in range(2):

@@ -64,7 +64,7 @@ CASES = {"released": (8194, 8, 64, "topk"), "prefill-of-two-prompts": (600, 8, 6
 @pytest.mark.parametrize("case", CASES)
 def test_route_rows_equals_the_stable_sort(kernels, case, plan):
     """Every launch plan (``route_plan``'s choice, and each one forced) gives the torch sort."""
-    from omni.platforms.cuda.moe_triton import ONE_BLOCK_ROWS
+    from omni.platforms.cuda.route_launch import ONE_BLOCK_ROWS
 
     triton_k, torch_k = kernels
     T, k, E, how = CASES[case]
@@ -88,7 +88,7 @@ def test_route_padded_equals_the_torch_layout(kernels, case, plan):
     """The DeepGEMM MoE's padded sort (``route_padded``, alignment 128 and 16), every launch plan: the torch
     definition's three tensors, bit for bit, and the layout's rules from first principles."""
     from conformance_cases import check_padded_route
-    from omni.platforms.cuda.moe_triton import ONE_BLOCK_ROWS
+    from omni.platforms.cuda.route_launch import ONE_BLOCK_ROWS
 
     triton_k, torch_k = kernels
     T, k, E, how = CASES[case]
