@@ -23,10 +23,12 @@ def step_flops(cfg, T: int, keys_per_query: list[int]) -> dict:
     D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     inner, k, E = cfg.moe_intermediate_size[0], cfg.moe_topk[0], cfg.num_experts
     shared = inner * cfg.num_shared_expert[0]
-    dense = 2 * T * (D * (N + 2 * K) * H + N * H * D + D * 2 * shared + shared * D + D * E)
+    shared_expert = 2 * T * (D * 2 * shared + shared * D)
+    dense = 2 * T * (D * (N + 2 * K) * H + N * H * D + D * E) + shared_expert
     routed = 2 * T * k * (D * 2 * inner + inner * D)
     attn = sum(4 * N * H * lk for lk in keys_per_query)
-    return {"dense": dense, "routed": routed, "attention": attn, "total": dense + routed + attn}
+    return {"dense": dense, "routed": routed, "attention": attn, "total": dense + routed + attn,
+            "shared_expert": shared_expert}  # part of dense
 
 
 def floor(a, s: Setup, out, platform):

@@ -9,6 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import median_seconds  # noqa: E402
+from fast_floor import step_flops  # noqa: E402
 from fast_setup import Setup, sync  # noqa: E402
 
 from omni.models.hunyuan_image3.sampler import cfg_combine, euler_step  # noqa: E402
@@ -39,28 +40,54 @@ def profile(s: Setup, out, label, graph: bool = False):
     rows = sorted({r[0]: r for r in rows}.values(), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
 
-    def cat(name):
-        n = name.lower()
-        if "flash" in n or "fmha" in n or "attn" in n:
-            return "attention"
-        if any(w in n for w in ("gemm", "cutlass", "nvjet", "sm90", "xmma", "matmul", "_mm")):
-            return "gemm"
-        if "triton" in n or n.startswith("_"):
-            return "triton"
-        return "other (norm, rope, routing, copies, casts)"
-
     cats: dict[str, float] = {}
     for name, ms, _ in rows:
-        cats[cat(name)] = cats.get(cat(name), 0.0) + ms
+        cats[category(name)] = cats.get(category(name), 0.0) + ms
+    fl = step_flops(s.cfg, s.rows * s.n_block, [])
+    moved = fl["shared_expert"] if s.a.fuse_shared else 0  # the shared expert runs as the grouped GEMMs' last group
+    rates = gemm_rates(rows, fl["routed"] + moved, fl["dense"] - moved)
     out[f"kernels_{label}"] = {"mode": "graph replay" if graph else "eager", "per_layer_ms_total": total,
-                               "per_layer_wall_ms": wall_ms, "by_category_ms": cats,
+                               "per_layer_wall_ms": wall_ms, "by_category_ms": cats, "gemm_rates": rates,
                                "top": [{"kernel": n[:120], "ms_per_layer": m, "calls_per_layer": c}
                                        for n, m, c in rows[:40]]}
     print(f"[kernels {label}] per layer {total:.2f} ms of kernel time in {wall_ms:.2f} ms of wall time "
           f"({'graph replay' if graph else 'eager'}): " + ", ".join(f"{k} {v:.2f}" for k, v in cats.items()),
           flush=True)
+    if rates:
+        print(f"[kernels {label}] in the step: expert GEMMs {rates['grouped_tflops']:.0f} TFLOP/s, dense GEMMs "
+              f"{rates['dense_tflops']:.0f} TFLOP/s (grouped / dense {rates['grouped_over_dense']:.2f}x)", flush=True)
     for n, m, c in rows[:12]:
         print(f"    {m:7.3f} ms  x{c:<3d} {n[:100]}", flush=True)
+
+
+GROUPED_GEMMS = ("groupproblemshape", "grouped", "deep_gemm")  # the expert GEMMs' kernel names (CUTLASS, DeepGEMM)
+
+
+def category(name: str) -> str:
+    """A kernel's category in the breakdown, by its name."""
+    n = name.lower()
+    if "flash" in n or "fmha" in n or "attn" in n:
+        return "attention"
+    if any(w in n for w in ("gemm", "cutlass", "nvjet", "sm90", "xmma", "matmul", "_mm")):
+        return "gemm"
+    if "triton" in n or n.startswith("_"):
+        return "triton"
+    return "other (norm, rope, routing, copies, casts)"
+
+
+def gemm_rates(rows, routed_flops: float, dense_flops: float) -> dict:
+    """The expert GEMMs' and the dense GEMMs' rates inside the step, from the profile's ``(name, ms per layer,
+    calls)`` rows: issue 17's item 2 (grouped at the dense rate) on the engine's own activations. On a 700 W H100
+    random operands and the step's activations ranked two grouped kernels differently (BENCHMARKS.md,
+    "Forty-fifth session"). Empty where either kind of GEMM is missing."""
+    gemms = [(n.lower(), ms) for n, ms, _ in rows if category(n) == "gemm"]
+    grouped = sum(ms for n, ms in gemms if any(w in n for w in GROUPED_GEMMS))
+    dense = sum(ms for _, ms in gemms) - grouped
+    if grouped <= 0 or dense <= 0:
+        return {}
+    g, d = routed_flops / grouped / 1e9, dense_flops / dense / 1e9  # FLOPs per ms -> TFLOP/s
+    return {"grouped_ms": grouped, "dense_ms": dense, "grouped_tflops": g, "dense_tflops": d,
+            "grouped_over_dense": g / d}
 
 
 def profile_io(s: Setup, out, label):
