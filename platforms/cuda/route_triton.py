@@ -162,21 +162,14 @@ class TritonSort:
         above 1 (then ``token`` and ``expert`` have ``padded_capacity`` rows, the padding's filled first, and
         ``ends_E`` ends each expert's padded block); None where the torch sort takes over."""
         ids = ids_Tk.reshape(-1).contiguous()
-        R, k, dev = ids.numel(), ids_Tk.shape[1], ids.device
+        R, k = ids.numel(), ids_Tk.shape[1]
         plan = plan or route_plan(R)
         block = CHUNK_BLOCK if plan == "chunks" else SORT_BLOCK
         nb = triton.cdiv(R, block)
         if not 0 < nb <= MAX_BLOCKS or num_experts > MAX_EXPERTS:
             return None
         eb = triton.next_power_of_2(num_experts)
-        inverse_R = torch.empty(R, dtype=torch.int64, device=dev)
-        ends_E = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        if align > 1:  # padding rows read token 0 and name no expert; the sort writes every other row
-            M = padded_capacity(R, num_experts, align)
-            token, expert = (torch.zeros(M, dtype=torch.int64, device=dev),
-                             torch.full((M,), -1, dtype=torch.int32, device=dev))
-        else:
-            token, expert = torch.empty(R, dtype=torch.int64, device=dev), ends_E  # ALIGN 1 never writes expert
+        token, inverse_R, ends_E, expert = _sort_outputs(R, num_experts, align, ids.device)
         chunk = route_chunk(R)
         warps = 4 if chunk == SMALL_CHUNK else 8
         if plan == "one launch":  # siblings=False: compile_routes compiles each launch's classes (route_variants)
@@ -184,9 +177,22 @@ class TritonSort:
                    num_experts, k, EB=eb, RB=max(chunk, triton.next_power_of_2(R)), CHUNK=chunk, ALIGN=align,
                    num_warps=warps, siblings=False)
             return token, inverse_R, ends_E, expert
-        counts = torch.empty(nb, eb, dtype=torch.int32, device=dev)
+        counts = torch.empty(nb, eb, dtype=torch.int32, device=ids.device)
         launch(_count_kernel, (nb,), self.pdl, R, ids, counts, R, EB=eb, BLOCK=block, num_warps=8, siblings=False)
         launch(_place_kernel, (nb,), self.pdl, R, ids, counts, token, inverse_R, ends_E, expert, R, num_experts, k,
                nb, EB=eb, NBT=PLACE_BLOCKS[plan], BLOCK=block, CHUNK=chunk, ALIGN=align, num_warps=warps,
                siblings=False)
         return token, inverse_R, ends_E, expert
+
+
+def _sort_outputs(R: int, num_experts: int, align: int, device) -> tuple:
+    """``(token, inverse_R, ends_E, expert)`` for the sort's kernels to write. Padded (``align`` > 1): the padding's
+    rows are filled first (token 0, expert -1), as the sort writes only the assigned rows; otherwise ``expert`` is
+    a placeholder that ``ALIGN`` 1 never writes."""
+    inverse_R = torch.empty(R, dtype=torch.int64, device=device)
+    ends_E = torch.empty(num_experts, dtype=torch.int32, device=device)
+    if align == 1:
+        return torch.empty(R, dtype=torch.int64, device=device), inverse_R, ends_E, ends_E
+    M = padded_capacity(R, num_experts, align)
+    return (torch.zeros(M, dtype=torch.int64, device=device), inverse_R, ends_E,
+            torch.full((M,), -1, dtype=torch.int32, device=device))
