@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fast_floor import floor  # noqa: E402
 from fast_naive import naive  # noqa: E402
 from fast_profile import profile, profile_io  # noqa: E402
-from bench_common import median_seconds  # noqa: E402
+from bench_common import git_commit, median_seconds  # noqa: E402
 from fast_setup import PEAK, RELEASED_LAYERS, Setup, sync  # noqa: E402
 from random_fullsize import random_init_  # noqa: E402
 
@@ -206,7 +206,7 @@ def main():
                    f"(+ per-step image I/O) give the 32-layer figures",
            "device": platform.info.device_name, "torch": torch.__version__, "layers": a.layers, "size": a.size,
            "prefix": a.prefix, "rows": 2, "steps": a.steps, "cfg": 5.0, "argv": sys.argv[1:],
-           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "commit": git_commit()}
 
     def save():
         if a.json:

@@ -28,3 +28,4 @@ def test_bench_fast_runs_the_engine_and_the_floor_on_the_reference(tmp_path):
         assert got["engine_" + prec]["step_eager_s"] > 0
     assert got["floor"]["grouped_kernel"].startswith("reference-grouped[fp8_row]")
     assert got["engine_fp8"]["quant"] == "fp8_row" and got["quality_random_layers"]["gate"] in ("pass", "fail")
+    assert isinstance(got["commit"], str) and got["commit"]  # the checkout's, OMNI_BENCH_COMMIT's or "unknown"
