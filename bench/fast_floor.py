@@ -119,7 +119,7 @@ def _engine_grouped(a, platform, moe, gate_up: bool, x, w, offs, res: dict):
     if a.grouped_fp8 == "deepgemm":  # DeepGEMM serves the fused MoE; the lone grouped GEMM would time auto's kernel
         return _deepgemm_grouped(moe, x, w, offs, res)
     gemm = getattr(moe, "gemm13" if gate_up else "gemm2", None)
-    if gemm is not None and hasattr(gemm, "scaled"):
+    if hasattr(gemm, "scaled"):  # the cuda MoE's e4m3 GEMMs; the reference MoE's take bf16 rows (the lone path)
         from omni.platforms.cuda.moe import pair_rows
 
         pw = gemm.prepare_weight(w)

@@ -31,6 +31,7 @@ import torch
 from omni.quant import FP8_MAX, dequantize
 from omni.specs import MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
+from .moe import joined  # moe imports this module only from a function: no cycle
 from .padded_route import padded_capacity
 
 BLOCK = 128  # DeepGEMM's sm90 scale granularity: 1x128 for activations, 128x128 for weights
@@ -144,7 +145,7 @@ class DeepGemmMoE:
         out_dtype = self.spec.dtype if isinstance(x_TD, RowQuantized) else x_TD.dtype
         if route.inverse_R.numel() == 0:  # an idle rank: no row to compute
             y = torch.empty(0, self.spec.hidden, dtype=torch.bfloat16, device=route.inverse_R.device)
-            return self.kernels.combine(y, route.inverse_R, topk_weights_Tk, out_dtype, _joined(addends))
+            return self.kernels.combine(y, route.inverse_R, topk_weights_Tk, out_dtype, joined(addends))
         M, expert_M = route.expert_M.numel(), route.expert_M
         if isinstance(x_TD, RowQuantized):
             xq, xs = self.kernels.scatter_rows(x_TD.q_TI, x_TD.scale_T1, route.inverse_R, rows=M)
@@ -154,7 +155,7 @@ class DeepGemmMoE:
         aq, as_ = self.kernels.swiglu(h, quantize=True, expert_R=expert_M)
         y = self.gemm(aq, as_, prepared.w2, expert_M)
         # the addends' callable joins the shared expert's side stream: called last, so it overlaps the GEMMs
-        return self.kernels.combine(y, route.inverse_R, topk_weights_Tk, out_dtype, _joined(addends))
+        return self.kernels.combine(y, route.inverse_R, topk_weights_Tk, out_dtype, joined(addends))
 
     def gemm(self, q_MK: torch.Tensor, s_M1: torch.Tensor, w: PreparedWeight, expert_M: torch.Tensor):
         """``[M, N]`` bf16: each padded row times its expert's weight; the per-row scale repeated over the K blocks
@@ -165,11 +166,6 @@ class DeepGemmMoE:
         out = torch.empty(M, w.data.shape[1], dtype=torch.bfloat16, device=q_MK.device)
         self.dg.m_grouped_fp8_gemm_nt_contiguous((q_MK, sf_MKb), (w.data, w.scale), out, expert_M)
         return out
-
-
-def _joined(addends) -> tuple:
-    """The combine's addends: a tuple, or what the callable (``omni_moe_impl``'s side-stream join) returns."""
-    return addends() if callable(addends) else addends
 
 
 def resolve_deepgemm_moe(spec: MoESpec, sm: tuple[int, int], kernels, reject):

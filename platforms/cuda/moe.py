@@ -105,6 +105,12 @@ class TorchKernels:
         return None
 
 
+def joined(addends) -> tuple:
+    """The combine's addends: a tuple, or what the callable (``omni_moe_impl``'s side-stream join) returns, called
+    here, right before the combine, so the shared expert's stream overlaps the routed GEMMs."""
+    return addends() if callable(addends) else addends
+
+
 def triton_found() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -184,8 +190,7 @@ class CudaMoE:
         else:  # GroupedMM
             h = self.gemm13(x[token_R], prepared.w13, offs)
             y = self.gemm2(self.kernels.swiglu(h, quantize=False)[0], prepared.w2, offs)
-        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype,
-                                    addends() if callable(addends) else addends)
+        return self.kernels.combine(y, inverse_R, topk_weights_Tk, out_dtype, joined(addends))
 
 
 def resolve_moe(spec: MoESpec, caps: Caps, reject):

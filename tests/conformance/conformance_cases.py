@@ -282,6 +282,7 @@ def check_padded_route(route, ids_Tk, num_experts: int, align: int) -> None:
     token_M, expert_M, inv = route.token_M.cpu(), route.expert_M.cpu(), route.inverse_R.cpu()
     R, k = ids.numel(), ids_Tk.shape[1]
     assert token_M.numel() == expert_M.numel() == padded_capacity(R, num_experts, align)
+    assert expert_M.numel() % align == 0
     assert expert_M.dtype == torch.int32 and inv.numel() == R and inv.unique().numel() == R
     assert torch.equal(expert_M[inv].long(), ids) and torch.equal(token_M[inv], torch.arange(R) // k)
     padding = torch.ones(expert_M.numel(), dtype=torch.bool)
