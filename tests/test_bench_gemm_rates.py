@@ -43,3 +43,16 @@ def test_gemm_rates_split_the_steps_gemms_into_expert_and_dense(name, grouped_ma
 def test_gemm_rates_are_empty_without_both_kinds_of_gemm():
     assert gemm_rates([("nvjet_sm90_qqtst_128x128", 1.0, 4), ("_combine_kernel", 0.2, 1)], 1e12, 1e12) == {}
     assert gemm_rates([], 1e12, 1e12) == {}
+
+
+@pytest.mark.parametrize("profile", ["kernels_fp8_graph", "kernels_fp8"])
+def test_recorded_rates_agree_with_their_own_kernel_rows(profile):
+    """bench_fast (H200, forty-sixth session) saved ``gemm_rates`` beside its ``top`` rows and its floor's FLOPs;
+    recomputed from those rows they agree within the kernels the saved top list leaves out (under 0.2%)."""
+    d = json.loads((BENCH / "results" / "bench_fast_h200_s46_2026-12-06.json").read_text())
+    fl, k = d["floor"]["flops_per_layer"], d[profile]
+    rows = [(r["kernel"], r["ms_per_layer"], r["calls_per_layer"]) for r in k["top"]]
+    got = gemm_rates(rows, fl["routed"], fl["dense"])
+    for key in ("grouped_tflops", "dense_tflops", "grouped_over_dense"):
+        assert got[key] == pytest.approx(k["gemm_rates"][key], rel=2e-3)
+    assert 0.9 < got["grouped_over_dense"] < 1.0  # item 2: close to the dense rate, not at it (BENCHMARKS.md)
