@@ -125,7 +125,14 @@ def command(serving: dict, fast: dict) -> str:
              f"{a['full_size_layers']}{sets} --concurrency {a['concurrency']} --requests {a['requests']} --sizes "
              f"{a['sizes']} --steps {a['steps']} --guidance {a['guidance']:g} --warmup {a['warmup']} --json out.json")
     argv = fast.get("argv")
-    return bench + "; then python3 bench/bench_fast.py " + (" ".join(argv) if argv else "(arguments not recorded)")
+    return bench + "; then python3 bench/bench_fast.py " + (" ".join(portable(argv)) if argv else
+                                                             "(arguments not recorded)")
+
+
+def portable(argv: list[str]) -> list[str]:
+    """bench_fast's arguments with its ``--json`` path as the bench's (``out.json``): the device's output folder
+    means nothing to whoever repeats the command."""
+    return [("out.json" if i and argv[i - 1] == "--json" else a) for i, a in enumerate(argv)]
 
 
 def archive(headline: dict) -> None:

@@ -19,6 +19,8 @@ RESULTS = BENCH / "results"
 S34_SERVING = RESULTS / "bench32_h200_fp8_headline_s34_2026-12-05.json"
 S34_FAST = RESULTS / "bench_fast_h200_8layers_headline_s34_2026-12-05.json"
 S30_FAST = RESULTS / "bench_fast_h200_8layers_headline_s30_2026-12-04.json"  # ran the naive bf16 path too
+S46_SERVING = RESULTS / "bench32_headline_h200_s46_2026-12-06.json"
+S46_FAST = RESULTS / "bench_fast_h200_s46_2026-12-06.json"  # its argv names the device's output folder
 EARLIER = {"date": "2026-12-04", "commit": "0336e9b", "gpu": "1x H200", tool.P50: 11.7, "floor_s": 9.74,
            "naive_s": 50.65, "images_per_hour_c1": 307.6, "images_per_hour_c2": 318.3, "peak_gib": 97.91,
            "time_to_ready_s": 9.33, "issue15_text": {"decode_tokens_per_s_c1_8layers": 52.7},
@@ -105,3 +107,15 @@ def test_a_label_the_meta_already_holds_exits_2_and_writes_nothing(tmp_path, cap
 def test_dry_run_writes_nothing(tmp_path):
     rc, path = run(tmp_path, "--dry-run")
     assert rc == 0 and json.loads(path.read_text()) == EARLIER
+
+
+def test_the_forty_sixth_run_gives_its_figures_and_a_command_without_the_devices_paths(tmp_path):
+    rc, path = run(tmp_path, serving=S46_SERVING, fast=S46_FAST)
+    out = json.loads(path.read_text())
+    assert rc == 0
+    assert (out[tool.P50], out["floor_s"], out["time_to_ready_s"], out["images_per_hour_c2"]) == \
+        (11.58, 9.33, 22.98, 321.6)
+    assert "/root/out" in " ".join(json.loads(S46_FAST.read_text())["argv"])
+    command = out[tool.META]["command"]
+    assert "/root/out" not in command and command.endswith("--floor-rounds 3 --json out.json")
+    assert "median 1.145x" in out[tool.META]["note"]
