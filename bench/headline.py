@@ -54,14 +54,29 @@ def check_serving(serving: dict, name: str) -> dict[int, dict]:
     args = serving.get("args", {})
     for field, want in SERVING_ARGS.items():
         require(args.get(field) == want, f"{name} args.{field}", f"is {args.get(field)!r}; the headline is {want!r}")
-    require((args.get("warmup") or 0) >= 1, f"{name} args.warmup", "is 0; the headline is after a warm-up")
+    return check_levels(serving, name, (1, 2))
+
+
+def check_levels(serving: dict, name: str, need: tuple[int, ...]) -> dict[int, dict]:
+    """A sweep's levels by concurrency: after a warm-up, levels ``need`` there, no request failed, and enough
+    images at c=1 for a p50."""
+    require((serving.get("args", {}).get("warmup") or 0) >= 1, f"{name} args.warmup",
+            "is 0; the headline is after a warm-up")
     levels = {lv["concurrency"]: lv for lv in serving.get("levels", [])}
-    require({1, 2} <= set(levels), f"{name} levels", f"has concurrency {sorted(levels)}; the headline needs 1 and 2")
+    require(set(need) <= set(levels), f"{name} levels",
+            f"has concurrency {sorted(levels)}; the headline needs {' and '.join(map(str, need))}")
     for c, lv in levels.items():
         require(lv["ok"] == lv["requests"], f"{name} levels[c={c}].errors", f"{lv['errors']}: a request failed")
     require(levels[1]["ok"] >= MIN_IMAGES, f"{name} levels[c=1].requests",
             f"is {levels[1]['ok']}; p50 needs at least {MIN_IMAGES} images")
     return levels
+
+
+def refuse_taken(meta: dict, label: str, where: str) -> None:
+    """A new run's label must be new: archiving a later run under a taken one would overwrite an entry."""
+    if label in meta or label == meta.get("label"):
+        raise NotTheHeadline(f"--label {label!r} already names an entry of {where}: it names this run, "
+                             "so it must be new")
 
 
 def check_fast(fast: dict, name: str) -> None:
@@ -151,10 +166,7 @@ def merge(headline: dict, serving: dict, fast: dict, *, serving_name: str, fast_
     """``headline`` with this run's values (checked first: NotTheHeadline), the replaced ones archived."""
     levels = check_serving(serving, serving_name)
     check_fast(fast, fast_name)
-    meta = headline.get(META, {})
-    if label in meta or label == meta.get("label"):  # archiving a later run under it would overwrite an entry
-        raise NotTheHeadline(f"--label {label!r} already names an entry of {META}: it names this run, "
-                             "so it must be new")
+    refuse_taken(headline.get(META, {}), label, META)
     values = {"date": serving["date"][:10], "commit": commit, "gpu": gpu} | serving_values(serving, levels)
     values |= fast_values(fast, headline)
     archive(headline)
@@ -190,10 +202,15 @@ def main(argv=None) -> int:
     except (OSError, json.JSONDecodeError, NotTheHeadline) as e:
         print(f"headline: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({k: headline[k] for k in VALUES if k in headline}, indent=1))
-    if not a.dry_run:
-        a.headline.write_text(json.dumps(headline, indent=1) + "\n")
-        print(f"wrote {a.headline}")
+    return write(a.headline, headline, {k: headline[k] for k in VALUES if k in headline}, a.dry_run)
+
+
+def write(path: Path, headline: dict, shown: dict, dry_run: bool) -> int:
+    """Print the run's values, and (unless ``dry_run``) write the merged file; main's exit status."""
+    print(json.dumps(shown, indent=1))
+    if not dry_run:
+        path.write_text(json.dumps(headline, indent=1) + "\n")
+        print(f"wrote {path}")
     return 0
 
 
