@@ -122,26 +122,35 @@ def step_note(fast: dict) -> str:
 def run_note(serving: dict, fast: dict, levels: dict[int, dict]) -> str:
     c1, c2 = levels[1], levels[2]
     stages = c1["stage_mean_s"]
-    ready = serving.get("ready") or {}
-    ready_text = f"ready {serving['time_to_ready_s']} s" + (
-        f" (build {ready['build_s']:.2f} s, server warm-up {ready['warm_up_s']:.2f} s)"
-        if ready.get("warm_up_s") is not None else " (the build only)")
     return (f"p50 over {c1['ok']} images at c=1 after a warm-up: {c1['latency_s']['p50']:.3f} s (p90 "
             f"{c1['latency_s']['p90']:.2f}, prefill {stages['prefill']:.3f}, denoise {stages['denoise']:.3f}, VAE "
             f"{stages['vae']:.3f}, PNG {stages['encode']:.3f} s); c=2 p50 {c2['latency_s']['p50']:.2f} s; "
-            f"{ready_text}; bench_fast: {step_note(fast)}; random-layer gate "
+            f"{ready_text(serving)}; bench_fast: {step_note(fast)}; random-layer gate "
             f"{fast.get('quality_random_layers', {}).get('gate', 'not run')}")
 
 
-def command(serving: dict, fast: dict) -> str:
-    a = serving["args"]
+def ready_text(serving: dict) -> str:
+    """The sweep's time to ready, split into the build and the server's warm-up where the bench ran one."""
+    ready = serving.get("ready") or {}
+    return f"ready {serving['time_to_ready_s']} s" + (
+        f" (build {ready['build_s']:.2f} s, server warm-up {ready['warm_up_s']:.2f} s)"
+        if ready.get("warm_up_s") is not None else " (the build only)")
+
+
+def bench_command(a: dict) -> str:
+    """The ``omni-run bench`` command of a sweep's recorded ``args`` (``--steps`` / ``--guidance`` where set)."""
     sets = "".join(f" --set {s}" for s in a.get("set", []))
-    bench = (f"omni-run bench --recipe {a['recipe']} --platform {a['platform']} --full-size-layers "
-             f"{a['full_size_layers']}{sets} --concurrency {a['concurrency']} --requests {a['requests']} --sizes "
-             f"{a['sizes']} --steps {a['steps']} --guidance {a['guidance']:g} --warmup {a['warmup']} --json out.json")
+    steps = f" --steps {a['steps']}" if a.get("steps") is not None else ""
+    guidance = f" --guidance {a['guidance']:g}" if a.get("guidance") is not None else ""
+    return (f"omni-run bench --recipe {a['recipe']} --platform {a['platform']} --full-size-layers "
+            f"{a['full_size_layers']}{sets} --concurrency {a['concurrency']} --requests {a['requests']} --sizes "
+            f"{a['sizes']}{steps}{guidance} --warmup {a['warmup']} --json out.json")
+
+
+def command(serving: dict, fast: dict) -> str:
     argv = fast.get("argv")
-    return bench + "; then python3 bench/bench_fast.py " + (" ".join(portable(argv)) if argv else
-                                                             "(arguments not recorded)")
+    return bench_command(serving["args"]) + "; then python3 bench/bench_fast.py " + (
+        " ".join(portable(argv)) if argv else "(arguments not recorded)")
 
 
 def portable(argv: list[str]) -> list[str]:

@@ -23,8 +23,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from headline import (GIB, HEADLINE, NotTheHeadline, check_levels, refuse_taken, require,  # noqa: E402
-                      write)
+from headline import (GIB, HEADLINE, NotTheHeadline, bench_command, check_levels, ready_text,  # noqa: E402
+                      refuse_taken, require, write)
 
 P50 = "h200x1_distil_1024_8_p50_s"
 IPH = "h200x1_distil_images_per_hour_c8"
@@ -43,24 +43,14 @@ def check(serving: dict, name: str) -> dict[int, dict]:
     return check_levels(serving, name, (1, 8))
 
 
-def command(args: dict) -> str:
-    sets = "".join(f" --set {s}" for s in args.get("set", []))
-    return (f"omni-run bench --recipe {args['recipe']} --platform {args['platform']} --full-size-layers "
-            f"{args['full_size_layers']}{sets} --concurrency {args['concurrency']} --requests {args['requests']} "
-            f"--sizes {args['sizes']} --warmup {args['warmup']} --json out.json")
-
-
 def note(serving: dict, levels: dict[int, dict]) -> str:
     c1, c8 = levels[1], levels[8]
-    stages, ready = c8["stage_mean_s"], serving.get("ready") or {}
-    ready_text = (f" (build {ready['build_s']:.2f}, warm-up {ready['warm_up_s']:.2f})"
-                  if ready.get("warm_up_s") is not None else " (the build only)")
+    stages = c8["stage_mean_s"]
     return (f"{c8['ok']}/{c8['requests']} ok at each level; c=1: p50 {c1['latency_s']['p50']:.3f} s, "
             f"{c1['images_per_hour']} images/h; c=8: p90 {c8['latency_s']['p90']:.2f} s, denoise "
             f"{stages['denoise']:.3f} s, VAE {stages['vae']:.3f} s mean, peak "
             f"{(c8.get('peak_device_memory_bytes') or 0) / GIB:.2f} GiB, reserved "
-            f"{(c8.get('device_memory_reserved_bytes') or 0) / GIB:.2f} GiB; time to ready "
-            f"{serving['time_to_ready_s']} s{ready_text}")
+            f"{(c8.get('device_memory_reserved_bytes') or 0) / GIB:.2f} GiB; {ready_text(serving)}")
 
 
 def merge(headline: dict, serving: dict, *, name: str, commit: str, gpu: str, label: str, source: str) -> dict:
@@ -73,7 +63,7 @@ def merge(headline: dict, serving: dict, *, name: str, commit: str, gpu: str, la
         meta[old.get("label") or f"commit_{old.get('commit')}"] = old
     headline[P50] = round(levels[8]["latency_s"]["p50"], 3)
     headline[IPH] = levels[8]["images_per_hour"]
-    meta.update(date=serving["date"][:10], commit=commit, gpu=gpu, command=command(serving["args"]),
+    meta.update(date=serving["date"][:10], commit=commit, gpu=gpu, command=bench_command(serving["args"]),
                 note=note(serving, levels), source=source, p50_s_c1=round(levels[1]["latency_s"]["p50"], 4),
                 images_per_hour_c1=levels[1]["images_per_hour"], label=label)
     return headline
