@@ -26,6 +26,8 @@ capturable except flex (its block mask is rebuilt from host lengths).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -67,6 +69,9 @@ class Fa3Attention:
         self.mod, self.fwd, self.paged, self.fp8 = fa3.module, fa3.fwd, spec.paged, spec.fp8
         self.scale, self.causal = softmax_scale(spec), spec.mask == "causal"
         self.run = self._op if fa3.fwd is not None else self._wrapped  # chosen once, not per call
+        self.group, self.block_m = spec.num_heads // spec.num_kv_heads, fa3_block_m(spec.head_dim)
+        self.wrapper_packs = fa3.fwd is not None or _takes(getattr(fa3.module, "flash_attn_varlen_func", None),
+                                                           "pack_gqa")
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
         if not self.fp8:
@@ -83,7 +88,8 @@ class Fa3Attention:
         if self.paged:
             lengths = dict(seqused_k=meta.seqused_k_B, page_table=meta.block_table_BP, num_splits=0)
         else:
-            lengths = dict(cu_seqlens_k=meta.cu_seqlens_k_B1, max_seqlen_k=meta.max_seqlen_k, num_splits=1)
+            lengths = dict(cu_seqlens_k=meta.cu_seqlens_k_B1, max_seqlen_k=meta.max_seqlen_k, num_splits=1,
+                           pack_gqa=self.pack_gqa(meta.max_seqlen_q))
         return self.fwd(q_TNH, k, v, cu_seqlens_q=meta.cu_seqlens_q_B1, max_seqlen_q=meta.max_seqlen_q, **lengths,
                         **descales, softmax_scale=self.scale, is_causal=self.causal)[0]
 
@@ -94,9 +100,42 @@ class Fa3Attention:
                 q_TNH, k, v, cache_seqlens=meta.seqused_k_B, page_table=meta.block_table_BP,
                 cu_seqlens_q=meta.cu_seqlens_q_B1, max_seqlen_q=meta.max_seqlen_q, **kw)
         else:
+            if self.wrapper_packs:
+                kw["pack_gqa"] = self.pack_gqa(meta.max_seqlen_q)
             out = self.mod.flash_attn_varlen_func(
                 q_TNH, k, v, meta.cu_seqlens_q_B1, meta.cu_seqlens_k_B1, meta.max_seqlen_q, meta.max_seqlen_k, **kw)
         return out[0] if isinstance(out, tuple) else out  # older builds return (out, lse)
+
+    def pack_gqa(self, max_seqlen_q: int) -> bool:
+        """Whether FA3 packs a KV head's query heads into shared M tiles (``fa3_pack_gqa``) for this call."""
+        return fa3_pack_gqa(max_seqlen_q, self.group, self.block_m)
+
+
+def fa3_block_m(head_dim: int) -> int:
+    """The M tile (query rows) of FA3's sm90 forward: 192 for head_dim <= 64, else 128 (its ``tile_size_fwd_sm90``)."""
+    return 192 if head_dim <= 64 else 128
+
+
+def fa3_pack_gqa(max_seqlen_q: int, group: int, block_m: int) -> bool:
+    """FA3's own packing rule for fixed-length batches, applied to a varlen call's longest query sequence.
+
+    Why: FA3 packs every varlen call (it knows only the maximum length), and packing costs time where one head's
+    rows already fill their tiles: the image step's 2 x 4097 queries (32/8 heads of 128) ran 0.944 ms packed and
+    0.898 ms unpacked on an H100 (BENCHMARKS.md, "Forty-seventh session"). Its fixed-length rule
+    (``should_pack_gqa``) packs only where one head's last tile would be much emptier than the packed rows' last
+    tile: decode (1 query) and short prompts still pack, the image step does not.
+    """
+    if group == 1:
+        return False
+    fill = lambda rows: rows / (-(-rows // block_m) * block_m)  # noqa: E731  the share of M-tile rows in use
+    return fill(max_seqlen_q) < 0.9 * fill(max_seqlen_q * group)
+
+
+def _takes(fn, keyword: str) -> bool:
+    try:
+        return fn is not None and keyword in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: assume the older wrapper
+        return False
 
 
 def fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

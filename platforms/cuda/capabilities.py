@@ -141,7 +141,7 @@ class Fa3:
 # The keywords Fa3Attention passes to the registered op; its schema must name every one of them.
 FA3_FWD_KEYWORDS = frozenset({
     "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "page_table",
-    "q_descale", "k_descale", "v_descale", "softmax_scale", "is_causal", "num_splits"})
+    "q_descale", "k_descale", "v_descale", "softmax_scale", "is_causal", "num_splits", "pack_gqa"})
 
 
 def fa3_raw_fwd(module) -> object:

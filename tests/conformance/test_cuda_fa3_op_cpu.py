@@ -105,6 +105,55 @@ def test_the_op_route_passes_what_the_wrappers_pass(vendor, mask, page):
     assert call["num_splits"] == (0 if page else 1)  # flash_attn_with_kvcache's default; the varlen wrapper's 1
     assert (call["page_table"] is meta.block_table_BP) and (call["seqused_k"] is meta.seqused_k_B)
     assert call["cu_seqlens_k"] is (None if page else meta.cu_seqlens_k_B1)
+    group = spec.num_heads // spec.num_kv_heads  # the paged call leaves packing to FA3 (it packs paged calls)
+    assert call["pack_gqa"] == (None if page else attention.fa3_pack_gqa(meta.max_seqlen_q, group, 128))
+
+
+@pytest.mark.parametrize("queries,group,head_dim,packs", [
+    (1, 4, 128, True), (300, 4, 128, True), (4097, 4, 128, False), (1024, 4, 128, False),
+    (4097, 1, 128, False), (100, 4, 64, True), (4097, 4, 64, False)])
+def test_fa3_packs_query_heads_only_where_one_heads_tiles_would_be_emptier(queries, group, head_dim, packs):
+    """FA3's fixed-length rule on the longest query sequence: decode and short prompts pack; the image step's 4097
+    queries a row (33 tiles of 128, 97% full) do not; heads that share nothing (MHA) never do."""
+    assert attention.fa3_pack_gqa(queries, group, attention.fa3_block_m(head_dim)) is packs
+
+
+def test_the_varlen_call_packs_per_its_longest_query_sequence(vendor):
+    spec = attention_spec("bf16", 128, 4, "none", 0, backend="fa3")
+    vendor.spec = spec
+    impl = attention.Fa3Attention(spec, Fa3(NoWrappers(), "fa3_fwd_interface", fwd=vendor.op))
+    q, k, v, meta = make_attention_case(spec, "q<k", "cpu")
+    for longest, packs in ((meta.max_seqlen_q, impl.pack_gqa(meta.max_seqlen_q)), (4097, False), (1, True)):
+        vendor.calls[:] = []
+        impl(q, k, v, dataclasses.replace(meta, max_seqlen_q=longest))
+        assert vendor.calls[0]["pack_gqa"] is packs
+
+
+class Wrappers:
+    """A build's Python varlen wrapper, with or without the ``pack_gqa`` keyword; records the keywords it gets."""
+
+    def __init__(self, takes_pack: bool):
+        self.kwargs = None
+        if takes_pack:
+            self.flash_attn_varlen_func = lambda *a, softmax_scale, causal, pack_gqa=None: self._record(
+                a, softmax_scale=softmax_scale, causal=causal, pack_gqa=pack_gqa)
+        else:
+            self.flash_attn_varlen_func = lambda *a, softmax_scale, causal: self._record(
+                a, softmax_scale=softmax_scale, causal=causal)
+
+    def _record(self, args, **kwargs):
+        self.kwargs = kwargs
+        return torch.zeros_like(args[0])
+
+
+@pytest.mark.parametrize("takes_pack", [True, False])
+def test_the_wrapper_route_passes_pack_gqa_only_to_wrappers_that_take_it(takes_pack):
+    spec = attention_spec("bf16", 128, 4, "none", 0, backend="fa3")
+    module = Wrappers(takes_pack)
+    impl = attention.Fa3Attention(spec, Fa3(module, "flash_attn_interface"))
+    q, k, v, meta = make_attention_case(spec, "q<k", "cpu")
+    impl(q, k, v, dataclasses.replace(meta, max_seqlen_q=4097))
+    assert module.kwargs.get("pack_gqa", "absent") == (False if takes_pack else "absent")
 
 
 def test_the_op_route_in_fp8_sends_one_descale_per_sequence_and_kv_head(vendor):

@@ -2,7 +2,8 @@
 
 Both routes launch the same kernel with the same arguments, so outputs must be
 bit-identical: varlen without and with the causal mask, the paged call, the
-e4m3 call. A fresh process then resolves attention as a build does, calls it
+e4m3 call. The image step's call, unpacked (``fa3_pack_gqa``), answers as the
+packed call does against fp32 attention. A fresh process then resolves attention as a build does, calls it
 once, and must not have imported ``torch._dynamo`` (the wrappers' custom op
 does on first use: seconds of the warm-up, BENCHMARKS.md).
 """
@@ -70,6 +71,34 @@ def test_the_op_and_the_wrappers_give_the_same_bits(fa3, mask, paged, fp8):
     a, b = op(q, k, v, meta), wrappers(q, k, v, meta)
     assert a.shape == q.shape and a.dtype == torch.bfloat16 and a.abs().sum() > 0
     assert torch.equal(a, b)
+
+
+def _reference(q, k, v, meta) -> torch.Tensor:
+    """fp32 attention of each packed sequence (no mask, GQA by repeating the KV heads)."""
+    out, cq, ck = [], meta.cu_seqlens_q_host, meta.cu_seqlens_k_host
+    for i in range(len(cq) - 1):
+        qs, ks, vs = (x.float().transpose(0, 1) for x in (q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]))
+        ks, vs = (x.repeat_interleave(N // K, dim=0) for x in (ks, vs))
+        out.append(torch.nn.functional.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_unpacked_query_heads_answer_as_packed_ones(fa3):
+    """The image step's call (4097 queries a row) is not packed (``fa3_pack_gqa``); forced packing answers within
+    the same distance of fp32 attention: only the tiling differs."""
+    from omni.platforms.cuda.attention import Fa3Attention
+
+    spec = AttentionSpec(num_heads=N, num_kv_heads=K, head_dim=H, dtype=torch.bfloat16)
+    impl = Fa3Attention(spec, fa3)
+    q, k, v, meta = _case(paged=False)
+    assert impl.pack_gqa(meta.max_seqlen_q) is False
+    unpacked = impl(q, k, v, meta)
+    impl.pack_gqa = lambda _: True  # FA3's own choice for every varlen call
+    packed = impl(q, k, v, meta)
+    want = _reference(q, k, v, meta)
+    errs = [float((x.float() - want).norm() / want.norm()) for x in (unpacked, packed)]
+    print("relative error vs fp32: unpacked %.2e, packed %.2e" % tuple(errs))
+    assert max(errs) < 5e-3 and errs[0] < 1.2 * errs[1] + 1e-4
 
 
 def test_a_build_first_attention_call_imports_no_dynamo(fa3):
