@@ -8,7 +8,8 @@ captured ``--chain`` times into a CUDA graph as a captured step runs it (``bench
   ``fa3_pack_gqa``), and ``bf16 packed``: the same with the query heads packed (FA3's choice for every varlen call);
 - ``bf16 batched``: FA3's fixed-length call on the same rows (both rows are equally long here; the engine's are not);
 - ``fp8 kernel``: FA3's e4m3 forward alone, on q, k, v quantized beforehand (one scale per tensor);
-- ``fp8 path``: the platform's attention for ``AttentionSpec(fp8=True)`` (``attention.fp8``), quantization included;
+- ``fp8 path``: the platform's attention for ``AttentionSpec(fp8=True)`` (``attention.fp8``), its quantization
+  (``fp8_tensor_triton``) included, and ``fp8 torch quant``: the same with torch's quantization ops, as before;
 - ``sage int8 qk``: ``sageattention``'s ``sageattn_varlen`` where it imports (Triton: int8 QK per block with k
   smoothed, fp16 PV). It reads ``cu_seqlens`` on the host, so no graph can hold it: it is timed eagerly, beside an
   eager ``bf16``. It subtracts k's mean from ``k`` in place, so it gets a copy (the copy is timed too).
@@ -49,14 +50,15 @@ def step_case(queries: int, prefix: int, device):
     return q, k, v, meta
 
 
-def packed(spec: AttentionSpec):
-    """FA3's attention as the platform builds it, but with the query heads packed for every call (a new object:
-    the platform's own is cached per spec and shared)."""
+def own_fa3(spec: AttentionSpec, pack: bool | None = None):
+    """FA3's attention as the platform builds it, as a new object (the platform's is cached per spec and shared):
+    ``pack`` forces the query heads' packing either way; its fp8 quantization is torch's ops (``fp8_per_tensor``)."""
     from omni.platforms.cuda.attention import Fa3Attention
     from omni.platforms.cuda.capabilities import detect_caps, load_fa3
 
     impl = Fa3Attention(spec, load_fa3(detect_caps(0).fa3_module))
-    impl.pack_gqa = lambda _rows: True
+    if pack is not None:
+        impl.pack_gqa = lambda _rows: pack
     return impl
 
 
@@ -105,10 +107,12 @@ def step_rows(platform, a, device) -> dict:
     q, k, v, meta = step_case(a.queries, a.prefix, device)
     fns = {"bf16": lambda: bf16(q, k, v, meta)}
     if "fa3" in bf16.name:
-        bf16_packed = packed(AttentionSpec(**spec))
+        bf16_packed = own_fa3(AttentionSpec(**spec), pack=True)
         fns |= {"bf16 packed": lambda: bf16_packed(q, k, v, meta), "bf16 batched": batched(bf16, q, k, v, meta)}
     if "fp8" in fp8.name:
-        fns |= {"fp8 kernel": prequantized(fp8, q, k, v, meta), "fp8 path": lambda: fp8(q, k, v, meta)}
+        torch_quant = own_fa3(AttentionSpec(**spec, fp8=True))
+        fns |= {"fp8 kernel": prequantized(fp8, q, k, v, meta), "fp8 path": lambda: fp8(q, k, v, meta),
+                "fp8 torch quant": lambda: torch_quant(q, k, v, meta)}
     want = fns["bf16"]().double()
     flops = 2 * 4 * N * H * a.queries * (a.queries + a.prefix)
     out = {"kernels": {"bf16": bf16.name, "fp8": fp8.name},
@@ -122,7 +126,7 @@ def step_rows(platform, a, device) -> dict:
 
 def sweep_rows(platform, a, device) -> dict:
     spec = AttentionSpec(num_heads=N, num_kv_heads=K, head_dim=H, dtype=torch.bfloat16)
-    rule, forced, out = platform.attention(spec), packed(spec), {}
+    rule, forced, out = platform.attention(spec), own_fa3(spec, pack=True), {}
     for queries in a.sweep:
         q, k, v, meta = step_case(queries, a.prefix, device)
         fns = {"bf16": lambda: rule(q, k, v, meta), "bf16 packed": lambda: forced(q, k, v, meta)}

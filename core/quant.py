@@ -11,13 +11,13 @@ from .specs import PreparedWeight
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
-_EPS = 1e-12
+SCALE_EPS = 1e-12  # the smallest scale: an all-zero tensor quantizes to zeros, not NaN
 
 
 def absmax_scale(x: torch.Tensor, qmax: float, dim: int | None) -> torch.Tensor:
     """fp32 scale so that ``x / scale`` fits ``[-qmax, qmax]``; per tensor or keepdim along ``dim``."""
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
-    return (amax.float() / qmax).clamp_min(_EPS)
+    return (amax.float() / qmax).clamp_min(SCALE_EPS)
 
 
 def quantize_fp8(x: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:

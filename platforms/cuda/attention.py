@@ -37,6 +37,7 @@ from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
 from .capabilities import Caps, Fa3, load_fa3, log_once
+from .moe import triton_found
 
 HALF = (torch.float16, torch.bfloat16)
 BACKENDS = ("fa3", "varlen", "sdpa", "flex")
@@ -63,11 +64,12 @@ class Fa3Attention:
 
     reads_host_lengths = False  # lengths from the device tensors; the host maxima are only upper bounds
 
-    def __init__(self, spec: AttentionSpec, fa3: Fa3):
+    def __init__(self, spec: AttentionSpec, fa3: Fa3, quantize=None):
         route = "" if fa3.fwd is None else ", op"
         self.name = f"cuda-fa3({fa3.name}{', fp8' if spec.fp8 else ''}{route})"
         self.mod, self.fwd, self.paged, self.fp8 = fa3.module, fa3.fwd, spec.paged, spec.fp8
         self.scale, self.causal = softmax_scale(spec), spec.mask == "causal"
+        self.quantize = quantize or fp8_per_tensor  # e4m3 per tensor: ``fp8_quantizer``'s choice at build time
         self.run = self._op if fa3.fwd is not None else self._wrapped  # chosen once, not per call
         self.group, self.block_m = spec.num_heads // spec.num_kv_heads, fa3_block_m(spec.head_dim)
         self.wrapper_packs = fa3.fwd is not None or _takes(getattr(fa3.module, "flash_attn_varlen_func", None),
@@ -77,7 +79,7 @@ class Fa3Attention:
         if not self.fp8:
             return self.run(q_TNH, k, v, meta)
         # e4m3 q, k, v with one dynamic scale each (``omni.quant``'s per-tensor rule); bf16 out
-        (qq, sq), (kq, sk), (vq, sv) = (fp8_per_tensor(t) for t in (q_TNH, k, v))
+        (qq, sq), (kq, sk), (vq, sv) = (self.quantize(t) for t in (q_TNH, k, v))
         shape = (meta.num_seqs, k.shape[-2])  # FA3 takes descales per (sequence, kv head)
         out = self.run(qq, kq, vq, meta, q_descale=sq.expand(shape), k_descale=sk.expand(shape),
                        v_descale=sv.expand(shape))
@@ -144,6 +146,18 @@ def fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reshape(1, 1)
 
 
+def fp8_quantizer(spec: AttentionSpec):
+    """``attention.fp8``'s per-tensor quantization: two Triton passes where Triton imports (same bits, a fraction
+    of the time: ``fp8_tensor_triton``), else ``fp8_per_tensor``'s torch ops. None for bf16 specs."""
+    if not spec.fp8:
+        return None
+    if not triton_found():
+        return fp8_per_tensor
+    from .fp8_tensor_triton import quantize_fp8_per_tensor
+
+    return quantize_fp8_per_tensor
+
+
 def build_fa3(spec: AttentionSpec, caps: Caps, reject, load=load_fa3):
     if caps.fa3_module is None:
         return reject("fa3: neither fa3_fwd_interface nor flash_attn_interface is installed")
@@ -169,7 +183,7 @@ def _fa3_build_fits(spec: AttentionSpec, fa3: Fa3, reject):
     if spec.fp8 and (spec.paged or not fa3.fp8):
         why = "paged KV (gathered keys only)" if spec.paged else f"{fa3.name} was built without fp8 kernels"
         return reject(f"fa3: attention.fp8 is not served with {why}")
-    return Fa3Attention(spec, fa3)
+    return Fa3Attention(spec, fa3, fp8_quantizer(spec))
 
 
 # ----------------------------------------------------------------- torch varlen_attn

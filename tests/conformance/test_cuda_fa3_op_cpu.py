@@ -198,3 +198,15 @@ print("custom op route:", "torch._dynamo" in sys.modules)
                          cwd=__file__.rsplit("/", 1)[0])
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["op route: False", "custom op route: True"], out.stdout
+
+
+def test_fp8_quantization_is_chosen_at_build_time(monkeypatch):
+    """Two Triton passes where Triton imports (their bits against torch's: tests/gpu/test_gpu_fp8_tensor_quant.py),
+    torch's ops where it does not; bf16 specs quantize nothing."""
+    spec = attention_spec("bf16", 128, 4, "none", 0, backend="fa3")
+    fp8_spec = dataclasses.replace(spec, fp8=True)
+    assert attention.fp8_quantizer(spec) is None
+    monkeypatch.setattr(attention, "triton_found", lambda: False)
+    assert attention.fp8_quantizer(fp8_spec) is attention.fp8_per_tensor
+    impl = attention.Fa3Attention(fp8_spec, Fa3(Wrappers(True), "fa3_fwd_interface"), attention.fp8_quantizer(fp8_spec))
+    assert impl.quantize is attention.fp8_per_tensor
