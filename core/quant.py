@@ -17,6 +17,12 @@ SCALE_EPS = 1e-12  # the smallest scale: an all-zero tensor quantizes to zeros, 
 def absmax_scale(x: torch.Tensor, qmax: float, dim: int | None) -> torch.Tensor:
     """fp32 scale so that ``x / scale`` fits ``[-qmax, qmax]``; per tensor or keepdim along ``dim``."""
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+    return scale_from_amax(amax, qmax)
+
+
+def scale_from_amax(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """The scale of an absolute maximum, by these torch ops wherever a kernel must give the same bits: CUDA's
+    division by a Python scalar multiplies by its fp32 reciprocal, which is not always the rounded quotient."""
     return (amax.float() / qmax).clamp_min(SCALE_EPS)
 
 

@@ -4,10 +4,11 @@ Why: ``omni.quant.quantize_fp8(per_row=False)`` runs the absolute value, the max
 the clamp and the cast as separate passes, mostly over fp32 copies: the image step's q, k and v took 0.70 ms that
 way on an H100, as long as FA3's fp8 kernel itself (0.76 ms), which made ``attention.fp8`` slower than bf16
 (BENCHMARKS.md, "Forty-seventh session"). Here one pass reduces ``|x|`` to its maximum (one fp32 atomic max per
-program into a zeroed cell) and one pass divides by the scale and casts.
-
-The roundings are ``omni.quant``'s: scale = max(amax / 448, eps) in fp32, ``x / scale`` correctly rounded
-(``div_rn``), clamped to +-448, rounded to the nearest e4m3 (ties to even), so the bits equal the reference's
+program into a zeroed cell), the scale is made from it by ``omni.quant.scale_from_amax`` (two one-element
+torch ops, so its bits are the reference's: CUDA's division by a Python scalar is a multiplication by the
+reciprocal, which a correctly rounded division in the kernel missed by one ulp), and one pass divides by the
+scale and casts. ``x / scale`` is correctly rounded (``div_rn``, as torch's tensor division), clamped to +-448
+and rounded to the nearest e4m3 (ties to even): the bits equal the reference's
 (tests/gpu/test_gpu_fp8_tensor_quant.py). Capturable: the zeroed cell comes from the caller's allocator
 (a graph's pool under capture) and nothing is read on the host.
 """
@@ -31,25 +32,25 @@ def absmax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def cast_kernel(x_ptr, amax_ptr, q_ptr, scale_ptr, n, QMAX: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
-    scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr), QMAX), EPS)
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def cast_kernel(x_ptr, scale_ptr, q_ptr, n, QMAX: tl.constexpr, BLOCK: tl.constexpr):
+    scale = tl.load(scale_ptr)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     q = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
-    if pid == 0:
-        tl.store(scale_ptr, scale)
 
 
 def quantize_fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 ``x``, its fp32 scale ``[1, 1]``), as ``omni.quant.quantize_fp8(x, per_row=False)`` gives them."""
     x = x.contiguous()
     n = x.numel()
-    amax, scale = torch.zeros(1, device=x.device, dtype=torch.float32), x.new_empty((1, 1), dtype=torch.float32)
-    q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    if n == 0:
+        return torch.empty_like(x, dtype=torch.float8_e4m3fn), x.new_full((1, 1), quant.SCALE_EPS, dtype=torch.float32)
+    amax = torch.zeros(1, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, BLOCK),)
     absmax_kernel[grid](x, amax, n, BLOCK=BLOCK, num_warps=WARPS)
-    cast_kernel[grid](x, amax, q, scale, n, QMAX=quant.FP8_MAX, EPS=quant.SCALE_EPS, BLOCK=BLOCK, num_warps=WARPS)
-    return q, scale
+    scale = quant.scale_from_amax(amax, quant.FP8_MAX)  # the reference's ops: the same bits (see there)
+    q = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+    cast_kernel[grid](x, scale, q, n, QMAX=quant.FP8_MAX, BLOCK=BLOCK, num_warps=WARPS)
+    return q, scale.view(1, 1)
