@@ -21,8 +21,9 @@ def absmax_scale(x: torch.Tensor, qmax: float, dim: int | None) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    """The scale of an absolute maximum, by these torch ops wherever a kernel must give the same bits: CUDA's
-    division by a Python scalar multiplies by its fp32 reciprocal, which is not always the rounded quotient."""
+    """The scale of an absolute maximum, by these torch ops wherever a kernel must give the same bits: a kernel's
+    correctly rounded quotient differed from torch's CUDA division by a Python scalar (BENCHMARKS.md, "Forty-seventh
+    session")."""
     return (amax.float() / qmax).clamp_min(SCALE_EPS)
 
 

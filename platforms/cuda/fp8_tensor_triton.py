@@ -5,8 +5,8 @@ the clamp and the cast as separate passes, mostly over fp32 copies: the image st
 way on an H100, as long as FA3's fp8 kernel itself (0.76 ms), which made ``attention.fp8`` slower than bf16
 (BENCHMARKS.md, "Forty-seventh session"). Here one pass reduces ``|x|`` to its maximum (one fp32 atomic max per
 program into a zeroed cell), the scale is made from it by ``omni.quant.scale_from_amax`` (two one-element
-torch ops, so its bits are the reference's: CUDA's division by a Python scalar is a multiplication by the
-reciprocal, which a correctly rounded division in the kernel missed by one ulp), and one pass divides by the
+torch ops, so its bits are the reference's: a correctly rounded division in the kernel gave other scales than
+torch's CUDA division by a Python scalar on an H100, most likely a multiplication by the reciprocal), and one pass divides by the
 scale and casts. ``x / scale`` is correctly rounded (``div_rn``, as torch's tensor division), clamped to +-448
 and rounded to the nearest e4m3 (ties to even): the bits equal the reference's
 (tests/gpu/test_gpu_fp8_tensor_quant.py). Capturable: the zeroed cell comes from the caller's allocator
