@@ -3,10 +3,11 @@
 Why: ``omni.quant.quantize_fp8(per_row=False)`` runs the absolute value, the max, an fp32 copy, the division,
 the clamp and the cast as separate passes, mostly over fp32 copies: the image step's q, k and v took 0.70 ms that
 way on an H100, as long as FA3's fp8 kernel itself (0.76 ms), which made ``attention.fp8`` slower than bf16
-(BENCHMARKS.md, "Forty-seventh session"). Here one pass reduces ``|x|`` to its maximum (one fp32 atomic max per
-program into a zeroed cell), the scale is made from it by ``omni.quant.scale_from_amax`` (two one-element
-torch ops, so its bits are the reference's: a correctly rounded division in the kernel gave other scales than
-torch's CUDA division by a Python scalar on an H100, most likely a multiplication by the reciprocal), and one pass divides by the
+(BENCHMARKS.md, "Forty-seventh session").
+
+Here one pass reduces ``|x|`` to its maximum (one fp32 atomic max per program into a zeroed cell), the scale is
+made from it by ``omni.quant.scale_from_amax`` (two one-element torch ops: a correctly rounded division in the
+kernel gave other scales than torch's CUDA division by a Python scalar on an H100), and one pass divides by the
 scale and casts. ``x / scale`` is correctly rounded (``div_rn``, as torch's tensor division), clamped to +-448
 and rounded to the nearest e4m3 (ties to even): the bits equal the reference's
 (tests/gpu/test_gpu_fp8_tensor_quant.py). Capturable: the zeroed cell comes from the caller's allocator
@@ -46,7 +47,8 @@ def quantize_fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     x = x.contiguous()
     n = x.numel()
     if n == 0:
-        return torch.empty_like(x, dtype=torch.float8_e4m3fn), x.new_full((1, 1), quant.SCALE_EPS, dtype=torch.float32)
+        empty_scale = x.new_full((1, 1), quant.SCALE_EPS, dtype=torch.float32)
+        return torch.empty_like(x, dtype=torch.float8_e4m3fn), empty_scale
     amax = torch.zeros(1, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, BLOCK),)
     absmax_kernel[grid](x, amax, n, BLOCK=BLOCK, num_warps=WARPS)
