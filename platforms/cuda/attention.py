@@ -123,7 +123,7 @@ def fa3_pack_gqa(max_seqlen_q: int, group: int, block_m: int) -> bool:
 
     Why: FA3 packs every varlen call (it knows only the maximum length), and packing costs time where one head's
     rows already fill their tiles: the image step's 2 x 4097 queries (32/8 heads of 128) ran 0.987 ms packed and
-    0.821 ms unpacked on an H200, the captured step 1.0095x faster (BENCHMARKS.md, "Forty-seventh session"). Its
+    0.821 ms unpacked on an H200, the captured step 1.010x faster (BENCHMARKS.md, "Forty-seventh session"). Its
     fixed-length rule (``should_pack_gqa``) packs only where one head's last tile would be much emptier than the
     packed rows' last tile: decode (1 query) and short prompts still pack, the image step does not.
     """
