@@ -78,4 +78,4 @@ class BuildOptions:
         return AttentionSpec(num_heads=N, num_kv_heads=K, head_dim=H, dtype=self.dtype, mask=mask,
                              paged=self.paged_kv, page_size=self.page_size, backend=self.attn_backend,
                              capturable=self.capturable and mask == "none",  # only the denoising step is captured
-                             fp8=self.attn_fp8 and mask != "dense")
+                             fp8=self.attn_fp8 and mask != "dense", memory_bound=self.memory_bound)

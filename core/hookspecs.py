@@ -261,6 +261,11 @@ def omni_attention_impl(spec: AttentionSpec, reject: Reject) -> AttentionImpl | 
     slots past a sequence's last page hold 0 and must not be read.
     ``spec.backend`` other than ``auto`` is a demand: a plugin that is not that
     backend rejects (the reference answers only ``auto`` and ``sdpa``).
+    ``spec.fp8`` (``attention.fp8``): q, k and v are quantized to e4m3 with one
+    dynamic scale each (``omni.quant.quantize_fp8`` per tensor) for both
+    products; the output stays in ``dtype``. ``spec.memory_bound``
+    (``kernels.memory_bound``) says how that quantization runs, as for
+    ``omni_linear_impl``; a platform with one way of quantizing ignores it.
 
     Host lengths: an object may set ``reads_host_lengths = False`` when it
     reads sequence lengths only from the device tensors of ``VarlenMeta``
@@ -277,7 +282,7 @@ def omni_attention_impl(spec: AttentionSpec, reject: Reject) -> AttentionImpl | 
 
     Default implementation: per-sequence ``F.scaled_dot_product_attention``
     in BNSD with explicit masks (the oracle of the conformance suite).
-    Versions: 0.1.
+    Versions: 0.2 (``memory_bound``); 0.1.
     """
 
 

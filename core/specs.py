@@ -86,8 +86,10 @@ class AttentionSpec:
     # Q, K and V quantized to e4m3 for the two products (``omni.quant.quantize_fp8`` per tensor, dynamic:
     # one scale each for the queries, the keys and the values of the call); output in ``dtype``.
     fp8: bool = False
+    memory_bound: str = "auto"  # one of MEMORY_BOUND: how an ``fp8`` spec's q, k and v are quantized
 
     def __post_init__(self) -> None:
+        _check_memory_bound("AttentionSpec", self.memory_bound)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.mask not in ("none", "causal", "dense"):

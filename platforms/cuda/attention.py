@@ -36,8 +36,7 @@ from omni.platforms.common.attention import first_fit, lengths, softmax_scale
 from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
-from .capabilities import Caps, Fa3, load_fa3, log_once
-from .moe import triton_found
+from .capabilities import Caps, Fa3, load_fa3, log_once, triton_found
 
 HALF = (torch.float16, torch.bfloat16)
 BACKENDS = ("fa3", "varlen", "sdpa", "flex")
@@ -72,8 +71,9 @@ class Fa3Attention:
         self.quantize = quantize or fp8_per_tensor  # e4m3 per tensor: ``fp8_quantizer``'s choice at build time
         self.run = self._op if fa3.fwd is not None else self._wrapped  # chosen once, not per call
         self.group, self.block_m = spec.num_heads // spec.num_kv_heads, fa3_block_m(spec.head_dim)
-        self.wrapper_packs = fa3.fwd is not None or _takes(getattr(fa3.module, "flash_attn_varlen_func", None),
-                                                           "pack_gqa")
+        # the wrapper route passes ``pack_gqa`` where the wrapper takes it (older builds' do not)
+        self.wrapper_packs = fa3.fwd is None and _takes(getattr(fa3.module, "flash_attn_varlen_func", None),
+                                                        "pack_gqa")
 
     def __call__(self, q_TNH, k, v, meta: VarlenMeta) -> torch.Tensor:
         if not self.fp8:
@@ -147,13 +147,17 @@ def fp8_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reshape(1, 1)
 
 
-def fp8_quantizer(spec: AttentionSpec):
-    """``attention.fp8``'s per-tensor quantization: two Triton passes where Triton imports (same bits, a fraction
-    of the time: ``fp8_tensor_triton``), else ``fp8_per_tensor``'s torch ops. None for bf16 specs."""
+def fp8_quantizer(spec: AttentionSpec, reject):
+    """``attention.fp8``'s per-tensor quantization, chosen by ``spec.memory_bound`` as the MoE's and the linears'
+    memory-bound kernels are (``memory_kernels``): two Triton passes (``fp8_tensor_triton``, the reference's bits)
+    for ``auto`` where Triton imports and for ``triton``, else ``fp8_per_tensor``'s torch ops. None for bf16 specs,
+    and after ``reject`` where ``triton`` is demanded and Triton does not import."""
     if not spec.fp8:
         return None
-    if not triton_found():
+    if spec.memory_bound == "torch" or (spec.memory_bound == "auto" and not triton_found()):
         return fp8_per_tensor
+    if not triton_found():
+        return reject("fa3: kernels.memory_bound=triton, but triton does not import here (the fp8 quantization)")
     from .fp8_tensor_triton import quantize_fp8_per_tensor
 
     return quantize_fp8_per_tensor
@@ -184,7 +188,10 @@ def _fa3_build_fits(spec: AttentionSpec, fa3: Fa3, reject):
     if spec.fp8 and (spec.paged or not fa3.fp8):
         why = "paged KV (gathered keys only)" if spec.paged else f"{fa3.name} was built without fp8 kernels"
         return reject(f"fa3: attention.fp8 is not served with {why}")
-    return Fa3Attention(spec, fa3, fp8_quantizer(spec))
+    quantize = fp8_quantizer(spec, reject)
+    if spec.fp8 and quantize is None:
+        return None
+    return Fa3Attention(spec, fa3, quantize)
 
 
 # ----------------------------------------------------------------- torch varlen_attn

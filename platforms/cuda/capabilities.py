@@ -144,6 +144,11 @@ FA3_FWD_KEYWORDS = frozenset({
     "q_descale", "k_descale", "v_descale", "softmax_scale", "is_causal", "num_splits", "pack_gqa"})
 
 
+def triton_found() -> bool:
+    """Whether Triton imports here (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def fa3_raw_fwd(module) -> object:
     """The ``torch.ops`` overload behind ``module``'s wrappers when its schema takes ``FA3_FWD_KEYWORDS``.
 

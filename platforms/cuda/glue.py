@@ -25,8 +25,8 @@ from omni.kv_pool import store_gather_kv
 from omni.reference_glue import ReferenceGlue
 from omni.specs import GlueSpec, RowQuantized
 
-from .capabilities import Caps
-from .moe import memory_kernels, triton_found
+from .capabilities import Caps, triton_found
+from .moe import memory_kernels
 from .triton_compile import compile_only
 
 

@@ -40,7 +40,6 @@ rounded to bf16 before the e4m3 quantization (docs/quality.md).
 """
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 
@@ -48,7 +47,7 @@ from omni import quant
 from omni.moe import add_terms, sort_by_expert, swiglu as torch_swiglu, weighted_sum
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
-from .capabilities import Caps
+from .capabilities import Caps, triton_found
 from .cutlass_grouped import BySize
 from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8_grouped_choice, grouped_swiglu_kernel
 from .padded_route import torch_route_padded
@@ -109,10 +108,6 @@ def joined(addends) -> tuple:
     """The combine's addends: a tuple, or what the callable (``omni_moe_impl``'s side-stream join) returns, called
     here, right before the combine, so the shared expert's stream overlaps the routed GEMMs."""
     return addends() if callable(addends) else addends
-
-
-def triton_found() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def memory_kernels(choice: str, reject, pdl_rows: int = 0, sm: tuple[int, int] = (0, 0)):

@@ -17,7 +17,7 @@ from omni.platforms.common.graphs import GraphApi
 from omni.platforms.common.plugin import DevicePlatform
 
 from . import attention, capabilities, gemm, glue, moe
-from .moe import triton_found
+from .capabilities import triton_found
 from .triton_compile import compiling, keep_binaries_with_ours
 
 

@@ -200,13 +200,40 @@ print("custom op route:", "torch._dynamo" in sys.modules)
     assert out.stdout.split("\n")[:2] == ["op route: False", "custom op route: True"], out.stdout
 
 
-def test_fp8_quantization_is_chosen_at_build_time(monkeypatch):
-    """Two Triton passes where Triton imports (their bits against torch's: tests/gpu/test_gpu_fp8_tensor_quant.py),
-    torch's ops where it does not; bf16 specs quantize nothing."""
-    spec = attention_spec("bf16", 128, 4, "none", 0, backend="fa3")
-    fp8_spec = dataclasses.replace(spec, fp8=True)
-    assert attention.fp8_quantizer(spec) is None
+@pytest.mark.parametrize("memory_bound,found,chosen", [
+    ("auto", True, "triton"), ("auto", False, "torch"), ("torch", True, "torch"), ("triton", True, "triton"),
+    ("triton", False, "refused")])
+def test_fp8_quantization_follows_kernels_memory_bound(monkeypatch, memory_bound, found, chosen):
+    """As the MoE's and the linears' memory-bound kernels: two Triton passes for ``auto`` where Triton imports and
+    for ``triton`` (their bits against torch's: tests/gpu/test_gpu_fp8_tensor_quant.py), torch's ops for ``torch``
+    or where Triton is missing; ``triton`` demanded without Triton is refused, naming the setting."""
+    if chosen == "triton":
+        pytest.importorskip("triton")  # the Triton passes' module imports it (the GPU test runs this choice)
+    spec = dataclasses.replace(attention_spec("bf16", 128, 4, "none", 0, backend="fa3"), memory_bound=memory_bound)
+    reasons = []
+    assert attention.fp8_quantizer(spec, reasons.append) is None and not reasons  # bf16 specs quantize nothing
+    monkeypatch.setattr(attention, "triton_found", lambda: found)
+    got = attention.fp8_quantizer(dataclasses.replace(spec, fp8=True), reasons.append)
+    if chosen == "refused":
+        assert got is None and "kernels.memory_bound=triton" in reasons[0]
+    elif chosen == "torch":
+        assert got is attention.fp8_per_tensor and not reasons
+    else:
+        assert got.__name__ == "quantize_fp8_per_tensor" and got.__module__.endswith("fp8_tensor_triton")
+
+
+def test_a_refused_fp8_quantization_refuses_the_spec(monkeypatch):
     monkeypatch.setattr(attention, "triton_found", lambda: False)
-    assert attention.fp8_quantizer(fp8_spec) is attention.fp8_per_tensor
-    impl = attention.Fa3Attention(fp8_spec, Fa3(Wrappers(True), "fa3_fwd_interface"), attention.fp8_quantizer(fp8_spec))
-    assert impl.quantize is attention.fp8_per_tensor
+    spec = attention_spec("bf16", 128, 4, "none", 0, backend="fa3")
+    fp8_spec = dataclasses.replace(spec, fp8=True, memory_bound="triton")
+    reasons = []
+    assert attention._fa3_build_fits(fp8_spec, Fa3(Wrappers(True), "fa3_fwd_interface"), reasons.append) is None
+    assert "kernels.memory_bound=triton" in reasons[0]
+    built = attention._fa3_build_fits(dataclasses.replace(fp8_spec, memory_bound="auto"),
+                                      Fa3(Wrappers(True), "fa3_fwd_interface"), reasons.append)
+    assert built.quantize is attention.fp8_per_tensor
+
+
+def test_attention_specs_refuse_an_unknown_memory_bound_naming_the_field():
+    with pytest.raises(ValueError, match="AttentionSpec.memory_bound"):
+        dataclasses.replace(attention_spec("bf16", 128, 4, "none", 0), memory_bound="cuda")
