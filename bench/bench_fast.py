@@ -288,6 +288,10 @@ def summarize(a, out):
             ratios = [e8["step_32_s"] / t for t in rounds["step_32_layers_s"]]
             lines.append(f"engine fp8 / floor fp8 over {len(ratios)} rounds of the floor alone = "
                          f"{min(ratios):.3f}-{max(ratios):.3f}x (median {statistics.median(ratios):.3f}x)")
+        cap = fl["fp8"].get("captured_alone")
+        if cap:
+            lines.append(f"engine fp8 / floor fp8 captured alone = {e8['step_32_s'] / cap['step_32_layers_s']:.3f}x "
+                         f"(each kernel in a graph of its own: {cap['step_32_layers_s']*1e3:.1f} ms a step)")
         sus = fl["fp8"].get("sustained")
         if sus:
             lines.append(f"engine fp8 / sustained floor fp8 = {e8['step_32_s'] / sus['step_32_layers_s']:.2f}x "

@@ -51,6 +51,7 @@ def floor(a, s: Setup, out, platform):
         if kept and a.floor_rounds > 1:
             res[prec]["alone_rounds"] = alone_rounds(kept, times, a.floor_rounds)
         if kept and torch.cuda.is_available():
+            res[prec]["captured_alone"] = captured_alone(kept)
             res[prec]["sustained"] = sustained_floor(kept, a.timed)
             kept.clear()
     _rates(res, s)
@@ -198,6 +199,21 @@ def alone_rounds(kernels: dict, first: dict, rounds: int) -> dict:
           f"{sum(medians.values())*1e3:.2f} ms", flush=True)
     return {"per_layer_s": totals, "step_32_layers_s": [t * RELEASED_LAYERS for t in totals],
             "kernels_median_s": medians, "per_layer_of_medians_s": sum(medians.values())}
+
+
+def captured_alone(kernels: dict, chain: int = 8) -> dict:
+    """Each fp8 kernel alone again, ``chain`` calls captured into one graph (as a captured step launches them):
+    what the eager timing above adds per call (launch work on the host, an op's own small kernels) shows as the
+    difference. A diagnostic beside the floor, which stays the eager first pass."""
+    times = {}
+    for name, fn in kernels.items():
+        graph = captured(fn, chain)
+        times[name] = median_seconds(graph.replay, 10) / chain
+        del graph  # its pool's outputs go before the next kernel's graph
+    total = sum(times.values())
+    print(f"[floor captured alone] per layer {total*1e3:.2f} ms: " +
+          ", ".join(f"{n} {t*1e3:.2f}" for n, t in times.items()), flush=True)
+    return {"per_layer_s": total, "kernels_s": times, "step_32_layers_s": total * RELEASED_LAYERS}
 
 
 def sustained_floor(kernels: dict, steps: int) -> dict:
