@@ -2,10 +2,10 @@
 
 In every bench_fast run with a profile since the eighth session (30 raw files in bench/results/), the floor's
 attention call, timed alone and eagerly (``fast_floor._attention_kernel``: random q, k, v over the step's varlen
-tables), read 0.05-0.18 ms a layer above the same FA3 kernel in the captured step's profile (H200, forty-seventh
-session: 1.053 against 0.877 ms). That is up to 5.6 ms of a 32-layer step, enough to move the engine's ratio to
-the floor across the issue's 1.15x line (BENCHMARKS.md, "Forty-eighth session"). This probe separates the causes
-on one model layer (the released widths, random weights, 1024x1024 with CFG):
+tables), read 0.05-0.22 ms a layer (1.04-1.23x) above the same FA3 kernel in the captured step's profile
+(H200, forty-seventh session: 1.053 against 0.877 ms). That is up to 7 ms of a 32-layer step, enough to move the
+engine's ratio to the floor across the issue's 1.15x line (BENCHMARKS.md, "Forty-eighth session"). This probe
+separates the causes on one model layer (the released widths, random weights, 1024x1024 with CFG):
 
 - ``floor_call``: the floor's own call;
 - ``engine_inputs``: the q, k, v and varlen tables the engine's layer 0 passed in an eager step (recorded);
