@@ -16,8 +16,8 @@ Each is timed eagerly as the floor times it (``median_seconds``, events back to 
 each call (``cuda_event_median``), and as 8 calls captured in a graph (``chained_seconds``); a profile gives the
 kernels' own device time. Eager against graph isolates launch work; inputs against inputs isolates data.
 First answer (an H100, forty-eighth session): neither. All four calls took 0.928-0.930 ms in graphs and the
-floor's call 0.818 ms eagerly like the engine's inputs (0.817): the floor's slower figure is the card's clock
-when bench_fast times it.
+floor's call 0.818 ms eagerly like the engine's inputs (0.817): the floor's slower figure is most likely the
+card's clock when bench_fast times it (inferred; no clock was read).
 
     python3 bench/probe_floor_attention.py --json out.json      # a CUDA device; a dry run on the CPU otherwise
 """
