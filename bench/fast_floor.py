@@ -156,17 +156,22 @@ def _deepgemm_grouped(moe, x, w, offs, res: dict):
     return lambda: moe.gemm(xq, xs, pw, expert_M)
 
 
-def _attention_kernel(s: Setup, g):
-    """The layer's attention over both CFG rows' keys (the engine's kernel and its varlen tables)."""
+def attention_operands(s: Setup, g) -> tuple:
+    """Random q, k, v of the step's attention over both CFG rows' keys, and the engine's varlen tables."""
     cfg, dev, T = s.cfg, s.device, s.rows * s.n_block
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    attn = s.model.model.layers[0].self_attn.attn["none"]
     meta = _meta(s.runs, False, dev)
     S = meta.cu_seqlens_k_host[-1]
     q = torch.randn(T, N, H, device=dev, generator=g, dtype=torch.bfloat16)
     kk = torch.randn(S, K, H, device=dev, generator=g, dtype=torch.bfloat16)
     vv = torch.randn(S, K, H, device=dev, generator=g, dtype=torch.bfloat16)
-    return lambda: attn(q, kk, vv, meta)
+    return q, kk, vv, meta
+
+
+def _attention_kernel(s: Setup, g):
+    """The layer's attention (the engine's kernel) on ``attention_operands``."""
+    attn, operands = s.model.model.layers[0].self_attn.attn["none"], attention_operands(s, g)
+    return lambda: attn(*operands)
 
 
 def _rates(res: dict, s: Setup) -> None:

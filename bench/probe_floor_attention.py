@@ -1,8 +1,8 @@
 """Why bench_fast's floor times the step's attention slower than the captured step runs it.
 
 In every bench_fast run with a profile since the eighth session (30 raw files in bench/results/), the floor's
-attention call, timed alone and eagerly (``fast_floor._attention_kernel``: random q, k, v over the step's varlen
-tables), read 0.05-0.22 ms a layer (1.04-1.23x) above the same FA3 kernel in the captured step's profile
+attention call, timed alone and eagerly (on ``fast_floor.attention_operands``: random q, k, v over the step's
+varlen tables), read 0.05-0.22 ms a layer (1.04-1.23x) above the same FA3 kernel in the captured step's profile
 (H200, forty-seventh session: 1.053 against 0.877 ms). That is up to 7 ms of a 32-layer step, enough to move the
 engine's ratio to the floor across the issue's 1.15x line (BENCHMARKS.md, "Forty-eighth session"). This probe
 separates the causes on one model layer (the released widths, random weights, 1024x1024 with CFG):
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import chained_seconds, cuda_event_median, median_seconds  # noqa: E402
 from bench_fast import parse as bench_fast_args  # noqa: E402
-from fast_floor import _attention_kernel  # noqa: E402
+from fast_floor import attention_operands  # noqa: E402
 from fast_setup import Setup  # noqa: E402
 
 from omni.platform_manager import select  # noqa: E402
@@ -95,10 +95,10 @@ def main(argv=None):
     s = Setup(fast, select(fast.platform), "fp8_row", "cuda" if cuda else "cpu")
     s.prefill()
     impl, (q, k, v, meta) = engine_call(s)
-    floor_fn = _attention_kernel(s, torch.Generator(device=s.device).manual_seed(1))
-    floor_meta = next(c.cell_contents for c in floor_fn.__closure__ if type(c.cell_contents).__name__ == "VarlenMeta")
+    floor = attention_operands(s, torch.Generator(device=s.device).manual_seed(1))  # the floor's own operands
+    floor_meta = floor[3]
     qr, kr, vr = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
-    fns = {"floor_call": floor_fn, "engine_inputs": lambda: impl(q, k, v, meta),
+    fns = {"floor_call": lambda: impl(*floor), "engine_inputs": lambda: impl(q, k, v, meta),
            "engine_meta_randn": lambda: impl(qr, kr, vr, meta),
            "floor_meta_engine_inputs": lambda: impl(q, k, v, floor_meta)}
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "impl": impl.name,

@@ -131,8 +131,9 @@ class Kernels(_Validated):
     """Kernel choices of the platform (a demand the platform cannot meet is refused with a reason)."""
 
     memory_bound: str = _opt("auto", "memory-bound steps around the GEMMs (fp8 activation quantization, MoE gather, "
-                                     "SwiGLU, combine, attention.fp8's q/k/v quantization): auto (Triton where the platform has it, else torch ops); "
-                                     "triton (demand it: refused where absent); torch (plain torch ops)",
+                                     "SwiGLU, combine, attention.fp8's q/k/v quantization): auto (Triton where the "
+                                     "platform has it, else torch ops); triton (demand it: refused where absent); "
+                                     "torch (plain torch ops)",
                              choices=MEMORY_BOUND)
     fp8_fast_accum: bool = _opt(False, "fp8 GEMMs may accumulate in the tensor cores without promoting partial sums "
                                        "to fp32 (Hopper fast accumulation): faster, less exact; platforms without "

@@ -36,7 +36,7 @@ from omni.platforms.common.attention import first_fit, lengths, softmax_scale
 from omni.platforms.common.sdpa import SdpaAttention
 from omni.specs import AttentionSpec, VarlenMeta
 
-from .capabilities import Caps, Fa3, load_fa3, log_once, triton_found
+from .capabilities import Caps, Fa3, load_fa3, log_once, runs_triton, triton_found
 
 HALF = (torch.float16, torch.bfloat16)
 BACKENDS = ("fa3", "varlen", "sdpa", "flex")
@@ -154,10 +154,10 @@ def fp8_quantizer(spec: AttentionSpec, reject):
     and after ``reject`` where ``triton`` is demanded and Triton does not import."""
     if not spec.fp8:
         return None
-    if spec.memory_bound == "torch" or (spec.memory_bound == "auto" and not triton_found()):
-        return fp8_per_tensor
-    if not triton_found():
-        return reject("fa3: kernels.memory_bound=triton, but triton does not import here (the fp8 quantization)")
+    use = runs_triton(spec.memory_bound, triton_found(), reject,
+                      "fa3: kernels.memory_bound=triton, but triton does not import here (the fp8 quantization)")
+    if not use:
+        return None if use is None else fp8_per_tensor
     from .fp8_tensor_triton import quantize_fp8_per_tensor
 
     return quantize_fp8_per_tensor

@@ -149,6 +149,14 @@ def triton_found() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def runs_triton(memory_bound: str, found: bool, reject, refusal: str) -> bool | None:
+    """Whether ``kernels.memory_bound`` runs the Triton kernels, Triton importing here or not (``found``):
+    ``auto`` where found, ``torch`` never, ``triton`` where found, else None after ``reject(refusal)``."""
+    if memory_bound == "torch" or (memory_bound == "auto" and not found):
+        return False
+    return True if found else reject(refusal)
+
+
 def fa3_raw_fwd(module) -> object:
     """The ``torch.ops`` overload behind ``module``'s wrappers when its schema takes ``FA3_FWD_KEYWORDS``.
 

@@ -40,14 +40,13 @@ rounded to bf16 before the e4m3 quantization (docs/quality.md).
 """
 from __future__ import annotations
 
-
 import torch
 
 from omni import quant
 from omni.moe import add_terms, sort_by_expert, swiglu as torch_swiglu, weighted_sum
 from omni.specs import GroupedGemmSpec, MoESpec, PreparedMoE, PreparedWeight, RowQuantized
 
-from .capabilities import Caps, triton_found
+from .capabilities import Caps, runs_triton, triton_found
 from .cutlass_grouped import BySize
 from .gemm import LATER, GroupedMM, ScaledGroupedMM, _later, fast_accum_tag, fp8_grouped_choice, grouped_swiglu_kernel
 from .padded_route import torch_route_padded
@@ -113,11 +112,10 @@ def joined(addends) -> tuple:
 def memory_kernels(choice: str, reject, pdl_rows: int = 0, sm: tuple[int, int] = (0, 0)):
     """The memory-bound kernels ``spec.memory_bound`` asks for; None after ``reject`` when a demand cannot be met.
     The Triton kernels launch calls of at most ``pdl_rows`` rows with PDL where device ``sm`` has it (``pdl``)."""
-    if choice == "torch" or (choice == "auto" and not triton_found()):
-        return TorchKernels()
-    if not triton_found():
-        return reject("cuda: kernels.memory_bound=triton, but triton does not import here "
-                      "(install it, or set kernels.memory_bound: auto | torch)")
+    use = runs_triton(choice, triton_found(), reject, "cuda: kernels.memory_bound=triton, but triton does not "
+                      "import here (install it, or set kernels.memory_bound: auto | torch)")
+    if not use:
+        return None if use is None else TorchKernels()
     from .moe_triton import TritonKernels  # imports triton: only once it is known to be there
     from .pdl import Pdl
 
